@@ -1,0 +1,192 @@
+"""Capacity emulator for the Orchid teaching fixture (Triton Python backend).
+
+This is NOT a model. On a CPU-only development machine it stands in for an
+accelerator replica: each Triton model instance is one "device", and executing
+a batch *holds that instance* for the time the seed's cost model gives, so the
+gateway meets real queueing, real backpressure and real Triton statistics.
+Outputs are deterministic functions of the inputs so tests can compare tensors
+returned through the gateway with tensors returned by Triton directly.
+
+Cost model (per batch, milliseconds, before the time factor):
+
+    fixed_ms + prefill_ms_per_token * (batch_size * longest_input)   # padded prefill
+             + decode_ms_per_token * longest_output                  # decode steps run in lockstep
+
+A batch of one reproduces the seed's per-request figures. Prefill is charged on
+the *padded* shape (compute-bound), decode once per step for the whole batch
+(memory-bound), which is why mixing a 4,096-token input with 256-token inputs
+is expensive and batching equal short shapes is cheap.
+
+Environment:
+    ORCHID_TIME_FACTOR   multiplies every sleep (tests use ~0.05; default 1.0)
+
+Cancellation: decode runs in steps; between steps the emulator checks
+`request.is_cancelled()` and stops decoding a cancelled request, which frees
+the instance early exactly as a real server frees a slot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
+
+VOCAB = 32_000
+# Sleep granularity while decoding: short enough to notice a cancel promptly,
+# long enough that the stub is not busy-looping.
+_STEP_SLICE_S = 0.002
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    fixed_ms: float
+    prefill_ms_per_token: float
+    decode_ms_per_token: float
+    default_max_output_tokens: int
+
+    @classmethod
+    def from_model_config(cls, config: dict) -> "CostProfile":
+        params = config.get("parameters", {})
+
+        def value(key: str) -> str:
+            try:
+                return str(params[key]["string_value"])
+            except KeyError as exc:
+                raise pb_utils.TritonModelException(f"model config parameter {key!r} is required") from exc
+
+        return cls(
+            fixed_ms=float(value("fixed_ms")),
+            prefill_ms_per_token=float(value("prefill_ms_per_token")),
+            decode_ms_per_token=float(value("decode_ms_per_token")),
+            default_max_output_tokens=int(value("default_max_output_tokens")),
+        )
+
+
+def output_tokens(input_ids: np.ndarray, count: int) -> np.ndarray:
+    """Deterministic 'generated' tokens derived from the input."""
+    seed = int(np.asarray(input_ids, dtype=np.int64).sum() % VOCAB)
+    steps = np.arange(count, dtype=np.int64)
+    return ((seed + 7919 * steps + 17) % VOCAB).astype(np.int32)
+
+
+def requested_output_tokens(request: object, default: int) -> int:
+    raw = request.parameters()  # type: ignore[attr-defined]
+    params = json.loads(raw) if raw else {}
+    value = params.get("max_output_tokens", default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"parameter max_output_tokens must be a positive integer, got {value!r}")
+    return value
+
+
+def time_factor() -> float:
+    raw = os.environ.get("ORCHID_TIME_FACTOR", "1.0")
+    factor = float(raw)
+    if factor < 0:
+        raise ValueError(f"ORCHID_TIME_FACTOR must be >= 0, got {raw!r}")
+    return factor
+
+
+class BatchEmulator:
+    """Non-decoupled model: one response per request, batch held for its cost."""
+
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        self.profile = CostProfile.from_model_config(config)
+        self.time_factor = time_factor()
+
+    def execute(self, requests: list) -> list:
+        p = self.profile
+        work = []
+        responses: list = [None] * len(requests)
+        for i, request in enumerate(requests):
+            try:
+                ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
+                n_out = requested_output_tokens(request, p.default_max_output_tokens)
+            except ValueError as exc:
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+                continue
+            work.append((i, request, ids, n_out))
+        if work:
+            longest_in = max(ids.shape[-1] for _, _, ids, _ in work)
+            prefill_ms = p.fixed_ms + p.prefill_ms_per_token * len(work) * longest_in
+            self._sleep(prefill_ms)
+            # Decode steps run in lockstep for the batch; a request leaves the
+            # batch when its tokens are done or its caller cancelled.
+            step_s = p.decode_ms_per_token * self.time_factor / 1000.0
+            start = time.monotonic()
+            ends = {i: start + n_out * step_s for i, _, _, n_out in work}
+            while ends:
+                now = time.monotonic()
+                for i, request, _, _ in work:
+                    if i in ends and (now >= ends[i] or request.is_cancelled()):
+                        del ends[i]
+                if ends:
+                    time.sleep(min(_STEP_SLICE_S, max(0.0, min(ends.values()) - now)))
+            for i, request, ids, n_out in work:
+                if request.is_cancelled():
+                    responses[i] = pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                    )
+                    continue
+                out = output_tokens(ids, n_out)
+                if ids.ndim == 2:  # batched model: [batch, tokens]
+                    out = np.tile(out, (ids.shape[0], 1))
+                responses[i] = pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("OUTPUT_IDS", out)]
+                )
+        return responses
+
+    def _sleep(self, ms: float) -> None:
+        self._sleep_s(ms * self.time_factor / 1000.0)
+
+    @staticmethod
+    def _sleep_s(seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+class StreamEmulator:
+    """Decoupled model: prefill, then one response per generated token."""
+
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        self.profile = CostProfile.from_model_config(config)
+        self.time_factor = time_factor()
+
+    def execute(self, requests: list) -> None:
+        p = self.profile
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
+                n_out = requested_output_tokens(request, p.default_max_output_tokens)
+            except ValueError as exc:
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+                continue
+            tokens = output_tokens(ids, n_out)
+            prefill_ms = p.fixed_ms + p.prefill_ms_per_token * ids.shape[-1]
+            time.sleep(prefill_ms * self.time_factor / 1000.0)
+            step_s = p.decode_ms_per_token * self.time_factor / 1000.0
+            start = time.monotonic()
+            for k, token in enumerate(tokens, start=1):
+                if request.is_cancelled():
+                    break
+                # Sleep to the token's due time (not a fixed sleep per token), so
+                # sub-millisecond steps at small time factors stay accurate overall.
+                delay = start + k * step_s - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                sender.send(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[pb_utils.Tensor("OUTPUT_IDS", np.array([token], dtype=np.int32))]
+                    )
+                )
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None

@@ -1,0 +1,163 @@
+"""The resource-and-outcome record: the one value every decision reads.
+
+A ``RequestRecord`` is built at the protocol edge from the caller's identity,
+the request's shape and the route's demand profile, *before* any execution.
+Policy (CEL), admission, quota, overload and routing read it; the decision log
+describes it; after execution an ``Outcome`` corrects it with observed work.
+
+Everything here is immutable and free of I/O and clocks: times are plain
+milliseconds handed in by the edge. Names follow the seed (``slack_ms``,
+``accelerator_ms``, ``live_token_ms``, ``privacy_cell``, ``ladder_step``).
+
+Slack, from the seed: ``S = D - E - R_up - R_exec - R_fail`` (minus predicted
+queue wait ahead of the request). The teaching request: 200 - 45 - 12 - 60 - 15
+= 68 ms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class Mode(StrEnum):
+    ONLINE = "online"
+    STREAMING = "streaming"
+    ASYNC = "async"
+    BATCH = "batch"
+
+
+class Verdict(StrEnum):
+    ADMIT = "admit"
+    FALLBACK = "fallback"
+    REJECT = "reject"
+
+
+class Approximation(StrEnum):
+    NONE = "none"
+    FALLBACK = "fallback"
+    REDUCED_OUTPUT = "reduced_output"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who asks for what. ``tenant`` comes from the credential, never from the request."""
+
+    request_id: str
+    tenant: str
+    request_class: str
+    model: str  # logical model name the caller used
+    model_version: str  # requested version, "" for the route's default
+    operation: str  # "ModelInfer" | "ModelStreamInfer"
+    mode: Mode
+    privacy_cell: str
+    risk_class: str = "standard"
+    allow_fallback: bool = True
+    operation_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    items: int
+    input_tokens: int
+    max_output_tokens: int
+    modality: str = "text"
+    streaming: bool = False
+    bucket: str = ""  # shape bucket name; part of the batching-compatibility key
+    input_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """Predicted demand of one execution on the chosen model version."""
+
+    prefill_ms: float
+    decode_ms: float
+    host_cpu_ms: float = 0.0
+    transfer_bytes: int = 0
+    peak_memory_bytes: int = 0
+    live_token_ms: float = 0.0
+    correction: float = 1.0  # factor the estimator applied from observed work
+
+    @property
+    def accelerator_ms(self) -> float:
+        return self.prefill_ms + self.decode_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """The deadline and the reserves that spend it, in milliseconds."""
+
+    deadline_ms: float  # D: end to end
+    elapsed_ms: float  # E: already spent when the gateway saw the request
+    reserve_upstream_ms: float  # R_up: unfinished upstream work
+    reserve_exec_ms: float  # R_exec: predicted execution and response
+    reserve_fail_ms: float  # R_fail: variance or one bounded recovery
+    queue_wait_ms: float = 0.0  # predicted wait behind work already queued
+
+    @property
+    def slack_ms(self) -> float:
+        return (
+            self.deadline_ms
+            - self.elapsed_ms
+            - self.reserve_upstream_ms
+            - self.reserve_exec_ms
+            - self.reserve_fail_ms
+            - self.queue_wait_ms
+        )
+
+    @property
+    def remaining_ms(self) -> float:
+        return self.deadline_ms - self.elapsed_ms
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    identity: Identity
+    shape: Shape
+    demand: Demand
+    budget: Budget
+    ladder_step: int = 0
+
+    def replace(self, **changes: Any) -> RequestRecord:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What admission decided for one record, and why."""
+
+    verdict: Verdict
+    target_model: str  # logical model that will execute (the fallback's, if routed there)
+    route_reason: str
+    approximation: Approximation = Approximation.NONE
+    rules: tuple[str, ...] = ()
+    shadow_rules: tuple[str, ...] = ()
+    policy_version: str = ""
+    max_output_tokens: int | None = None  # set when a rule reduced the output limit
+    max_dwell_ms: float = 0.0  # queue dwell cap for this request
+    status: str = ""  # gRPC status name of a rejection
+    message: str = ""  # caller-facing reason of a rejection
+    retry_after_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened: observed work, corrected charge, latency, failure state."""
+
+    admitted: bool
+    status: str  # "OK" or a gRPC status name
+    rule: str = ""
+    backend_model: str = ""
+    approximation: Approximation = Approximation.NONE
+    complete: bool = True
+    queue_ms: float = 0.0
+    first_result_ms: float = 0.0
+    completion_ms: float = 0.0
+    observed_accelerator_ms: float = 0.0
+    charged_accelerator_ms: float = 0.0
+    charged_live_token_ms: float = 0.0
+    output_tokens: int = 0
+    failure: str = ""
