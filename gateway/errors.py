@@ -90,3 +90,9 @@ class ConfigError(Exception):
         self.problem = problem
         where = f"{location}: {key}" if key else location
         super().__init__(f"{where}: {problem}")
+
+
+class DeadlineExpired(GatewayError):
+    """The deadline passed while the request was queued or executing (not decided at admission)."""
+
+    status = grpc.StatusCode.DEADLINE_EXCEEDED

@@ -38,7 +38,7 @@ import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 VOCAB = 32_000
 # Sleep granularity while decoding: short enough to notice a cancel promptly,
 # long enough that the stub is not busy-looping.
-_STEP_SLICE_S = 0.002
+_STEP_SLICE_S = 0.010
 
 
 @dataclass(frozen=True)

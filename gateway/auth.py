@@ -1,0 +1,53 @@
+"""Authentication: a bearer credential in, a tenant out.
+
+Identity comes only from the credential (``authorization: Bearer <api key>``
+metadata), never from a self-declared header. Keys are compared by their
+SHA-256 digest; the clear key is never stored or logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gateway.config import TenantConfig, TenantsFile, hash_api_key
+from gateway.errors import Unauthenticated
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    config: TenantConfig
+
+    def may_call(self, model: str) -> bool:
+        return model in self.config.models
+
+
+class TenantDirectory:
+    def __init__(self, tenants: TenantsFile) -> None:
+        self._by_digest = {
+            digest: Tenant(name, config) for name, config in tenants.tenants.items() for digest in config.key_sha256
+        }
+        self.tenants = {name: Tenant(name, config) for name, config in tenants.tenants.items()}
+
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Tenant:
+        header: str | None = None
+        for key, value in metadata:
+            if key == "authorization":
+                header = value.decode("latin-1") if isinstance(value, bytes) else value
+                break
+        if header is None:
+            raise Unauthenticated("missing credential: send metadata 'authorization: Bearer <api key>'")
+        scheme, _, credential = header.partition(" ")
+        if scheme.lower() != "bearer" or not credential.strip():
+            raise Unauthenticated("malformed credential: expected 'authorization: Bearer <api key>'")
+        digest = hash_api_key(credential.strip())
+        # Constant-time comparison against every digest: lookups must not time differently per tenant.
+        found: Tenant | None = None
+        for known, tenant in self._by_digest.items():
+            if hmac.compare_digest(known, digest):
+                found = tenant
+        if found is None:
+            raise Unauthenticated("unknown credential")
+        return found

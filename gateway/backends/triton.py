@@ -1,0 +1,207 @@
+"""Triton's gRPC API, from the gateway's side.
+
+``TritonBackend`` wraps one Triton endpoint: a ``grpc.aio`` channel, the KServe
+v2 stub from ``tritonclient.grpc`` (not a vendored copy), a cache of model
+metadata/config keyed by backend model, and a health view updated by a probe
+loop. Backend failures are translated to the domain error tree here and only
+here; messages never carry the backend's address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from gateway.errors import (
+    Cancelled,
+    DeadlineExpired,
+    GatewayError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+_PASS_THROUGH_MESSAGE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]  # -1 = variable; includes the batch dim for batched models
+    optional: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What the gateway needs from a backend model's metadata and config."""
+
+    name: str
+    versions: tuple[str, ...]
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[str, ...]
+    max_batch_size: int
+    decoupled: bool
+    instances: int  # instance count: each stands for one device in the emulator
+
+    def input(self, name: str) -> InputSpec | None:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        return None
+
+
+def translate_rpc_error(error: grpc.aio.AioRpcError, *, model: str, backend_model: str) -> GatewayError:
+    """One mapping from a backend failure to the domain tree, with a caller-safe message."""
+    code = error.code()
+    detail = (error.details() or "").replace(backend_model, model)
+    if code in _PASS_THROUGH_MESSAGE:
+        return InvalidArgument(f"model {model!r} rejected the request: {detail}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExpired(f"model {model!r} did not finish before the deadline")
+    if code == grpc.StatusCode.CANCELLED:
+        return Cancelled("request cancelled")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"model {model!r} is at capacity", retry_after_ms=100)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "queue" in detail.lower() or "exceeds maximum" in detail.lower():
+            return ResourceExhausted(f"model {model!r} is at capacity", retry_after_ms=100)
+        return Unavailable(f"no healthy backend for model {model!r}")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return Unavailable(f"model {model!r} is not loaded on its backend")
+    return Internal(f"backend error for model {model!r} ({code.name})")
+
+
+class TritonBackend:
+    """One Triton endpoint."""
+
+    def __init__(self, name: str, address: str, *, max_message_bytes: int) -> None:
+        self.name = name
+        self.address = address
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 10_000),
+        ]
+        self._channel = grpc.aio.insecure_channel(address, options=options)
+        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._specs: dict[str, ModelSpec] = {}
+        self._ready_models: dict[str, bool] = {}
+        self.healthy = False
+        self._probe_task: asyncio.Task[None] | None = None
+
+    # -------------------------------------------------------------- health
+
+    async def probe(self) -> bool:
+        try:
+            reply = await self.stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=1.0)
+            healthy = bool(reply.ready)
+        except grpc.aio.AioRpcError:
+            healthy = False
+        if healthy != self.healthy:
+            log.warning("backend %s is now %s", self.name, "healthy" if healthy else "UNHEALTHY")
+            # A restarted server may have different models/configs: forget what we cached.
+            self._specs.clear()
+            self._ready_models.clear()
+        self.healthy = healthy
+        return healthy
+
+    def start_probing(self, interval_s: float = 0.5) -> None:
+        async def loop() -> None:
+            while True:
+                await self.probe()
+                await asyncio.sleep(interval_s)
+
+        self._probe_task = asyncio.get_running_loop().create_task(loop(), name=f"probe-{self.name}")
+
+    async def close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+        await self._channel.close()
+
+    async def model_ready(self, model: str, version: str = "") -> bool:
+        try:
+            reply = await self.stub.ModelReady(
+                service_pb2.ModelReadyRequest(name=model, version=version), timeout=1.0
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        self._ready_models[model] = bool(reply.ready)
+        return bool(reply.ready)
+
+    # -------------------------------------------------------------- metadata
+
+    async def model_spec(self, model: str, *, logical: str) -> ModelSpec:
+        cached = self._specs.get(model)
+        if cached is not None:
+            return cached
+        try:
+            metadata = await self.stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=model), timeout=2.0)
+            config = await self.stub.ModelConfig(service_pb2.ModelConfigRequest(name=model), timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and "unavailable model" in (exc.details() or ""):
+                raise Unavailable(f"model {logical!r} is not ready on its backend") from exc
+            raise translate_rpc_error(exc, model=logical, backend_model=model) from exc
+        spec = spec_from(metadata, config.config)
+        self._specs[model] = spec
+        return spec
+
+    async def metadata(self, model: str, version: str) -> service_pb2.ModelMetadataResponse:
+        return await self.stub.ModelMetadata(
+            service_pb2.ModelMetadataRequest(name=model, version=version), timeout=2.0
+        )
+
+    async def config(self, model: str, version: str) -> service_pb2.ModelConfigResponse:
+        return await self.stub.ModelConfig(service_pb2.ModelConfigRequest(name=model, version=version), timeout=2.0)
+
+    async def statistics(self, model: str, version: str = "") -> service_pb2.ModelStatisticsResponse:
+        return await self.stub.ModelStatistics(
+            service_pb2.ModelStatisticsRequest(name=model, version=version), timeout=2.0
+        )
+
+    # -------------------------------------------------------------- inference
+
+    async def infer(
+        self, request: service_pb2.ModelInferRequest, *, timeout_s: float, logical: str
+    ) -> service_pb2.ModelInferResponse:
+        try:
+            return await self.stub.ModelInfer(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.healthy = False  # the probe loop will notice recovery
+            raise translate_rpc_error(exc, model=logical, backend_model=request.model_name) from exc
+
+    def stream(
+        self, requests: AsyncIterator[service_pb2.ModelInferRequest], *, timeout_s: float | None
+    ) -> grpc.aio.StreamStreamCall:
+        return self.stub.ModelStreamInfer(requests, timeout=timeout_s)
+
+
+def spec_from(
+    metadata: service_pb2.ModelMetadataResponse, config: model_config_pb2.ModelConfig
+) -> ModelSpec:
+    optional = {i.name for i in config.input if i.optional}
+    return ModelSpec(
+        name=metadata.name,
+        versions=tuple(metadata.versions),
+        inputs=tuple(
+            InputSpec(name=t.name, datatype=t.datatype, shape=tuple(int(d) for d in t.shape), optional=t.name in optional)
+            for t in metadata.inputs
+        ),
+        outputs=tuple(t.name for t in metadata.outputs),
+        max_batch_size=int(config.max_batch_size),
+        decoupled=bool(config.model_transaction_policy.decoupled),
+        instances=max(1, sum(int(group.count) for group in config.instance_group)),
+    )

@@ -1,0 +1,301 @@
+"""Gateway configuration: files in, validated immutable settings out.
+
+Owns the schema of ``gateway.yaml`` (listener, backends, local Triton, request
+classes, limits), the tenants file (hashed API keys, what each tenant may
+reach) and the route files under ``routes/`` (logical models, shape
+extraction, demand profiles, fallbacks, quality evidence). Loading is the only
+I/O here; every error becomes a ``ConfigError`` naming the file, the dotted
+key path and what is wrong, so ``serve`` can exit with a message an operator
+can act on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gateway.errors import ConfigError
+from gateway.profile import DemandProfile
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------- gateway.yaml
+
+
+class BackendConfig(_Strict):
+    """One Triton endpoint. ``devices`` is how many accelerators (or emulated instances) it has."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    address: str = Field(description="host:port of Triton's gRPC endpoint")
+    labels: dict[str, str]
+    devices: int = Field(ge=1)
+    max_inflight_per_device: int = Field(default=2, ge=1)
+
+    @field_validator("labels")
+    @classmethod
+    def _required_labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        missing = [k for k in ("cell", "device_group") if k not in labels]
+        if missing:
+            raise ValueError(f"labels must include {', '.join(missing)}")
+        return labels
+
+
+class LocalTritonConfig(_Strict):
+    """The embedded default: a supervised local Triton from the nvidia-pytriton wheel."""
+
+    model_repository: Path
+    grpc_port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
+    time_factor: float = Field(default=1.0, ge=0)
+    startup_timeout_s: float = Field(default=90.0, gt=0)
+    labels: dict[str, str] = Field(default_factory=lambda: {"cell": "eu-restricted", "device_group": "local"})
+    devices: int = Field(default=4, ge=1)
+    max_inflight_per_device: int = Field(default=2, ge=1)
+
+
+class RequestClassConfig(_Strict):
+    """Deadline reserves of a request class (the seed's R_up and R_fail; R_exec is predicted)."""
+
+    default_deadline_ms: float = Field(gt=0)
+    reserve_upstream_ms: float = Field(default=0.0, ge=0)
+    reserve_fail_ms: float = Field(default=0.0, ge=0)
+    max_dwell_ms: float = Field(default=20.0, ge=0)
+    max_deadline_ms: float = Field(default=600_000.0, gt=0, description="longer deadlines are refused")
+
+
+class LimitsConfig(_Strict):
+    max_message_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    drain_timeout_s: float = Field(default=10.0, ge=0)
+    max_queued_per_backend: int = Field(default=256, ge=1)
+
+
+class GatewayConfig(_Strict):
+    listen: str = "127.0.0.1:8001"
+    tenants_file: Path
+    routes_dir: Path
+    policies_dir: Path | None = None
+    backends: tuple[BackendConfig, ...] = ()
+    local_triton: LocalTritonConfig | None = None
+    classes: dict[str, RequestClassConfig]
+    default_class: str = "interactive"
+    limits: LimitsConfig = LimitsConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GatewayConfig:
+        if not self.backends and self.local_triton is None:
+            raise ValueError("configure at least one backend or local_triton")
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not one of classes")
+        names = [b.name for b in self.backends]
+        if len(names) != len(set(names)):
+            raise ValueError("backend names must be unique")
+        return self
+
+
+# --------------------------------------------------------------------------- tenants
+
+
+class TenantConfig(_Strict):
+    """What one tenant may reach. Keys are stored as SHA-256 hex digests, never in clear."""
+
+    key_sha256: tuple[str, ...] = Field(min_length=1)
+    models: tuple[str, ...]
+    classes: tuple[str, ...]
+    cells: tuple[str, ...] = Field(min_length=1)
+    default_cell: str | None = None
+    max_output_tokens: int = Field(default=4096, ge=1)
+    weight: float = Field(default=1.0, gt=0)
+    dedicated: bool = False
+    admin: bool = False
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex_digests(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        for key in keys:
+            if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+                raise ValueError("each key must be a lowercase SHA-256 hex digest (64 chars); see docs")
+        return keys
+
+    @property
+    def home_cell(self) -> str:
+        return self.default_cell or self.cells[0]
+
+
+class TenantsFile(_Strict):
+    tenants: dict[str, TenantConfig]
+
+    @model_validator(mode="after")
+    def _unique_keys(self) -> TenantsFile:
+        seen: dict[str, str] = {}
+        for name, tenant in self.tenants.items():
+            for key in tenant.key_sha256:
+                if key in seen:
+                    raise ValueError(f"tenants {seen[key]!r} and {name!r} share a key")
+                seen[key] = name
+        return self
+
+
+def hash_api_key(key: str) -> str:
+    """The digest stored in the tenants file. API keys are random and long, so a fast hash is
+    the right tool (as for GitHub tokens); use ``orchid-gateway``'s docs to mint one."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------- routes
+
+
+class ShapeSpec(_Strict):
+    """How a request's shape is read from its tensors and parameters (shape extraction as data)."""
+
+    tokens_input: str = Field(description="input tensor whose dims carry the tokens")
+    tokens_dim: int = Field(default=-1, description="which dim of that tensor counts tokens")
+    items_dim: int | None = Field(default=None, description="which dim counts items (batch); None = 1")
+    output_limit_parameter: str | None = Field(
+        default="max_output_tokens", description="backend request parameter that receives the output limit"
+    )
+    default_max_output_tokens: int = Field(default=64, ge=1)
+    max_input_tokens: int = Field(default=8192, ge=1)
+    max_output_tokens: int = Field(default=1024, ge=1)
+    max_items: int = Field(default=8, ge=1)
+    long_input_tokens: int = Field(default=1024, ge=1, description="bucket boundary: short vs long")
+
+
+class QualityEvidence(_Strict):
+    population: str
+    score: float = Field(ge=0, le=1)
+
+
+class RouteConfig(_Strict):
+    """A logical model clients call, mapped onto a backend model."""
+
+    backend_model: str
+    version: str = ""
+    profile: str
+    shape: ShapeSpec
+    streaming: bool = False
+    fallback: str | None = None
+    quality: QualityEvidence | None = None
+    quality_floor: float | None = Field(default=None, ge=0, le=1)
+    backends: tuple[str, ...] = Field(default=(), description="backend names serving it; empty = all")
+
+
+class RoutesFile(_Strict):
+    profiles: dict[str, DemandProfile] = {}
+    models: dict[str, RouteConfig] = {}
+
+
+class RouteTable(_Strict):
+    """All route files merged: logical model name -> route, profile name -> profile."""
+
+    profiles: dict[str, DemandProfile]
+    models: dict[str, RouteConfig]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(path), "", f"cannot read: {exc.strerror or exc}") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(where, "", f"YAML syntax: {exc.problem}") from exc
+
+
+def _validate(model: type[_M], data: Any, path: Path) -> _M:
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "", "expected a mapping at the top level")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ConfigError(str(path), _key_path(first["loc"]), first["msg"]) from exc
+
+
+def _resolve(base: Path, value: Path) -> Path:
+    return value if value.is_absolute() else (base / value).resolve()
+
+
+def load_gateway_config(path: Path) -> GatewayConfig:
+    data = _read_yaml(path)
+    config = _validate(GatewayConfig, data, path)
+    base = path.resolve().parent
+    local = config.local_triton
+    if local is not None:
+        local = local.model_copy(update={"model_repository": _resolve(base, local.model_repository)})
+    return config.model_copy(
+        update={
+            "tenants_file": _resolve(base, config.tenants_file),
+            "routes_dir": _resolve(base, config.routes_dir),
+            "policies_dir": _resolve(base, config.policies_dir) if config.policies_dir else None,
+            "local_triton": local,
+        }
+    )
+
+
+def load_tenants(path: Path) -> TenantsFile:
+    return _validate(TenantsFile, _read_yaml(path), path)
+
+
+def load_routes(directory: Path) -> RouteTable:
+    if not directory.is_dir():
+        raise ConfigError(str(directory), "", "routes directory does not exist")
+    profiles: dict[str, DemandProfile] = {}
+    models: dict[str, RouteConfig] = {}
+    files = sorted(directory.glob("*.yaml"))
+    if not files:
+        raise ConfigError(str(directory), "", "no *.yaml route files")
+    for file in files:
+        parsed = _validate(RoutesFile, _read_yaml(file), file)
+        for name, profile in parsed.profiles.items():
+            if name in profiles:
+                raise ConfigError(str(file), f"profiles.{name}", "profile declared twice")
+            profiles[name] = profile
+        for name, route in parsed.models.items():
+            if name in models:
+                raise ConfigError(str(file), f"models.{name}", "model declared twice")
+            models[name] = route
+    for name, route in models.items():
+        if route.profile not in profiles:
+            raise ConfigError(str(directory), f"models.{name}.profile", f"unknown profile {route.profile!r}")
+        if route.fallback is not None and route.fallback not in models:
+            raise ConfigError(str(directory), f"models.{name}.fallback", f"unknown model {route.fallback!r}")
+    return RouteTable(profiles=profiles, models=models)
+
+
+def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteTable) -> None:
+    """Cross-file checks: tenants name real models and classes; routes name real backends."""
+    backend_names = {b.name for b in config.backends} | ({"local"} if config.local_triton else set())
+    for name, tenant in tenants.tenants.items():
+        for model in tenant.models:
+            if model not in routes.models:
+                raise ConfigError(str(config.tenants_file), f"tenants.{name}.models", f"unknown model {model!r}")
+        for cls in tenant.classes:
+            if cls not in config.classes:
+                raise ConfigError(str(config.tenants_file), f"tenants.{name}.classes", f"unknown class {cls!r}")
+        if tenant.default_cell is not None and tenant.default_cell not in tenant.cells:
+            raise ConfigError(
+                str(config.tenants_file), f"tenants.{name}.default_cell", "must be one of the tenant's cells"
+            )
+    for name, route in routes.models.items():
+        for backend in route.backends:
+            if backend not in backend_names:
+                raise ConfigError(str(config.routes_dir), f"models.{name}.backends", f"unknown backend {backend!r}")
+

@@ -1,0 +1,512 @@
+"""The request path: authenticate, shape, estimate, decide, queue, dispatch, settle.
+
+``Gateway`` owns the runtime state the request path needs (tenants, routes,
+backends and their dispatch queues) and runs one request through the stages of
+ARCHITECTURE §3. Decisions are delegated to the pure core (``shape``,
+``estimate``, ``admission``); this module only sequences them and does the
+awaiting: on the dispatch queue and on the Triton backend. It knows nothing
+about gRPC servers: ``protocol`` adapts it to ``inference.GRPCInferenceService``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2
+
+from gateway import admission
+from gateway.auth import Tenant, TenantDirectory
+from gateway.backends.triton import ModelSpec, TritonBackend
+from gateway.config import GatewayConfig, RequestClassConfig, RouteConfig, RouteTable
+from gateway.errors import (
+    DeadlineExpired,
+    DeadlineInfeasible,
+    GatewayError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from gateway.estimate import predict
+from gateway.record import Budget, Decision, Identity, Mode, Outcome, RequestRecord, Verdict
+from gateway.scheduler import DispatchQueue
+from gateway.shape import extract_shape, payload_bytes, read_hints, validate_tensors
+
+log = logging.getLogger(__name__)
+
+_STATUS_ERRORS: dict[str, type[GatewayError]] = {
+    "DEADLINE_EXCEEDED": DeadlineInfeasible,
+    "PERMISSION_DENIED": PermissionDenied,
+    "INVALID_ARGUMENT": InvalidArgument,
+    "UNAVAILABLE": Unavailable,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What the protocol edge knows about a call."""
+
+    metadata: tuple[tuple[str, str | bytes], ...]
+    time_remaining_s: float | None  # the caller's gRPC deadline, None if it set none
+    received_at: float  # time.monotonic() when the call arrived
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that passed admission, bound to a pool, ready to dispatch."""
+
+    record: RequestRecord
+    decision: Decision
+    route: RouteConfig
+    backend: TritonBackend
+    queue: DispatchQueue
+    backend_request: service_pb2.ModelInferRequest
+    deadline_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    record: RequestRecord
+    decision: Decision
+    outcome: Outcome
+
+
+class Gateway:
+    """Runtime state and the request path. One per process."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        tenants: TenantDirectory,
+        routes: RouteTable,
+        backends: dict[str, tuple[TritonBackend, dict[str, str], int, int]],
+        *,
+        profile_scale: float = 1.0,
+        policy_version: str = "builtin",
+    ) -> None:
+        self.config = config
+        self.tenants = tenants
+        self.routes = routes
+        # name -> (client, labels, devices, max_inflight_per_device)
+        self.backends = backends
+        self.profile_scale = profile_scale
+        self.policy_version = policy_version
+        self._queues: dict[tuple[str, str], DispatchQueue] = {}
+        self.inflight: set[asyncio.Task[object]] = set()
+        self.ladder_step = 0
+        self.accepting = True
+
+    # ------------------------------------------------------------------ lookup
+
+    def tenant_route(self, tenant: Tenant, model: str) -> RouteConfig:
+        """The route for ``model`` if this tenant may call it. Unknown and forbidden models
+        answer the same NOT_FOUND, so a tenant cannot probe which models exist."""
+        route = self.routes.models.get(model)
+        if route is None or not tenant.may_call(model):
+            raise NotFound(f"unknown model {model!r}")
+        return route
+
+    def request_class(self, tenant: Tenant, requested: str | None) -> tuple[str, RequestClassConfig]:
+        name = requested or self.config.default_class
+        if name not in tenant.config.classes:
+            if name not in self.config.classes:
+                raise InvalidArgument(f"unknown request class {name!r}")
+            raise PermissionDenied(f"request class {name!r} is not allowed for this credential")
+        return name, self.config.classes[name]
+
+    def candidate_backends(self, route: RouteConfig, cell: str) -> list[str]:
+        names = route.backends or tuple(self.backends)
+        return [n for n in names if n in self.backends and self.backends[n][1].get("cell") == cell]
+
+    def queue_for(self, backend_name: str, spec: ModelSpec) -> DispatchQueue:
+        key = (backend_name, spec.name)
+        queue = self._queues.get(key)
+        if queue is None:
+            _, _, _, per_device = self.backends[backend_name]
+            queue = DispatchQueue(
+                f"{backend_name}/{spec.name}",
+                devices=spec.instances,
+                slots=spec.instances * per_device,
+                max_queued=self.config.limits.max_queued_per_backend,
+            )
+            self._queues[key] = queue
+        return queue
+
+    async def bind_pool(
+        self, route: RouteConfig, cell: str, logical: str
+    ) -> tuple[TritonBackend, ModelSpec, DispatchQueue]:
+        """Pick the healthy backend in the request's cell with the least predicted wait."""
+        best: tuple[float, TritonBackend, ModelSpec, DispatchQueue] | None = None
+        for name in self.candidate_backends(route, cell):
+            backend = self.backends[name][0]
+            if not backend.healthy:
+                continue
+            try:
+                spec = await backend.model_spec(route.backend_model, logical=logical)
+            except Unavailable:
+                continue
+            queue = self.queue_for(name, spec)
+            wait = queue.predicted_wait_ms()
+            if best is None or wait < best[0]:
+                best = (wait, backend, spec, queue)
+        if best is None:
+            raise Unavailable(f"no healthy backend serves model {logical!r} in this credential's privacy cell")
+        return best[1], best[2], best[3]
+
+    # ------------------------------------------------------------------ admission
+
+    async def admit(
+        self,
+        request: service_pb2.ModelInferRequest,
+        tenant: Tenant,
+        call: CallContext,
+        *,
+        operation: str,
+        mode: Mode,
+    ) -> Admitted:
+        logical = request.model_name
+        route = self.tenant_route(tenant, logical)
+        if route.streaming != (mode is Mode.STREAMING):
+            if route.streaming:
+                raise InvalidArgument(f"model {logical!r} streams its output: call ModelStreamInfer")
+            raise InvalidArgument(f"model {logical!r} does not stream: call ModelInfer")
+        if request.model_version and route.version and request.model_version != route.version:
+            raise NotFound(f"unknown version {request.model_version!r} of model {logical!r}")
+        hints = read_hints(request)
+        class_name, request_class = self.request_class(tenant, hints.request_class)
+        cell = tenant.config.home_cell
+        backend, spec, queue = await self.bind_pool(route, cell, logical)
+        shapes = validate_tensors(request, spec, model=logical)
+        shape = extract_shape(
+            shapes,
+            hints,
+            route.shape,
+            model=logical,
+            streaming=mode is Mode.STREAMING,
+            input_bytes=payload_bytes(request),
+        )
+        if shape.max_output_tokens > tenant.config.max_output_tokens:
+            raise InvalidArgument(
+                f"parameter orchid.max_output_tokens: {shape.max_output_tokens} exceeds this credential's limit "
+                f"of {tenant.config.max_output_tokens}"
+            )
+        profile = self.routes.profiles[route.profile]
+        demand = predict(profile, shape, correction=self.profile_scale)
+        now = time.monotonic()
+        deadline_ms = self._deadline_ms(call, request_class)
+        budget = Budget(
+            deadline_ms=deadline_ms,
+            elapsed_ms=(now - call.received_at) * 1000.0,
+            reserve_upstream_ms=request_class.reserve_upstream_ms,
+            reserve_exec_ms=demand.accelerator_ms + demand.host_cpu_ms,
+            reserve_fail_ms=request_class.reserve_fail_ms,
+            queue_wait_ms=queue.predicted_wait_ms(now),
+        )
+        record = RequestRecord(
+            identity=Identity(
+                request_id=uuid.uuid4().hex,
+                tenant=tenant.name,
+                request_class=class_name,
+                model=logical,
+                model_version=route.version,
+                operation=operation,
+                mode=mode,
+                privacy_cell=cell,
+                allow_fallback=hints.allow_fallback,
+                operation_id=hints.operation_id,
+            ),
+            shape=shape,
+            demand=demand,
+            budget=budget,
+            ladder_step=self.ladder_step,
+        )
+        decision = admission.decide(
+            record,
+            admission.AdmissionContext(policy_version=self.policy_version, max_dwell_ms=request_class.max_dwell_ms),
+        )
+        if decision.verdict is Verdict.REJECT:
+            error_type = _STATUS_ERRORS.get(decision.status, PermissionDenied)
+            rule = decision.rules[0] if decision.rules else None
+            raise error_type(decision.message, rule=rule, retry_after_ms=decision.retry_after_ms)
+        backend_request = self._backend_request(request, route, shape.max_output_tokens, mode)
+        return Admitted(
+            record=record,
+            decision=decision,
+            route=route,
+            backend=backend,
+            queue=queue,
+            backend_request=backend_request,
+            deadline_at=call.received_at + deadline_ms / 1000.0,
+        )
+
+    def _deadline_ms(self, call: CallContext, request_class: RequestClassConfig) -> float:
+        if call.time_remaining_s is None:
+            return request_class.default_deadline_ms
+        deadline_ms = call.time_remaining_s * 1000.0 + (time.monotonic() - call.received_at) * 1000.0
+        if deadline_ms <= 0:
+            raise DeadlineInfeasible("the call's deadline has already passed", rule="admission.deadline_passed")
+        if deadline_ms > request_class.max_deadline_ms:
+            # An effectively infinite deadline (many gRPC clients default to days) means "use the class's".
+            return request_class.default_deadline_ms
+        return deadline_ms
+
+    @staticmethod
+    def _backend_request(
+        request: service_pb2.ModelInferRequest, route: RouteConfig, max_output_tokens: int, mode: Mode
+    ) -> service_pb2.ModelInferRequest:
+        out = service_pb2.ModelInferRequest()
+        out.CopyFrom(request)
+        out.model_name = route.backend_model
+        out.model_version = route.version
+        for name in [n for n in out.parameters if n.startswith("orchid.")]:
+            del out.parameters[name]  # hints are the gateway's; the backend never sees them
+        if route.shape.output_limit_parameter:
+            out.parameters[route.shape.output_limit_parameter].int64_param = max_output_tokens
+        if mode is Mode.STREAMING:
+            out.parameters["triton_enable_empty_final_response"].bool_param = True
+        return out
+
+    # ------------------------------------------------------------------ execution
+
+    async def infer(self, raw: bytes, call: CallContext) -> service_pb2.ModelInferResponse:
+        tenant = self.tenants.authenticate(call.metadata)
+        request = parse_infer_request(raw)
+        admitted = await self.admit(request, tenant, call, operation="ModelInfer", mode=Mode.ONLINE)
+        slot = await admitted.queue.acquire(
+            deadline_at=admitted.deadline_at,
+            latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
+            cost_ms=admitted.record.demand.accelerator_ms,
+        )
+        started = time.monotonic()
+        try:
+            timeout_s = admitted.deadline_at - started
+            if timeout_s <= 0:
+                raise DeadlineExpired("the deadline passed before the request could start")
+            response = await admitted.backend.infer(
+                admitted.backend_request, timeout_s=timeout_s, logical=admitted.record.identity.model
+            )
+        finally:
+            slot.release()
+        finished = time.monotonic()
+        settled = self.settle(admitted, queued_s=started - call.received_at, started=started, finished=finished)
+        response.model_name = admitted.record.identity.model
+        attach_provenance(response, settled)
+        return response
+
+    def settle(self, admitted: Admitted, *, queued_s: float, started: float, finished: float, output_tokens: int = 0) -> Settled:
+        observed_ms = (finished - started) * 1000.0
+        outcome = Outcome(
+            admitted=True,
+            status="OK",
+            backend_model=admitted.route.backend_model,
+            approximation=admitted.decision.approximation,
+            queue_ms=queued_s * 1000.0,
+            completion_ms=observed_ms,
+            observed_accelerator_ms=observed_ms,
+            charged_accelerator_ms=observed_ms,
+            output_tokens=output_tokens,
+        )
+        return Settled(admitted.record, admitted.decision, outcome)
+
+    async def stream(
+        self, requests: AsyncIterator[bytes], call: CallContext
+    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        """ModelStreamInfer: each request on the client stream is admitted on its own and
+        forwarded over one backend stream; responses carry provenance; a rejected request
+        answers with an ``error_message`` and the stream goes on."""
+        tenant = self.tenants.authenticate(call.metadata)
+        session = _StreamSession(self, tenant, call)
+        async for response in session.run(requests):
+            yield response
+
+    def provenance_pairs(self, settled: Settled) -> tuple[tuple[str, str], ...]:
+        return tuple((k, str(v)) for k, v in provenance(settled).items())
+
+
+def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest()
+    try:
+        request.ParseFromString(raw)
+    except DecodeError:
+        raise InvalidArgument("malformed ModelInferRequest: the message is not valid protobuf") from None
+    if not request.model_name:
+        raise InvalidArgument("model_name is required")
+    return request
+
+
+def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
+    record, decision, outcome = settled.record, settled.decision, settled.outcome
+    return {
+        "orchid.model": decision.target_model,
+        "orchid.model_version": record.identity.model_version,
+        "orchid.route_reason": decision.route_reason,
+        "orchid.approximation": str(decision.approximation),
+        "orchid.complete": outcome.complete,
+        "orchid.policy_version": decision.policy_version,
+        "orchid.rules": ",".join(decision.rules),
+        "orchid.ladder_step": record.ladder_step,
+        "orchid.predicted_accelerator_ms": round(record.demand.accelerator_ms, 3),
+        "orchid.charged_accelerator_ms": round(outcome.charged_accelerator_ms, 3),
+        "orchid.request_id": record.identity.request_id,
+    }
+
+
+def attach_provenance(response: service_pb2.ModelInferResponse, settled: Settled) -> None:
+    for key, value in provenance(settled).items():
+        param = response.parameters[key]
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, int):
+            param.int64_param = value
+        elif isinstance(value, float):
+            param.double_param = value
+        else:
+            param.string_param = value
+
+
+class _StreamSession:
+    """One client stream multiplexed onto one backend stream.
+
+    Backend requests get gateway-assigned ids so responses can be matched to
+    their record even when clients reuse or omit ids; the client's id is
+    restored on the way back.
+    """
+
+    def __init__(self, gateway: Gateway, tenant: Tenant, call: CallContext) -> None:
+        self.gateway = gateway
+        self.tenant = tenant
+        self.call = call
+        self.out: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=1024)
+        self.pending: dict[str, tuple[Admitted, str, float, int, bool]] = {}
+        self.backend_queues: dict[str, asyncio.Queue[service_pb2.ModelInferRequest | None]] = {}
+        self.tasks: list[asyncio.Task[None]] = []
+        self.last: Settled | None = None
+
+    async def run(self, requests: AsyncIterator[bytes]) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        reader = asyncio.get_running_loop().create_task(self._read(requests))
+        self.tasks.append(reader)
+        try:
+            while True:
+                item = await self.out.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[bytes]) -> None:
+        try:
+            async for raw in requests:
+                await self._submit(raw)
+            # Client half-closed: finish outstanding work, then end.
+            for queue in self.backend_queues.values():
+                await queue.put(None)
+            await asyncio.gather(*self.tasks[1:], return_exceptions=True)
+        finally:
+            await self.out.put(None)
+
+    async def _submit(self, raw: bytes) -> None:
+        client_id = ""
+        try:
+            request = parse_infer_request(raw)
+            client_id = request.id
+            admitted = await self.gateway.admit(
+                request, self.tenant, self.call, operation="ModelStreamInfer", mode=Mode.STREAMING
+            )
+        except GatewayError as error:
+            await self.out.put(stream_error(error, client_id))
+            return
+        internal_id = uuid.uuid4().hex
+        admitted.backend_request.id = internal_id
+        wants_final = _flag(request, "triton_enable_empty_final_response")
+        self.pending[internal_id] = (admitted, client_id, time.monotonic(), 0, wants_final)
+        queue = self.backend_queues.get(admitted.backend.name)
+        if queue is None:
+            queue = asyncio.Queue()
+            self.backend_queues[admitted.backend.name] = queue
+            self.tasks.append(asyncio.get_running_loop().create_task(self._pump(admitted.backend, queue)))
+        await queue.put(admitted.backend_request)
+
+    async def _pump(
+        self, backend: TritonBackend, queue: asyncio.Queue[service_pb2.ModelInferRequest | None]
+    ) -> None:
+        async def requests() -> AsyncIterator[service_pb2.ModelInferRequest]:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                yield item
+
+        timeout = self.call.time_remaining_s
+        call = backend.stream(requests(), timeout_s=timeout)
+        try:
+            # Ends when the backend has answered everything after our half-close.
+            async for reply in call:
+                await self._on_reply(reply)
+        except Exception as exc:  # backend stream broke: fail every request still pending on it
+            error = Unavailable(f"streaming backend failed ({type(exc).__name__})")
+            for internal_id, (admitted, client_id, *_rest) in list(self.pending.items()):
+                if admitted.backend is backend:
+                    del self.pending[internal_id]
+                    await self.out.put(stream_error(error, client_id))
+        finally:
+            call.cancel()
+
+    async def _on_reply(self, reply: service_pb2.ModelStreamInferResponse) -> None:
+        response = reply.infer_response
+        entry = self.pending.get(response.id)
+        if entry is None:
+            return
+        admitted, client_id, started, tokens, wants_final = entry
+        final = _flag_response(response, "triton_final_response")
+        if reply.error_message:
+            del self.pending[response.id]
+            await self.out.put(
+                stream_error(InvalidArgument(f"model {admitted.record.identity.model!r}: {reply.error_message}"), client_id)
+            )
+            return
+        has_output = len(response.outputs) > 0
+        if has_output:
+            tokens += 1
+        now = time.monotonic()
+        settled = self.gateway.settle(
+            admitted, queued_s=started - self.call.received_at, started=started, finished=now, output_tokens=tokens
+        )
+        if final:
+            del self.pending[response.id]
+            self.last = settled
+        else:
+            self.pending[response.id] = (admitted, client_id, started, tokens, wants_final)
+        if has_output or wants_final:
+            response.id = client_id
+            response.model_name = admitted.record.identity.model
+            attach_provenance(response, settled)
+            await self.out.put(reply)
+
+
+def _flag(request: service_pb2.ModelInferRequest, name: str) -> bool:
+    return name in request.parameters and bool(request.parameters[name].bool_param)
+
+
+def _flag_response(response: service_pb2.ModelInferResponse, name: str) -> bool:
+    return name in response.parameters and bool(response.parameters[name].bool_param)
+
+
+def stream_error(error: GatewayError, client_id: str) -> service_pb2.ModelStreamInferResponse:
+    reply = service_pb2.ModelStreamInferResponse(error_message=f"{error.status.name}: {error.message}")
+    reply.infer_response.id = client_id
+    for key, value in error.trailing_metadata():
+        reply.infer_response.parameters[key].string_param = value
+    return reply
+
+
+def metadata_pairs(metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[tuple[str, str | bytes], ...]:
+    return tuple(metadata or ())

@@ -1,0 +1,185 @@
+"""``orchid-gateway serve``: assemble the gateway from its config and run it.
+
+Owns process lifecycle: load and cross-check configuration (a bad file exits
+2 naming file, key path and problem), start and supervise the embedded local
+Triton when configured, open backend channels and their health probes, serve
+``inference.GRPCInferenceService`` + ``grpc.health.v1`` + server reflection,
+and shut down on SIGTERM/SIGINT: report NOT_SERVING, stop taking new calls,
+drain in-flight work within ``limits.drain_timeout_s``, stop Triton, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.auth import TenantDirectory
+from gateway.backends.local import LocalTriton, TritonStartError
+from gateway.backends.triton import TritonBackend
+from gateway.config import (
+    BackendConfig,
+    GatewayConfig,
+    check_references,
+    load_gateway_config,
+    load_routes,
+    load_tenants,
+)
+from gateway.errors import ConfigError
+from gateway.pipeline import Gateway
+from gateway.protocol import SERVICE, InferenceServicer, add_to_server
+
+log = logging.getLogger("orchid.gateway")
+
+LOCAL_BACKEND = "local"
+
+
+class GatewayServer:
+    """A running gateway: backends, request path, gRPC server. ``start``/``stop`` are async."""
+
+    def __init__(self, config: GatewayConfig, *, listen: str | None = None) -> None:
+        self.config = config
+        self.listen = listen or config.listen
+        self.local_triton: LocalTriton | None = None
+        self._workdir: tempfile.TemporaryDirectory[str] | None = None
+        self.server: grpc.aio.Server | None = None
+        self.gateway: Gateway | None = None
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.port = 0
+
+    def backend_configs(self) -> list[BackendConfig]:
+        backends = list(self.config.backends)
+        local = self.config.local_triton
+        if local is not None and self.local_triton is not None:
+            backends.append(
+                BackendConfig(
+                    name=LOCAL_BACKEND,
+                    address=self.local_triton.address,
+                    labels=local.labels,
+                    devices=local.devices,
+                    max_inflight_per_device=local.max_inflight_per_device,
+                )
+            )
+        return backends
+
+    async def start(self) -> None:
+        config = self.config
+        tenants = load_tenants(config.tenants_file)
+        routes = load_routes(config.routes_dir)
+        check_references(config, tenants, routes)
+        profile_scale = 1.0
+        if config.local_triton is not None:
+            local = config.local_triton
+            self._workdir = tempfile.TemporaryDirectory(prefix="orchid-triton-")
+            self.local_triton = LocalTriton(
+                local.model_repository,
+                Path(self._workdir.name),
+                grpc_port=local.grpc_port,
+                time_factor=local.time_factor,
+                startup_timeout_s=local.startup_timeout_s,
+            )
+            log.info("starting local Triton on %s (time factor %s)", self.local_triton.address, local.time_factor)
+            await asyncio.to_thread(self.local_triton.start)
+            # The emulator's devices run `time_factor` x the profile's milliseconds.
+            profile_scale = local.time_factor
+        clients = {}
+        for backend in self.backend_configs():
+            client = TritonBackend(backend.name, backend.address, max_message_bytes=config.limits.max_message_bytes)
+            await client.probe()
+            client.start_probing()
+            clients[backend.name] = (client, backend.labels, backend.devices, backend.max_inflight_per_device)
+        self.gateway = Gateway(config, TenantDirectory(tenants), routes, clients, profile_scale=profile_scale)
+        limit = config.limits.max_message_bytes
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        )
+        add_to_server(InferenceServicer(self.gateway, ready=self.ready), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(self.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.listen}")
+        await self.server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("orchid-gateway listening on %s", self.address)
+
+    @property
+    def address(self) -> str:
+        host = self.listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    def ready(self) -> bool:
+        gateway = self.gateway
+        return gateway is not None and gateway.accepting and any(c.healthy for c, *_ in gateway.backends.values())
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE):
+            result = self.health.set(service, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def stop(self) -> None:
+        """Drain: refuse new calls, let in-flight ones finish within the bound, then close."""
+        if self.gateway is not None:
+            self.gateway.accepting = False
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:
+            await self.server.stop(grace=self.config.limits.drain_timeout_s)
+        if self.gateway is not None:
+            for client, *_ in self.gateway.backends.values():
+                await client.close()
+        if self.local_triton is not None:
+            await asyncio.to_thread(self.local_triton.stop)
+        if self._workdir is not None:
+            self._workdir.cleanup()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, type=Path, help="gateway YAML (see examples/orchid/gateway.yaml)")
+    parser.add_argument("--listen", help="HOST:PORT to listen on (overrides the config's listen)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+async def _serve(server: GatewayServer) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        print(f"orchid-gateway ready on {server.address}", flush=True)
+        await stop.wait()
+        log.info("shutting down: draining in-flight work (up to %ss)", server.config.limits.drain_timeout_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await server.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_gateway_config(args.config)
+        server = GatewayServer(config, listen=args.listen)
+        asyncio.run(_serve(server))
+    except ConfigError as error:
+        print(f"orchid-gateway: invalid configuration: {error}", file=sys.stderr)
+        return 2
+    except TritonStartError as error:
+        print(f"orchid-gateway: local Triton failed to start: {error}", file=sys.stderr)
+        return 3
+    except OSError as error:
+        print(f"orchid-gateway: {error}", file=sys.stderr)
+        return 3
+    return 0

@@ -1,0 +1,253 @@
+"""Request validation and shape extraction: a ModelInferRequest in, a ``Shape`` out.
+
+Pure functions over the decoded protobuf and the backend model's spec: no I/O.
+Everything a caller can get wrong in the tensors or parameters is caught here
+and reported as ``InvalidArgument`` naming the field, before any accelerator
+time is spent:
+
+* inputs unknown to the model, missing required inputs, wrong datatype;
+* wrong rank, negative dims, dims that disagree with the model's fixed dims,
+  element counts that overflow the gateway's bound;
+* ``raw_input_contents`` whose count or byte length disagrees with
+  shape x datatype size (BYTES: well-formed 4-byte length prefixes);
+* ``orchid.*`` parameters of the wrong type or out of range;
+* shapes over the route's declared caps (input tokens, items, output tokens).
+
+How tokens and items are read is data (``ShapeSpec`` in ``routes/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tritonclient.grpc import service_pb2
+
+from gateway.backends.triton import ModelSpec
+from gateway.config import ShapeSpec
+from gateway.errors import InvalidArgument
+from gateway.record import Shape
+
+DTYPE_BYTES: dict[str, int] = {
+    "BOOL": 1,
+    "UINT8": 1,
+    "UINT16": 2,
+    "UINT32": 4,
+    "UINT64": 8,
+    "INT8": 1,
+    "INT16": 2,
+    "INT32": 4,
+    "INT64": 8,
+    "FP16": 2,
+    "BF16": 2,
+    "FP32": 4,
+    "FP64": 8,
+}
+
+# Far above any real tensor the gateway fronts, far below int64 overflow: a shape whose
+# element count passes this is refused before anything multiplies it by a dtype size.
+MAX_ELEMENTS = 1 << 31
+
+# typed `contents` field per datatype
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHints:
+    """The optional ``orchid.*`` request parameters (ARCHITECTURE §5)."""
+
+    request_class: str | None = None
+    max_output_tokens: int | None = None
+    allow_fallback: bool = True
+    operation_id: str = ""
+
+
+def _param_kind(param: service_pb2.InferParameter) -> str | None:
+    kind: str | None = param.WhichOneof("parameter_choice")
+    return kind
+
+
+def read_hints(request: service_pb2.ModelInferRequest) -> RequestHints:
+    params = request.parameters
+    request_class: str | None = None
+    max_output: int | None = None
+    allow_fallback = True
+    operation_id = ""
+    if "orchid.class" in params:
+        p = params["orchid.class"]
+        if _param_kind(p) != "string_param" or not p.string_param:
+            raise InvalidArgument("parameter orchid.class must be a non-empty string")
+        request_class = p.string_param
+    if "orchid.max_output_tokens" in params:
+        p = params["orchid.max_output_tokens"]
+        kind = _param_kind(p)
+        if kind == "int64_param":
+            max_output = int(p.int64_param)
+        elif kind == "uint64_param":
+            max_output = int(p.uint64_param)
+        else:
+            raise InvalidArgument("parameter orchid.max_output_tokens must be an integer")
+        if max_output < 1:
+            raise InvalidArgument(f"parameter orchid.max_output_tokens must be >= 1, got {max_output}")
+    if "orchid.allow_fallback" in params:
+        p = params["orchid.allow_fallback"]
+        if _param_kind(p) != "bool_param":
+            raise InvalidArgument("parameter orchid.allow_fallback must be a bool")
+        allow_fallback = bool(p.bool_param)
+    if "orchid.operation_id" in params:
+        p = params["orchid.operation_id"]
+        if _param_kind(p) != "string_param" or not (0 < len(p.string_param) <= 128):
+            raise InvalidArgument("parameter orchid.operation_id must be a string of 1-128 characters")
+        operation_id = p.string_param
+    for name in params:
+        if name.startswith("orchid.") and name not in _KNOWN_HINTS:
+            raise InvalidArgument(f"unknown parameter {name!r}; known: {', '.join(sorted(_KNOWN_HINTS))}")
+    return RequestHints(request_class, max_output, allow_fallback, operation_id)
+
+
+_KNOWN_HINTS = frozenset({"orchid.class", "orchid.max_output_tokens", "orchid.allow_fallback", "orchid.operation_id"})
+
+
+def _element_count(name: str, shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        if dim < 0:
+            raise InvalidArgument(f"input {name!r}: negative dimension {dim} in shape {list(shape)}")
+        count *= dim
+        if count > MAX_ELEMENTS:
+            raise InvalidArgument(f"input {name!r}: shape {list(shape)} has more than {MAX_ELEMENTS} elements")
+    return count
+
+
+def _check_bytes_payload(name: str, raw: bytes, count: int) -> None:
+    offset = 0
+    for _ in range(count):
+        if offset + 4 > len(raw):
+            raise InvalidArgument(f"input {name!r}: BYTES payload ends inside an element length prefix")
+        length = int.from_bytes(raw[offset : offset + 4], "little")
+        offset += 4 + length
+        if offset > len(raw):
+            raise InvalidArgument(f"input {name!r}: BYTES element runs past the end of raw_input_contents")
+    if offset != len(raw):
+        raise InvalidArgument(f"input {name!r}: raw_input_contents has {len(raw) - offset} trailing bytes")
+
+
+def validate_tensors(request: service_pb2.ModelInferRequest, spec: ModelSpec, *, model: str) -> dict[str, tuple[int, ...]]:
+    """Check every input against the model spec; return input name -> shape."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidArgument(
+            f"raw_input_contents has {len(raw)} entries but the request declares {len(request.inputs)} inputs"
+        )
+    for index, tensor in enumerate(request.inputs):
+        declared = spec.input(tensor.name)
+        if declared is None:
+            known = ", ".join(s.name for s in spec.inputs)
+            raise InvalidArgument(f"model {model!r} has no input {tensor.name!r} (inputs: {known})")
+        if tensor.name in shapes:
+            raise InvalidArgument(f"input {tensor.name!r} appears twice")
+        if tensor.datatype != declared.datatype:
+            raise InvalidArgument(
+                f"input {tensor.name!r}: datatype {tensor.datatype or '(empty)'} but model {model!r} expects "
+                f"{declared.datatype}"
+            )
+        shape = tuple(int(d) for d in tensor.shape)
+        if len(shape) != len(declared.shape):
+            raise InvalidArgument(
+                f"input {tensor.name!r}: shape {list(shape)} has rank {len(shape)}, model {model!r} expects "
+                f"rank {len(declared.shape)} {list(declared.shape)}"
+            )
+        count = _element_count(tensor.name, shape)
+        for got, want in zip(shape, declared.shape, strict=True):
+            if want >= 0 and got != want:
+                raise InvalidArgument(
+                    f"input {tensor.name!r}: shape {list(shape)} does not match model shape {list(declared.shape)}"
+                )
+        if spec.max_batch_size > 0 and shape and shape[0] > spec.max_batch_size:
+            raise InvalidArgument(
+                f"input {tensor.name!r}: batch {shape[0]} exceeds the model's max batch size {spec.max_batch_size}"
+            )
+        if raw:
+            payload = raw[index]
+            if tensor.datatype == "BYTES":
+                _check_bytes_payload(tensor.name, payload, count)
+            else:
+                expected = count * DTYPE_BYTES.get(tensor.datatype, 0)
+                if len(payload) != expected:
+                    raise InvalidArgument(
+                        f"input {tensor.name!r}: raw_input_contents is {len(payload)} bytes but shape "
+                        f"{list(shape)} x {tensor.datatype} needs {expected}"
+                    )
+        else:
+            field = _CONTENTS_FIELD.get(tensor.datatype)
+            if field is None:
+                raise InvalidArgument(f"input {tensor.name!r}: datatype {tensor.datatype} needs raw_input_contents")
+            have = len(getattr(tensor.contents, field))
+            if have != count:
+                raise InvalidArgument(
+                    f"input {tensor.name!r}: contents has {have} elements but shape {list(shape)} needs {count}"
+                )
+        shapes[tensor.name] = shape
+    for declared in spec.inputs:
+        if declared.name not in shapes and not declared.optional:
+            raise InvalidArgument(f"model {model!r} requires input {declared.name!r}")
+    return shapes
+
+
+def extract_shape(
+    shapes: dict[str, tuple[int, ...]],
+    hints: RequestHints,
+    spec: ShapeSpec,
+    *,
+    model: str,
+    streaming: bool,
+    input_bytes: int,
+) -> Shape:
+    tokens_shape = shapes.get(spec.tokens_input)
+    if tokens_shape is None:
+        raise InvalidArgument(f"model {model!r}: input {spec.tokens_input!r} (the token tensor) is missing")
+    try:
+        tokens = tokens_shape[spec.tokens_dim]
+        items = tokens_shape[spec.items_dim] if spec.items_dim is not None else 1
+    except IndexError:
+        raise InvalidArgument(f"model {model!r}: input {spec.tokens_input!r} has too few dimensions") from None
+    if tokens < 1:
+        raise InvalidArgument(f"input {spec.tokens_input!r}: needs at least one token, got {tokens}")
+    if tokens > spec.max_input_tokens:
+        raise InvalidArgument(
+            f"input {spec.tokens_input!r}: {tokens} tokens exceeds the limit of {spec.max_input_tokens} for {model!r}"
+        )
+    if items < 1 or items > spec.max_items:
+        raise InvalidArgument(f"input {spec.tokens_input!r}: {items} items is outside 1..{spec.max_items}")
+    max_output = hints.max_output_tokens if hints.max_output_tokens is not None else spec.default_max_output_tokens
+    if max_output > spec.max_output_tokens:
+        raise InvalidArgument(
+            f"parameter orchid.max_output_tokens: {max_output} exceeds the limit of {spec.max_output_tokens} "
+            f"for {model!r}"
+        )
+    bucket = "long" if tokens > spec.long_input_tokens else "short"
+    return Shape(
+        items=items,
+        input_tokens=tokens,
+        max_output_tokens=max_output,
+        streaming=streaming,
+        bucket=bucket,
+        input_bytes=input_bytes,
+    )
+
+
+def payload_bytes(request: service_pb2.ModelInferRequest) -> int:
+    return sum(len(r) for r in request.raw_input_contents)
