@@ -27,7 +27,9 @@ class Tenant:
 class TenantDirectory:
     def __init__(self, tenants: TenantsFile) -> None:
         self._by_digest = {
-            digest: Tenant(name, config) for name, config in tenants.tenants.items() for digest in config.key_sha256
+            digest: Tenant(name, config)
+            for name, config in tenants.tenants.items()
+            for digest in config.key_sha256
         }
         self.tenants = {name: Tenant(name, config) for name, config in tenants.tenants.items()}
 

@@ -39,6 +39,9 @@ class BackendConfig(_Strict):
     labels: dict[str, str]
     devices: int = Field(ge=1)
     max_inflight_per_device: int = Field(default=2, ge=1)
+    time_scale: float = Field(
+        default=1.0, gt=0, description="its devices run time_scale x profile ms (capacity emulators)"
+    )
 
     @field_validator("labels")
     @classmethod
@@ -286,10 +289,14 @@ def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteT
     for name, tenant in tenants.tenants.items():
         for model in tenant.models:
             if model not in routes.models:
-                raise ConfigError(str(config.tenants_file), f"tenants.{name}.models", f"unknown model {model!r}")
+                raise ConfigError(
+                    str(config.tenants_file), f"tenants.{name}.models", f"unknown model {model!r}"
+                )
         for cls in tenant.classes:
             if cls not in config.classes:
-                raise ConfigError(str(config.tenants_file), f"tenants.{name}.classes", f"unknown class {cls!r}")
+                raise ConfigError(
+                    str(config.tenants_file), f"tenants.{name}.classes", f"unknown class {cls!r}"
+                )
         if tenant.default_cell is not None and tenant.default_cell not in tenant.cells:
             raise ConfigError(
                 str(config.tenants_file), f"tenants.{name}.default_cell", "must be one of the tenant's cells"
@@ -297,5 +304,6 @@ def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteT
     for name, route in routes.models.items():
         for backend in route.backends:
             if backend not in backend_names:
-                raise ConfigError(str(config.routes_dir), f"models.{name}.backends", f"unknown backend {backend!r}")
-
+                raise ConfigError(
+                    str(config.routes_dir), f"models.{name}.backends", f"unknown backend {backend!r}"
+                )

@@ -17,7 +17,10 @@ def predict(profile: DemandProfile, shape: Shape, *, correction: float = 1.0) ->
         decode_ms=decode * correction,
         host_cpu_ms=profile.host_cpu_ms,
         transfer_bytes=profile.transfer_bytes(shape.input_tokens, shape.max_output_tokens) * shape.items,
-        peak_memory_bytes=profile.peak_memory_bytes(shape.input_tokens, shape.max_output_tokens) * shape.items,
-        live_token_ms=profile.live_token_ms(shape.input_tokens, shape.max_output_tokens) * shape.items * correction,
+        peak_memory_bytes=profile.peak_memory_bytes(shape.input_tokens, shape.max_output_tokens)
+        * shape.items,
+        live_token_ms=profile.live_token_ms(shape.input_tokens, shape.max_output_tokens)
+        * shape.items
+        * correction,
         correction=correction,
     )

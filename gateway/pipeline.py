@@ -49,6 +49,17 @@ _STATUS_ERRORS: dict[str, type[GatewayError]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class BackendHandle:
+    """A configured backend: its client and the facts from its config."""
+
+    client: TritonBackend
+    labels: dict[str, str]
+    devices: int
+    max_inflight_per_device: int
+    time_scale: float = 1.0  # its devices run time_scale x the profile's milliseconds
+
+
+@dataclass(frozen=True, slots=True)
 class CallContext:
     """What the protocol edge knows about a call."""
 
@@ -85,17 +96,14 @@ class Gateway:
         config: GatewayConfig,
         tenants: TenantDirectory,
         routes: RouteTable,
-        backends: dict[str, tuple[TritonBackend, dict[str, str], int, int]],
+        backends: dict[str, BackendHandle],
         *,
-        profile_scale: float = 1.0,
         policy_version: str = "builtin",
     ) -> None:
         self.config = config
         self.tenants = tenants
         self.routes = routes
-        # name -> (client, labels, devices, max_inflight_per_device)
         self.backends = backends
-        self.profile_scale = profile_scale
         self.policy_version = policy_version
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
         self.inflight: set[asyncio.Task[object]] = set()
@@ -122,17 +130,17 @@ class Gateway:
 
     def candidate_backends(self, route: RouteConfig, cell: str) -> list[str]:
         names = route.backends or tuple(self.backends)
-        return [n for n in names if n in self.backends and self.backends[n][1].get("cell") == cell]
+        return [n for n in names if n in self.backends and self.backends[n].labels.get("cell") == cell]
 
     def queue_for(self, backend_name: str, spec: ModelSpec) -> DispatchQueue:
         key = (backend_name, spec.name)
         queue = self._queues.get(key)
         if queue is None:
-            _, _, _, per_device = self.backends[backend_name]
+            handle = self.backends[backend_name]
             queue = DispatchQueue(
                 f"{backend_name}/{spec.name}",
                 devices=spec.instances,
-                slots=spec.instances * per_device,
+                slots=spec.instances * handle.max_inflight_per_device,
                 max_queued=self.config.limits.max_queued_per_backend,
             )
             self._queues[key] = queue
@@ -140,11 +148,12 @@ class Gateway:
 
     async def bind_pool(
         self, route: RouteConfig, cell: str, logical: str
-    ) -> tuple[TritonBackend, ModelSpec, DispatchQueue]:
+    ) -> tuple[BackendHandle, ModelSpec, DispatchQueue]:
         """Pick the healthy backend in the request's cell with the least predicted wait."""
-        best: tuple[float, TritonBackend, ModelSpec, DispatchQueue] | None = None
+        best: tuple[float, BackendHandle, ModelSpec, DispatchQueue] | None = None
         for name in self.candidate_backends(route, cell):
-            backend = self.backends[name][0]
+            handle = self.backends[name]
+            backend = handle.client
             if not backend.healthy:
                 continue
             try:
@@ -154,9 +163,11 @@ class Gateway:
             queue = self.queue_for(name, spec)
             wait = queue.predicted_wait_ms()
             if best is None or wait < best[0]:
-                best = (wait, backend, spec, queue)
+                best = (wait, handle, spec, queue)
         if best is None:
-            raise Unavailable(f"no healthy backend serves model {logical!r} in this credential's privacy cell")
+            raise Unavailable(
+                f"no healthy backend serves model {logical!r} in this credential's privacy cell"
+            )
         return best[1], best[2], best[3]
 
     # ------------------------------------------------------------------ admission
@@ -181,7 +192,7 @@ class Gateway:
         hints = read_hints(request)
         class_name, request_class = self.request_class(tenant, hints.request_class)
         cell = tenant.config.home_cell
-        backend, spec, queue = await self.bind_pool(route, cell, logical)
+        handle, spec, queue = await self.bind_pool(route, cell, logical)
         shapes = validate_tensors(request, spec, model=logical)
         shape = extract_shape(
             shapes,
@@ -193,11 +204,12 @@ class Gateway:
         )
         if shape.max_output_tokens > tenant.config.max_output_tokens:
             raise InvalidArgument(
-                f"parameter orchid.max_output_tokens: {shape.max_output_tokens} exceeds this credential's limit "
+                f"parameter orchid.max_output_tokens: {shape.max_output_tokens} exceeds "
+                f"this credential's limit "
                 f"of {tenant.config.max_output_tokens}"
             )
         profile = self.routes.profiles[route.profile]
-        demand = predict(profile, shape, correction=self.profile_scale)
+        demand = predict(profile, shape, correction=handle.time_scale)
         now = time.monotonic()
         deadline_ms = self._deadline_ms(call, request_class)
         budget = Budget(
@@ -228,7 +240,9 @@ class Gateway:
         )
         decision = admission.decide(
             record,
-            admission.AdmissionContext(policy_version=self.policy_version, max_dwell_ms=request_class.max_dwell_ms),
+            admission.AdmissionContext(
+                policy_version=self.policy_version, max_dwell_ms=request_class.max_dwell_ms
+            ),
         )
         if decision.verdict is Verdict.REJECT:
             error_type = _STATUS_ERRORS.get(decision.status, PermissionDenied)
@@ -239,7 +253,7 @@ class Gateway:
             record=record,
             decision=decision,
             route=route,
-            backend=backend,
+            backend=handle.client,
             queue=queue,
             backend_request=backend_request,
             deadline_at=call.received_at + deadline_ms / 1000.0,
@@ -250,7 +264,9 @@ class Gateway:
             return request_class.default_deadline_ms
         deadline_ms = call.time_remaining_s * 1000.0 + (time.monotonic() - call.received_at) * 1000.0
         if deadline_ms <= 0:
-            raise DeadlineInfeasible("the call's deadline has already passed", rule="admission.deadline_passed")
+            raise DeadlineInfeasible(
+                "the call's deadline has already passed", rule="admission.deadline_passed"
+            )
         if deadline_ms > request_class.max_deadline_ms:
             # An effectively infinite deadline (many gRPC clients default to days) means "use the class's".
             return request_class.default_deadline_ms
@@ -294,12 +310,16 @@ class Gateway:
         finally:
             slot.release()
         finished = time.monotonic()
-        settled = self.settle(admitted, queued_s=started - call.received_at, started=started, finished=finished)
+        settled = self.settle(
+            admitted, queued_s=started - call.received_at, started=started, finished=finished
+        )
         response.model_name = admitted.record.identity.model
         attach_provenance(response, settled)
         return response
 
-    def settle(self, admitted: Admitted, *, queued_s: float, started: float, finished: float, output_tokens: int = 0) -> Settled:
+    def settle(
+        self, admitted: Admitted, *, queued_s: float, started: float, finished: float, output_tokens: int = 0
+    ) -> Settled:
         observed_ms = (finished - started) * 1000.0
         outcome = Outcome(
             admitted=True,
@@ -388,7 +408,9 @@ class _StreamSession:
         self.tasks: list[asyncio.Task[None]] = []
         self.last: Settled | None = None
 
-    async def run(self, requests: AsyncIterator[bytes]) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+    async def run(
+        self, requests: AsyncIterator[bytes]
+    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         reader = asyncio.get_running_loop().create_task(self._read(requests))
         self.tasks.append(reader)
         try:
@@ -470,7 +492,10 @@ class _StreamSession:
         if reply.error_message:
             del self.pending[response.id]
             await self.out.put(
-                stream_error(InvalidArgument(f"model {admitted.record.identity.model!r}: {reply.error_message}"), client_id)
+                stream_error(
+                    InvalidArgument(f"model {admitted.record.identity.model!r}: {reply.error_message}"),
+                    client_id,
+                )
             )
             return
         has_output = len(response.outputs) > 0
@@ -478,7 +503,11 @@ class _StreamSession:
             tokens += 1
         now = time.monotonic()
         settled = self.gateway.settle(
-            admitted, queued_s=started - self.call.received_at, started=started, finished=now, output_tokens=tokens
+            admitted,
+            queued_s=started - self.call.received_at,
+            started=started,
+            finished=now,
+            output_tokens=tokens,
         )
         if final:
             del self.pending[response.id]

@@ -80,7 +80,9 @@ class InferenceServicer:
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._tenant(context)
         return service_pb2.ServerMetadataResponse(
-            name="orchid-gateway", version=__version__, extensions=["parameters", "statistics", "model_configuration"]
+            name="orchid-gateway",
+            version=__version__,
+            extensions=["parameters", "statistics", "model_configuration"],
         )
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
@@ -89,8 +91,8 @@ class InferenceServicer:
     async def _route_backend(self, context: grpc.aio.ServicerContext, name: str) -> tuple[str, Any, Any]:
         tenant = self._tenant(context)
         route = self.gateway.tenant_route(tenant, name)
-        backend, spec, _ = await self.gateway.bind_pool(route, tenant.config.home_cell, name)
-        return route.backend_model, route, backend
+        handle, _, _ = await self.gateway.bind_pool(route, tenant.config.home_cell, name)
+        return route.backend_model, route, handle.client
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -125,12 +127,12 @@ class InferenceServicer:
         for name in names:
             route = self.gateway.tenant_route(tenant, name)
             try:
-                backend, _, _ = await self.gateway.bind_pool(route, tenant.config.home_cell, name)
+                handle, _, _ = await self.gateway.bind_pool(route, tenant.config.home_cell, name)
             except Unavailable:
                 if request.name:
                     raise
                 continue
-            stats = await backend.statistics(route.backend_model, route.version)
+            stats = await handle.client.statistics(route.backend_model, route.version)
             for entry in stats.model_stats:
                 entry.name = name
                 reply.model_stats.append(entry)
@@ -156,7 +158,9 @@ class InferenceServicer:
         tenant = self._tenant(context)
         if not tenant.config.admin:
             raise PermissionDenied("this operation needs an admin credential")
-        raise InvalidArgument("this operation is not available through the gateway; use the backend's admin port")
+        raise InvalidArgument(
+            "this operation is not available through the gateway; use the backend's admin port"
+        )
 
     async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         tenant = self._tenant(context)
@@ -228,4 +232,6 @@ def method_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHand
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, method_handlers(servicer)),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, method_handlers(servicer)),)
+    )

@@ -35,7 +35,7 @@ from gateway.config import (
     load_tenants,
 )
 from gateway.errors import ConfigError
-from gateway.pipeline import Gateway
+from gateway.pipeline import BackendHandle, Gateway
 from gateway.protocol import SERVICE, InferenceServicer, add_to_server
 
 log = logging.getLogger("orchid.gateway")
@@ -67,6 +67,8 @@ class GatewayServer:
                     labels=local.labels,
                     devices=local.devices,
                     max_inflight_per_device=local.max_inflight_per_device,
+                    # The emulator's devices run `time_factor` x the profile's milliseconds.
+                    time_scale=local.time_factor if local.time_factor > 0 else 1e-3,
                 )
             )
         return backends
@@ -76,7 +78,6 @@ class GatewayServer:
         tenants = load_tenants(config.tenants_file)
         routes = load_routes(config.routes_dir)
         check_references(config, tenants, routes)
-        profile_scale = 1.0
         if config.local_triton is not None:
             local = config.local_triton
             self._workdir = tempfile.TemporaryDirectory(prefix="orchid-triton-")
@@ -87,17 +88,21 @@ class GatewayServer:
                 time_factor=local.time_factor,
                 startup_timeout_s=local.startup_timeout_s,
             )
-            log.info("starting local Triton on %s (time factor %s)", self.local_triton.address, local.time_factor)
+            log.info(
+                "starting local Triton on %s (time factor %s)", self.local_triton.address, local.time_factor
+            )
             await asyncio.to_thread(self.local_triton.start)
-            # The emulator's devices run `time_factor` x the profile's milliseconds.
-            profile_scale = local.time_factor
         clients = {}
         for backend in self.backend_configs():
-            client = TritonBackend(backend.name, backend.address, max_message_bytes=config.limits.max_message_bytes)
+            client = TritonBackend(
+                backend.name, backend.address, max_message_bytes=config.limits.max_message_bytes
+            )
             await client.probe()
             client.start_probing()
-            clients[backend.name] = (client, backend.labels, backend.devices, backend.max_inflight_per_device)
-        self.gateway = Gateway(config, TenantDirectory(tenants), routes, clients, profile_scale=profile_scale)
+            clients[backend.name] = BackendHandle(
+                client, backend.labels, backend.devices, backend.max_inflight_per_device, backend.time_scale
+            )
+        self.gateway = Gateway(config, TenantDirectory(tenants), routes, clients)
         limit = config.limits.max_message_bytes
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -122,7 +127,11 @@ class GatewayServer:
 
     def ready(self) -> bool:
         gateway = self.gateway
-        return gateway is not None and gateway.accepting and any(c.healthy for c, *_ in gateway.backends.values())
+        return (
+            gateway is not None
+            and gateway.accepting
+            and any(h.client.healthy for h in gateway.backends.values())
+        )
 
     async def _set_health(self, status: int) -> None:
         for service in ("", SERVICE):
@@ -138,8 +147,8 @@ class GatewayServer:
         if self.server is not None:
             await self.server.stop(grace=self.config.limits.drain_timeout_s)
         if self.gateway is not None:
-            for client, *_ in self.gateway.backends.values():
-                await client.close()
+            for handle in self.gateway.backends.values():
+                await handle.client.close()
         if self.local_triton is not None:
             await asyncio.to_thread(self.local_triton.stop)
         if self._workdir is not None:
@@ -147,7 +156,9 @@ class GatewayServer:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, type=Path, help="gateway YAML (see examples/orchid/gateway.yaml)")
+    parser.add_argument(
+        "--config", required=True, type=Path, help="gateway YAML (see examples/orchid/gateway.yaml)"
+    )
     parser.add_argument("--listen", help="HOST:PORT to listen on (overrides the config's listen)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -168,7 +179,9 @@ async def _serve(server: GatewayServer) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = load_gateway_config(args.config)
         server = GatewayServer(config, listen=args.listen)

@@ -117,7 +117,9 @@ def read_hints(request: service_pb2.ModelInferRequest) -> RequestHints:
     return RequestHints(request_class, max_output, allow_fallback, operation_id)
 
 
-_KNOWN_HINTS = frozenset({"orchid.class", "orchid.max_output_tokens", "orchid.allow_fallback", "orchid.operation_id"})
+_KNOWN_HINTS = frozenset(
+    {"orchid.class", "orchid.max_output_tokens", "orchid.allow_fallback", "orchid.operation_id"}
+)
 
 
 def _element_count(name: str, shape: tuple[int, ...]) -> int:
@@ -127,7 +129,9 @@ def _element_count(name: str, shape: tuple[int, ...]) -> int:
             raise InvalidArgument(f"input {name!r}: negative dimension {dim} in shape {list(shape)}")
         count *= dim
         if count > MAX_ELEMENTS:
-            raise InvalidArgument(f"input {name!r}: shape {list(shape)} has more than {MAX_ELEMENTS} elements")
+            raise InvalidArgument(
+                f"input {name!r}: shape {list(shape)} has more than {MAX_ELEMENTS} elements"
+            )
     return count
 
 
@@ -144,7 +148,9 @@ def _check_bytes_payload(name: str, raw: bytes, count: int) -> None:
         raise InvalidArgument(f"input {name!r}: raw_input_contents has {len(raw) - offset} trailing bytes")
 
 
-def validate_tensors(request: service_pb2.ModelInferRequest, spec: ModelSpec, *, model: str) -> dict[str, tuple[int, ...]]:
+def validate_tensors(
+    request: service_pb2.ModelInferRequest, spec: ModelSpec, *, model: str
+) -> dict[str, tuple[int, ...]]:
     """Check every input against the model spec; return input name -> shape."""
     shapes: dict[str, tuple[int, ...]] = {}
     raw = request.raw_input_contents
@@ -174,11 +180,13 @@ def validate_tensors(request: service_pb2.ModelInferRequest, spec: ModelSpec, *,
         for got, want in zip(shape, declared.shape, strict=True):
             if want >= 0 and got != want:
                 raise InvalidArgument(
-                    f"input {tensor.name!r}: shape {list(shape)} does not match model shape {list(declared.shape)}"
+                    f"input {tensor.name!r}: shape {list(shape)} does not match "
+                    f"model shape {list(declared.shape)}"
                 )
         if spec.max_batch_size > 0 and shape and shape[0] > spec.max_batch_size:
             raise InvalidArgument(
-                f"input {tensor.name!r}: batch {shape[0]} exceeds the model's max batch size {spec.max_batch_size}"
+                f"input {tensor.name!r}: batch {shape[0]} exceeds the model's "
+                f"max batch size {spec.max_batch_size}"
             )
         if raw:
             payload = raw[index]
@@ -194,11 +202,14 @@ def validate_tensors(request: service_pb2.ModelInferRequest, spec: ModelSpec, *,
         else:
             field = _CONTENTS_FIELD.get(tensor.datatype)
             if field is None:
-                raise InvalidArgument(f"input {tensor.name!r}: datatype {tensor.datatype} needs raw_input_contents")
+                raise InvalidArgument(
+                    f"input {tensor.name!r}: datatype {tensor.datatype} needs raw_input_contents"
+                )
             have = len(getattr(tensor.contents, field))
             if have != count:
                 raise InvalidArgument(
-                    f"input {tensor.name!r}: contents has {have} elements but shape {list(shape)} needs {count}"
+                    f"input {tensor.name!r}: contents has {have} elements "
+                    f"but shape {list(shape)} needs {count}"
                 )
         shapes[tensor.name] = shape
     for declared in spec.inputs:
@@ -223,16 +234,21 @@ def extract_shape(
         tokens = tokens_shape[spec.tokens_dim]
         items = tokens_shape[spec.items_dim] if spec.items_dim is not None else 1
     except IndexError:
-        raise InvalidArgument(f"model {model!r}: input {spec.tokens_input!r} has too few dimensions") from None
+        raise InvalidArgument(
+            f"model {model!r}: input {spec.tokens_input!r} has too few dimensions"
+        ) from None
     if tokens < 1:
         raise InvalidArgument(f"input {spec.tokens_input!r}: needs at least one token, got {tokens}")
     if tokens > spec.max_input_tokens:
         raise InvalidArgument(
-            f"input {spec.tokens_input!r}: {tokens} tokens exceeds the limit of {spec.max_input_tokens} for {model!r}"
+            f"input {spec.tokens_input!r}: {tokens} tokens exceeds the limit of "
+            f"{spec.max_input_tokens} for {model!r}"
         )
     if items < 1 or items > spec.max_items:
         raise InvalidArgument(f"input {spec.tokens_input!r}: {items} items is outside 1..{spec.max_items}")
-    max_output = hints.max_output_tokens if hints.max_output_tokens is not None else spec.default_max_output_tokens
+    max_output = (
+        hints.max_output_tokens if hints.max_output_tokens is not None else spec.default_max_output_tokens
+    )
     if max_output > spec.max_output_tokens:
         raise InvalidArgument(
             f"parameter orchid.max_output_tokens: {max_output} exceeds the limit of {spec.max_output_tokens} "

@@ -100,10 +100,14 @@ class LocalTriton:
         backends = self.workdir / "backends"
         python_dir = backends / "python"
         python_dir.mkdir(parents=True, exist_ok=True)
-        for item in install.python_backend.iterdir():
-            if item.is_file():
-                shutil.copy2(item, python_dir / item.name)
-        shutil.copy2(install.stub, python_dir / "triton_python_backend_stub")
+        copies = [
+            (item, python_dir / item.name) for item in install.python_backend.iterdir() if item.is_file()
+        ]
+        copies.append((install.stub, python_dir / "triton_python_backend_stub"))
+        for source, target in copies:
+            # On restart the old stubs may still be exiting ("text file busy"): keep a prepared copy.
+            if not target.exists() or target.stat().st_size != source.stat().st_size:
+                shutil.copy2(source, target)
         return backends
 
     def start(self) -> None:
@@ -132,7 +136,12 @@ class LocalTriton:
         ]
         log = self.log_path.open("wb")
         self._process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
         )
         log.close()
         self._wait_ready()
@@ -151,7 +160,9 @@ class LocalTriton:
                         return
                 time.sleep(0.2)
         self.stop()
-        raise TritonStartError(f"tritonserver not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
+        raise TritonStartError(
+            f"tritonserver not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         try:

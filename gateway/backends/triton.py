@@ -24,7 +24,6 @@ from gateway.errors import (
     GatewayError,
     Internal,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
     Unavailable,
 )
@@ -148,7 +147,9 @@ class TritonBackend:
         if cached is not None:
             return cached
         try:
-            metadata = await self.stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=model), timeout=2.0)
+            metadata = await self.stub.ModelMetadata(
+                service_pb2.ModelMetadataRequest(name=model), timeout=2.0
+            )
             config = await self.stub.ModelConfig(service_pb2.ModelConfigRequest(name=model), timeout=2.0)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE and "unavailable model" in (exc.details() or ""):
@@ -164,7 +165,9 @@ class TritonBackend:
         )
 
     async def config(self, model: str, version: str) -> service_pb2.ModelConfigResponse:
-        return await self.stub.ModelConfig(service_pb2.ModelConfigRequest(name=model, version=version), timeout=2.0)
+        return await self.stub.ModelConfig(
+            service_pb2.ModelConfigRequest(name=model, version=version), timeout=2.0
+        )
 
     async def statistics(self, model: str, version: str = "") -> service_pb2.ModelStatisticsResponse:
         return await self.stub.ModelStatistics(
@@ -189,15 +192,18 @@ class TritonBackend:
         return self.stub.ModelStreamInfer(requests, timeout=timeout_s)
 
 
-def spec_from(
-    metadata: service_pb2.ModelMetadataResponse, config: model_config_pb2.ModelConfig
-) -> ModelSpec:
+def spec_from(metadata: service_pb2.ModelMetadataResponse, config: model_config_pb2.ModelConfig) -> ModelSpec:
     optional = {i.name for i in config.input if i.optional}
     return ModelSpec(
         name=metadata.name,
         versions=tuple(metadata.versions),
         inputs=tuple(
-            InputSpec(name=t.name, datatype=t.datatype, shape=tuple(int(d) for d in t.shape), optional=t.name in optional)
+            InputSpec(
+                name=t.name,
+                datatype=t.datatype,
+                shape=tuple(int(d) for d in t.shape),
+                optional=t.name in optional,
+            )
             for t in metadata.inputs
         ),
         outputs=tuple(t.name for t in metadata.outputs),

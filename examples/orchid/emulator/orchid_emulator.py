@@ -49,7 +49,7 @@ class CostProfile:
     default_max_output_tokens: int
 
     @classmethod
-    def from_model_config(cls, config: dict) -> "CostProfile":
+    def from_model_config(cls, config: dict) -> CostProfile:
         params = config.get("parameters", {})
 
         def value(key: str) -> str:
@@ -135,9 +135,7 @@ class BatchEmulator:
                 out = output_tokens(ids, n_out)
                 if ids.ndim == 2:  # batched model: [batch, tokens]
                     out = np.tile(out, (ids.shape[0], 1))
-                responses[i] = pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor("OUTPUT_IDS", out)]
-                )
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT_IDS", out)])
         return responses
 
     def _sleep(self, ms: float) -> None:

@@ -1,0 +1,646 @@
+"""Gateway overhead benchmark: Triton direct vs. a bare pass-through vs. orchid-gateway.
+
+What it measures
+    The cost the gateway adds to one unary ``ModelInfer`` call, side by side with
+    two references, all in one run against ONE Triton server:
+
+    * ``direct``       h2load -> Triton
+    * ``passthrough``  h2load -> ``bench/passthrough.py`` (bare ``grpc.aio`` proxy that
+                       forwards raw bytes, no parsing) -> Triton. The floor any Python
+                       ``grpc.aio`` gateway is measured against (ARCHITECTURE §7).
+    * ``gateway``      h2load -> ``orchid-gateway serve`` (authentication, shape
+                       extraction, estimate, admission, dispatch queue, settle) -> Triton
+
+    Triton runs the example repository's capacity emulator with time factor 0 by
+    default, so the model itself returns at once and the proxies' own cost dominates.
+
+How
+    One ``ModelInferRequest`` (model ``full-v18``, ``INPUT_IDS`` INT32 ``[1, N]`` in
+    ``raw_input_contents``; ``max_output_tokens=1`` for direct/passthrough, the
+    gateway's hint ``orchid.max_output_tokens=1`` for the gateway) is serialized
+    once and framed as gRPC (flag byte 0, 4-byte big-endian length, message) into a
+    file. ``h2load`` replays that frame as HTTP/2 POSTs with ``content-type:
+    application/grpc`` and ``te: trailers`` (plus ``authorization: Bearer ...`` for the
+    gateway), so there is no Python client in the measured path. Per target: a
+    warm-up run, then a measured run with ``--log-file``; p50/p99 come from the
+    per-request log, req/s and succeeded/failed from h2load's summary.
+
+    CPU cost: ``utime+stime`` from ``/proc/PID/stat`` of the proxy process (and any
+    descendants) before and after the measured run, divided by the requests that
+    succeeded. Triton's CPU (server plus its Python-backend stubs, i.e. its whole
+    session) and the h2load client's CPU are reported the same way, for context:
+    on a small machine all three compete for the same cores.
+
+    gRPC status: h2load only sees HTTP status, and gRPC errors arrive as HTTP 200
+    with ``grpc-status`` in trailers. Each target is therefore checked with one real
+    gRPC call before measuring (must be status OK with the expected output), and
+    after each run the DATA bytes h2load received are compared with what that many
+    OK responses would carry: error responses carry no message, so a shortfall
+    means gRPC-level failures, reported in the ``grpc err`` column.
+
+Run (defaults sized for a 2-core machine, well under two minutes)::
+
+    python bench/overhead.py                  # 3 rounds x (500 warm-up + 4000) per target, -c 8 -m 1
+    python bench/overhead.py --rounds 1 -n 1000   # quick look
+
+Needs ``h2load`` (Debian: ``apt-get update && apt-get install -y nghttp2-client``);
+exits 2 with that command if it is missing. Ports: ``--base-port`` (default 19410)
+and the next two. Everything started is stopped on exit, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import re
+import resource
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Protocol
+
+import grpc
+import numpy as np
+import yaml
+from tritonclient.grpc import service_pb2
+
+from gateway.backends.local import LocalTriton
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples" / "orchid"
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+MODEL = "full-v18"
+DEMO_KEY = "orchid-demo-key-orchid"
+INSTALL_H2LOAD = "apt-get update && apt-get install -y nghttp2-client"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+TARGETS = ("direct", "passthrough", "gateway")
+
+
+# --------------------------------------------------------------------------- request
+
+
+def build_request(tokens: int, *, gateway: bool) -> bytes:
+    """One serialized ModelInferRequest for ``full-v18`` with ``tokens`` input ids."""
+    request = service_pb2.ModelInferRequest(model_name=MODEL)
+    tensor = request.inputs.add()
+    tensor.name = "INPUT_IDS"
+    tensor.datatype = "INT32"
+    tensor.shape.extend([1, tokens])
+    request.raw_input_contents.append(np.arange(tokens, dtype="<i4").tobytes())
+    request.outputs.add().name = "OUTPUT_IDS"
+    param = "orchid.max_output_tokens" if gateway else "max_output_tokens"
+    request.parameters[param].int64_param = 1
+    serialized: bytes = request.SerializeToString()
+    return serialized
+
+
+def grpc_frame(message: bytes) -> bytes:
+    """Length-prefixed gRPC message: compressed flag 0, 4-byte big-endian length, bytes."""
+    return struct.pack(">BI", 0, len(message)) + message
+
+
+def verify(address: str, message: bytes, metadata: Sequence[tuple[str, str]], calls: int = 10) -> int:
+    """Real gRPC calls; fails unless each is status OK with the one output.
+
+    Returns the smallest response frame seen (5-byte prefix included): the gateway's
+    responses carry per-request parameters, so their size varies by a few bytes."""
+    sizes = []
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(METHOD)
+        for _ in range(calls):
+            try:
+                raw: bytes = call(message, metadata=tuple(metadata), timeout=10.0)
+            except grpc.RpcError as error:
+                raise RuntimeError(f"{address}: {error.code().name}: {error.details()}") from error
+            response = service_pb2.ModelInferResponse.FromString(raw)
+            if [o.name for o in response.outputs] != ["OUTPUT_IDS"] or not response.raw_output_contents:
+                raise RuntimeError(f"{address}: unexpected response {response}")
+            sizes.append(len(raw) + 5)
+    return min(sizes)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat from field 3 (state) on; None if the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def all_stats() -> dict[int, list[str]]:
+    stats = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = proc_stat(int(entry.name))
+            if fields is not None:
+                stats[int(entry.name)] = fields
+    return stats
+
+
+def tree_cpu_s(root: int) -> float:
+    """utime+stime (all threads) of ``root`` and its live descendants, plus reaped children."""
+    stats = all_stats()
+    children: dict[int, list[int]] = {}
+    for child, child_fields in stats.items():
+        children.setdefault(int(child_fields[1]), []).append(child)
+    total = 0
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        fields = stats.get(pid)
+        if fields is None:
+            continue
+        # utime(14) stime(15) cutime(16) cstime(17): list index = field - 3
+        total += sum(int(v) for v in fields[11:15])
+        stack.extend(children.get(pid, ()))
+    return total / CLK_TCK
+
+
+def session_cpu_s(sid: int) -> float:
+    """utime+stime of every live process in session ``sid`` (Triton and its backend stubs)."""
+    total = 0
+    for fields in all_stats().values():
+        if int(fields[3]) == sid:
+            total += sum(int(v) for v in fields[11:13])
+    return total / CLK_TCK
+
+
+def port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Child:
+    """A proxy subprocess in its own session, with its output in a log file."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    ready_text: str
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=REPO,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            if self.ready_text in self.log_path.read_text(errors="replace"):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- h2load
+
+
+@dataclass
+class Run:
+    target: str
+    requests: int
+    succeeded: int
+    failed: int
+    grpc_errors: int
+    req_per_s: float
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    proxy_cpu_us: float | None
+    triton_cpu_us: float
+    client_cpu_us: float
+    raw: str = field(repr=False, default="")
+
+
+_FINISHED = re.compile(r"finished in ([\d.]+)(\w+), ([\d.]+) req/s")
+_REQUESTS = re.compile(
+    r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, (\d+) errored"
+)
+_DATA = re.compile(r"traffic: .*?\((\d+)\) total, .*?\((\d+)\) headers.*?\((\d+)\) data")
+_MEAN = re.compile(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)\b")
+
+
+def _to_ms(value: str, unit: str) -> float:
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+
+
+def h2load_args(
+    h2load: str, url: str, frame_file: Path, args: argparse.Namespace, n: int, auth: str | None
+) -> list[str]:
+    cmd = [
+        h2load,
+        "-n",
+        str(n),
+        "-c",
+        str(args.connections),
+        "-m",
+        str(args.streams),
+        "-t",
+        str(args.threads),
+        "--header",
+        "content-type: application/grpc",
+        "--header",
+        "te: trailers",
+    ]
+    if auth:
+        cmd += ["--header", f"authorization: Bearer {auth}"]
+    return [*cmd, "-d", str(frame_file), url]
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, round(q / 100.0 * len(sorted_values) + 0.5 - 1e-9))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def run_h2load(
+    target: str,
+    cmd: list[str],
+    log_file: Path,
+    frame_bytes: int,
+    proxy_pid: int | None,
+    triton_sid: int,
+) -> Run:
+    full = [*cmd[:-1], "--log-file", str(log_file), cmd[-1]]
+    proxy_before = tree_cpu_s(proxy_pid) if proxy_pid else 0.0
+    triton_before = session_cpu_s(triton_sid)
+    client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(full, capture_output=True, text=True, check=False)
+    client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    triton_after = session_cpu_s(triton_sid)
+    proxy_after = tree_cpu_s(proxy_pid) if proxy_pid else 0.0
+    text = out.stdout + out.stderr
+    finished, counts, traffic = _FINISHED.search(text), _REQUESTS.search(text), _DATA.search(text)
+    if out.returncode != 0 or not (finished and counts and traffic):
+        raise RuntimeError(f"h2load failed for {target} (exit {out.returncode}):\n{text[-3000:]}")
+    total, succeeded, failed, errored = (int(counts.group(i)) for i in (1, 4, 5, 6))
+    data_bytes = int(traffic.group(3))
+    # gRPC errors are HTTP 200 with trailers only, no message: a shortfall of DATA bytes against
+    # ``succeeded`` OK responses means errors (estimate; 2 % slack for varying response sizes).
+    ok_estimate = min(succeeded, round(data_bytes / frame_bytes))
+    grpc_errors = 0 if data_bytes >= 0.98 * succeeded * frame_bytes else succeeded - ok_estimate
+    durations = []
+    for line in log_file.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 3 and parts[1].startswith("2"):
+            durations.append(int(parts[2]) / 1000.0)
+    durations.sort()
+    mean = _MEAN.search(text)
+    good = max(succeeded - grpc_errors, 1)
+    client_cpu = (client_after.ru_utime + client_after.ru_stime) - (
+        client_before.ru_utime + client_before.ru_stime
+    )
+    return Run(
+        target=target,
+        requests=total,
+        succeeded=succeeded - grpc_errors,
+        failed=failed + errored + grpc_errors,
+        grpc_errors=grpc_errors,
+        req_per_s=float(finished.group(3)),
+        p50_ms=percentile(durations, 50),
+        p99_ms=percentile(durations, 99),
+        mean_ms=_to_ms(mean.group(1), mean.group(2)) if mean else float("nan"),
+        proxy_cpu_us=(proxy_after - proxy_before) * 1e6 / good if proxy_pid else None,
+        triton_cpu_us=(triton_after - triton_before) * 1e6 / good,
+        client_cpu_us=client_cpu * 1e6 / good,
+        raw=text,
+    )
+
+
+# --------------------------------------------------------------------------- report
+
+
+def median_run(runs: list[Run]) -> Run:
+    def med(values: list[float]) -> float:
+        return float(statistics.median(values))
+
+    proxies = [r.proxy_cpu_us for r in runs if r.proxy_cpu_us is not None]
+    return Run(
+        target=runs[0].target,
+        requests=sum(r.requests for r in runs),
+        succeeded=sum(r.succeeded for r in runs),
+        failed=sum(r.failed for r in runs),
+        grpc_errors=sum(r.grpc_errors for r in runs),
+        req_per_s=med([r.req_per_s for r in runs]),
+        p50_ms=med([r.p50_ms for r in runs]),
+        p99_ms=med([r.p99_ms for r in runs]),
+        mean_ms=med([r.mean_ms for r in runs]),
+        proxy_cpu_us=med(proxies) if proxies else None,
+        triton_cpu_us=med([r.triton_cpu_us for r in runs]),
+        client_cpu_us=med([r.client_cpu_us for r in runs]),
+    )
+
+
+def render(rows: list[Run]) -> str:
+    header = (
+        f"{'target':<12} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} "
+        f"{'proxy CPU-us/req':>17} {'triton CPU-us/req':>18} {'h2load CPU-us/req':>18} "
+        f"{'succeeded/failed':>17} {'grpc err':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        proxy = f"{r.proxy_cpu_us:.0f}" if r.proxy_cpu_us is not None else "-"
+        lines.append(
+            f"{r.target:<12} {r.req_per_s:>8.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.mean_ms:>8.2f} "
+            f"{proxy:>17} {r.triton_cpu_us:>18.0f} {r.client_cpu_us:>18.0f} "
+            f"{f'{r.succeeded}/{r.failed}':>17} {r.grpc_errors:>9}"
+        )
+    by = {r.target: r for r in rows}
+    gw = by.get("gateway")
+    if gw is not None:
+        lines.append("")
+        for base in ("direct", "passthrough"):
+            ref = by.get(base)
+            if ref is None:
+                continue
+            line = f"gateway/{base:<12} req/s x{gw.req_per_s / ref.req_per_s:.2f}"
+            line += f"   p50 x{gw.p50_ms / ref.p50_ms:.2f}   p99 x{gw.p99_ms / ref.p99_ms:.2f}"
+            if gw.proxy_cpu_us and ref.proxy_cpu_us:
+                line += f"   proxy CPU/req x{gw.proxy_cpu_us / ref.proxy_cpu_us:.2f}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def write_gateway_config(path: Path, listen_port: int, triton_address: str) -> None:
+    example = yaml.safe_load((EXAMPLES / "gateway.yaml").read_text())
+    config = {
+        "listen": f"127.0.0.1:{listen_port}",
+        "tenants_file": str(EXAMPLES / "tenants.yaml"),
+        "routes_dir": str(REPO / "routes"),
+        "backends": [
+            {
+                "name": "bench",
+                "address": triton_address,
+                "labels": {"cell": "eu-restricted", "device_group": "bench"},
+                "devices": 4,
+            }
+        ],
+        "classes": example["classes"],
+        "default_class": example.get("default_class", "interactive"),
+        "limits": example.get("limits", {}),
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def gateway_command() -> str:
+    local = Path(sys.executable).parent / "orchid-gateway"
+    found = str(local) if local.exists() else shutil.which("orchid-gateway")
+    if not found:
+        raise RuntimeError("orchid-gateway is not on PATH: `pip install -e .` in the repository")
+    return found
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-n", "--requests", type=int, default=4000, help="measured requests per target")
+    parser.add_argument(
+        "-w", "--warmup", type=int, default=500, help="warm-up requests per target (not measured)"
+    )
+    parser.add_argument("-c", "--connections", type=int, default=8, help="h2load -c")
+    parser.add_argument(
+        "-m", "--streams", type=int, default=1, help="h2load -m (concurrent streams per connection)"
+    )
+    parser.add_argument("-t", "--threads", type=int, default=1, help="h2load -t")
+    parser.add_argument("--tokens", type=int, default=256, help="INPUT_IDS length")
+    parser.add_argument(
+        "--time-factor", type=float, default=0.0, help="emulator sleep multiplier (0 = no model cost)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="alternate the targets this many times; report medians"
+    )
+    parser.add_argument("--base-port", type=int, default=19410, help="Triton; +1 passthrough; +2 gateway")
+    parser.add_argument(
+        "--targets", default=",".join(TARGETS), help="comma-separated subset of " + ",".join(TARGETS)
+    )
+    parser.add_argument("--model-repository", type=Path, default=EXAMPLES / "model_repository")
+    parser.add_argument("--gateway-log-level", default="WARNING", help="orchid-gateway serve --log-level")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, h2load logs)")
+    args = parser.parse_args(argv)
+    args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = set(args.targets) - set(TARGETS)
+    if unknown or not args.targets:
+        parser.error(f"--targets: unknown {sorted(unknown)}; choose from {', '.join(TARGETS)}")
+    return args
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def workdir(keep: bool) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="orchid-overhead-"))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"work directory kept: {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def bench(
+    args: argparse.Namespace, h2load: str, ports: dict[str, int], work: Path, started: list[Stoppable]
+) -> int:
+    """Start Triton and the proxies (appending each to ``started``), verify, measure, print."""
+    triton = LocalTriton(
+        args.model_repository.resolve(),
+        work / "triton",
+        grpc_port=ports["triton"],
+        time_factor=args.time_factor,
+    )
+    started.append(triton)
+    began = time.monotonic()
+    triton.start()
+    print(f"triton ready on {triton.address} ({time.monotonic() - began:.1f}s)", flush=True)
+    triton_process = triton._process  # the server's pid is also its session id (start_new_session)
+    assert triton_process is not None
+    triton_sid = triton_process.pid
+
+    plain, hinted = build_request(args.tokens, gateway=False), build_request(args.tokens, gateway=True)
+    frames = {"plain": work / "request.grpc", "gateway": work / "request-gateway.grpc"}
+    frames["plain"].write_bytes(grpc_frame(plain))
+    frames["gateway"].write_bytes(grpc_frame(hinted))
+
+    proxies: dict[str, Child] = {}
+    if "passthrough" in args.targets:
+        proxies["passthrough"] = Child(
+            "passthrough",
+            [
+                sys.executable,
+                str(REPO / "bench" / "passthrough.py"),
+                f"--listen=127.0.0.1:{ports['passthrough']}",
+                f"--upstream={triton.address}",
+            ],
+            work / "passthrough.log",
+            "passthrough ready on",
+        )
+    if "gateway" in args.targets:
+        config_path = work / "gateway.yaml"
+        write_gateway_config(config_path, ports["gateway"], triton.address)
+        proxies["gateway"] = Child(
+            "gateway",
+            [gateway_command(), "serve", "--config", str(config_path), "--log-level", args.gateway_log_level],
+            work / "gateway.log",
+            "orchid-gateway ready on",
+        )
+    for child in proxies.values():
+        started.append(child)
+        child.start()
+        print(f"{child.name} ready (pid {child.pid})", flush=True)
+
+    auth = {"gateway": DEMO_KEY}
+    addresses = {"direct": triton.address, **{name: f"127.0.0.1:{ports[name]}" for name in proxies}}
+    frame_sizes: dict[str, int] = {}
+    for target in args.targets:
+        message = hinted if target == "gateway" else plain
+        metadata = [("authorization", f"Bearer {auth[target]}")] if target in auth else []
+        frame_sizes[target] = verify(addresses[target], message, metadata)
+        print(f"verified {target}: grpc-status 0, response frame {frame_sizes[target]} bytes", flush=True)
+
+    runs: dict[str, list[Run]] = {t: [] for t in args.targets}
+    for round_no in range(1, args.rounds + 1):
+        for target in args.targets:
+            url = f"http://{addresses[target]}{METHOD}"
+            frame = frames["gateway" if target == "gateway" else "plain"]
+            if args.warmup:
+                warm = h2load_args(h2load, url, frame, args, args.warmup, auth.get(target))
+                subprocess.run(warm, capture_output=True, check=False)
+            cmd = h2load_args(h2load, url, frame, args, args.requests, auth.get(target))
+            if round_no == 1:
+                print("  $ " + " ".join(f"'{a}'" if " " in a else a for a in cmd), flush=True)
+            proxy_pid = proxies[target].pid if target in proxies else None
+            log_file = work / f"h2load-{target}-{round_no}.log"
+            run = run_h2load(target, cmd, log_file, frame_sizes[target], proxy_pid, triton_sid)
+            runs[target].append(run)
+            print(
+                f"round {round_no} {target}: {run.req_per_s:.0f} req/s, p50 {run.p50_ms:.2f} ms, "
+                f"{run.succeeded}/{run.failed} ok/failed",
+                flush=True,
+            )
+            if run.failed:
+                print(run.raw[-1500:], flush=True)
+                if target in proxies:
+                    print(f"--- {target} log tail ---\n{proxies[target].log_tail()}", flush=True)
+
+    rows = [median_run(runs[t]) for t in args.targets]
+    print()
+    print("load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    if args.rounds > 1:
+        print(f"medians over {args.rounds} rounds; succeeded/failed summed")
+    print(render(rows))
+    return 1 if any(r.failed for r in rows) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    h2load = shutil.which("h2load")
+    if h2load is None:
+        print(f"h2load not found; install it with:\n    {INSTALL_H2LOAD}", file=sys.stderr)
+        return 2
+    ports = {"triton": args.base_port, "passthrough": args.base_port + 1, "gateway": args.base_port + 2}
+    busy = [f"{name}={port}" for name, port in ports.items() if not port_free(port)]
+    if busy:
+        print(f"ports in use: {', '.join(busy)}; pick another --base-port", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    version = subprocess.run(
+        [h2load, "--version"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    print(
+        f"machine: nproc={os.cpu_count()} python={platform.python_version()} {platform.machine()}"
+        f" | {version}\n"
+        f"load: -n {args.requests} (+{args.warmup} warm-up) -c {args.connections} -m {args.streams} "
+        f"-t {args.threads}, rounds {args.rounds}; model {MODEL} INPUT_IDS [1,{args.tokens}], "
+        f"time factor {args.time_factor}\n"
+        "load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
+        flush=True,
+    )
+    started: list[Stoppable] = []
+    try:
+        with workdir(args.keep) as work:
+            try:
+                return bench(args, h2load, ports, work, started)
+            finally:
+                # Stop everything before the work directory goes; a second Ctrl-C or a
+                # SIGTERM must not cut the cleanup short.
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                for process in reversed(started):
+                    process.stop()
+    except KeyboardInterrupt:
+        print("\ninterrupted; everything started was stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as error:
+        print(f"overhead: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

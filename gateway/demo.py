@@ -1,0 +1,774 @@
+"""``orchid-gateway demo``: one command from nothing to a working stack and a readable report.
+
+Owns the demo workload and its report. It starts the local stack in-process (a
+``GatewayServer`` from the config, which supervises the embedded Triton), waits
+until the gateway and its models are ready, drives a short mixed workload through
+the gateway with *unmodified* ``tritonclient.grpc`` (the sync client from a
+bounded thread pool, ``tritonclient.grpc.aio`` on the event loop, and
+``start_stream``/``async_stream_infer`` for the streaming model) from the demo
+tenants, and prints what happened: per tenant and class the requests admitted,
+served by a fallback and rejected (grouped by gRPC status and the deciding
+``orchid-rule``), client-side latency percentiles of admitted requests, and the
+provenance parameters of one response per model. Then it shuts the stack down.
+
+The workload mixes what a reviewer wants to see: orchid interactive short (256
+input tokens) and long (4,096) requests, batch-class requests, a streaming
+model, lumen interactive shorts, and requests that are wrong on purpose (a model
+the tenant may not see, a deadline too tight for a long prompt, an unknown
+credential, an output limit over the tenant's cap) so rejections show with their
+reasons. Arrivals are Poisson at a moderate rate with a bounded number in flight,
+so it runs on a two-core machine.
+
+Exit codes: 0 the workload ran and something was admitted; 1 nothing was
+admitted; 2 usage or configuration error; 3 the stack could not start.
+
+Nothing here is part of the request path: this module only *uses* the gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import re
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from gateway import __version__
+from gateway.backends.local import TritonStartError
+from gateway.config import GatewayConfig, load_gateway_config
+from gateway.errors import ConfigError
+from gateway.server import GatewayServer
+
+log = logging.getLogger("orchid.demo")
+
+DEFAULT_CONFIG = Path("examples/orchid/gateway.yaml")
+
+# Clear-text demo keys, as printed in examples/orchid/tenants.yaml. DEMO KEYS ONLY.
+DEMO_KEYS: dict[str, str] = {
+    "orchid": "orchid-demo-key-orchid",
+    "lumen": "orchid-demo-key-lumen",
+    "ops": "orchid-demo-key-ops",
+}
+UNKNOWN_TENANT = "(unknown)"
+UNKNOWN_KEY = "orchid-demo-key-nobody"
+
+# full-v18 at 4,096 input + 64 output tokens, in accelerator-ms at time factor 1 (the seed's figure
+# for 128 output tokens is 467.6 ms; the demo's long requests ask for the route default of 64).
+LONG_REQUEST_MS = 4.4 + 0.1 * 4096 + 0.41875 * 64
+
+FINAL_PARAMETER = "triton_final_response"
+OK = "OK"
+
+
+# --------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One kind of request in the mix."""
+
+    name: str
+    tenant: str
+    request_class: str
+    model: str
+    tokens: int
+    client: str  # "sync" | "aio" | "stream"
+    weight: float
+    max_output_tokens: int | None = None
+    timeout_s: float | None = None  # gRPC deadline (tritonclient client_timeout); None = class default
+    allow_fallback: bool | None = None
+    batched: bool = True  # INPUT_IDS is [1, N] (batched models) or [N] (the stream model)
+    expect: str = OK  # what a correct gateway answers (deliberately bad requests expect a rejection)
+
+    @property
+    def key(self) -> str:
+        return DEMO_KEYS.get(self.tenant, UNKNOWN_KEY)
+
+    def parameters(self) -> dict[str, str | int | bool]:
+        params: dict[str, str | int | bool] = {"orchid.class": self.request_class}
+        if self.max_output_tokens is not None:
+            params["orchid.max_output_tokens"] = self.max_output_tokens
+        if self.allow_fallback is not None:
+            params["orchid.allow_fallback"] = self.allow_fallback
+        return params
+
+
+def build_scenarios(time_factor: float) -> tuple[Scenario, ...]:
+    """The demo mix. Deadlines that must relate to execution time scale with the emulator's
+    time factor, so the same story plays at any speed: a long request with a sensible deadline
+    is admitted, the same request with half its predicted execution time is refused at admission."""
+    long_s = LONG_REQUEST_MS * time_factor / 1000.0
+    return (
+        Scenario(
+            "short 256 tok", "orchid", "interactive", "full-v18", 256, "sync", 0.30, allow_fallback=True
+        ),
+        Scenario(
+            "long 4096 tok",
+            "orchid",
+            "interactive",
+            "full-v18",
+            4096,
+            "aio",
+            0.08,
+            timeout_s=0.25 + 4.0 * long_s,
+        ),
+        Scenario("compact 256 tok", "orchid", "interactive", "compact-v11", 256, "sync", 0.05),
+        Scenario(
+            "stream 256 tok",
+            "orchid",
+            "interactive",
+            "full-v18-stream",
+            256,
+            "stream",
+            0.07,
+            max_output_tokens=32,
+            batched=False,
+        ),
+        Scenario("batch 1024 tok", "orchid", "batch", "full-v18", 1024, "aio", 0.08, max_output_tokens=128),
+        Scenario("short 256 tok", "lumen", "interactive", "full-v18", 256, "sync", 0.25),
+        # Wrong on purpose: each names the status a correct gateway answers.
+        Scenario(
+            "compact (not allowed)",
+            "lumen",
+            "interactive",
+            "compact-v11",
+            256,
+            "sync",
+            0.04,
+            expect="NOT_FOUND",
+        ),
+        Scenario(
+            "long, tight deadline",
+            "orchid",
+            "interactive",
+            "full-v18",
+            4096,
+            "aio",
+            0.04,
+            timeout_s=max(0.002, 0.5 * long_s),
+            expect="DEADLINE_EXCEEDED",
+        ),
+        Scenario(
+            "unknown credential",
+            UNKNOWN_TENANT,
+            "interactive",
+            "full-v18",
+            256,
+            "aio",
+            0.03,
+            expect="UNAUTHENTICATED",
+        ),
+        Scenario(
+            "output over cap",
+            "lumen",
+            "interactive",
+            "full-v18",
+            256,
+            "sync",
+            0.03,
+            max_output_tokens=512,
+            expect="INVALID_ARGUMENT",
+        ),
+    )
+
+
+def token_array(tokens: int, batched: bool, salt: int) -> np.ndarray[Any, np.dtype[np.int32]]:
+    data = ((np.arange(tokens, dtype=np.int64) * 31 + salt) % 32000).astype(np.int32)
+    return data.reshape(1, tokens) if batched else data
+
+
+def make_inputs(scenario: Scenario, salt: int) -> list[grpcclient.InferInput]:
+    data = token_array(scenario.tokens, scenario.batched, salt)
+    tensor = grpcclient.InferInput("INPUT_IDS", list(data.shape), "INT32")
+    tensor.set_data_from_numpy(data)
+    return [tensor]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+# --------------------------------------------------------------------------- outcomes
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the client saw for one request."""
+
+    scenario: Scenario
+    status: str  # "OK" or a gRPC status name
+    latency_s: float
+    rule: str = ""  # orchid-rule trailing metadata, when the client could see it
+    retry_after_ms: str = ""
+    message: str = ""
+    provenance: dict[str, str] = field(default_factory=dict)
+    first_token_s: float | None = None
+    tokens: int = 0
+
+    @property
+    def admitted(self) -> bool:
+        return self.status == OK
+
+    @property
+    def fallback(self) -> bool:
+        return self.admitted and self.provenance.get("orchid.approximation") == "fallback"
+
+
+def parameter_value(param: Any) -> str:
+    kind = param.WhichOneof("parameter_choice")
+    if kind is None:
+        return ""
+    value = getattr(param, kind)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def provenance_of(response: Any) -> dict[str, str]:
+    """All ``orchid.*`` response parameters of a ModelInferResponse."""
+    return {
+        key: parameter_value(value)
+        for key, value in sorted(response.parameters.items())
+        if key.startswith("orchid.")
+    }
+
+
+_STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
+
+
+def status_name(raw: str | None) -> str:
+    """tritonclient reports ``StatusCode.NOT_FOUND``; the summary says ``NOT_FOUND``."""
+    if not raw:
+        return "UNKNOWN"
+    name = raw.rsplit(".", 1)[-1]
+    return name if name in _STATUS_NAMES else raw
+
+
+def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str:
+    for item in metadata or ():
+        k, v = (item.key, item.value) if hasattr(item, "key") else item
+        if k == key:
+            return v.decode("latin-1") if isinstance(v, bytes) else str(v)
+    return ""
+
+
+def error_outcome(scenario: Scenario, error: BaseException, latency_s: float) -> Outcome:
+    """Turn what tritonclient raised into an outcome.
+
+    tritonclient converts a failed RPC into ``InferenceServerException`` (status + message) inside
+    its ``except grpc.RpcError`` block, so the original RPC error is the exception's ``__context__``:
+    the trailing metadata (``orchid-rule``, ``retry-after-ms``) is read from there when present.
+    """
+    if isinstance(error, InferenceServerException):
+        status = status_name(error.status())
+        message = error.message() or ""
+    else:
+        status = "CLIENT_ERROR"
+        message = f"{type(error).__name__}: {error}"
+    rule = retry = ""
+    context = error.__context__
+    if isinstance(context, grpc.RpcError) and hasattr(context, "trailing_metadata"):
+        with contextlib.suppress(Exception):
+            trailing = context.trailing_metadata()
+            rule = _metadata_value(trailing, "orchid-rule")
+            retry = _metadata_value(trailing, "retry-after-ms")
+    return Outcome(scenario, status, latency_s, rule=rule, retry_after_ms=retry, message=message)
+
+
+def stream_error_outcome(scenario: Scenario, error: BaseException, latency_s: float) -> Outcome:
+    """A per-request stream error: the gateway writes ``STATUS: message`` into ``error_message``."""
+    outcome = error_outcome(scenario, error, latency_s)
+    head, sep, rest = outcome.message.partition(":")
+    if sep and head.strip() in _STATUS_NAMES:
+        outcome.status = head.strip()
+        outcome.message = rest.strip()
+    elif outcome.status == "UNKNOWN":
+        outcome.status = "STREAM_ERROR"
+    return outcome
+
+
+# --------------------------------------------------------------------------- clients
+
+
+class _SyncClients:
+    """One sync ``InferenceServerClient`` per worker thread (a client holds at most one stream)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._local = threading.local()
+        self._all: list[grpcclient.InferenceServerClient] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> grpcclient.InferenceServerClient:
+        client: grpcclient.InferenceServerClient | None = getattr(self._local, "client", None)
+        if client is None:
+            client = grpcclient.InferenceServerClient(self.url)
+            self._local.client = client
+            with self._lock:
+                self._all.append(client)
+        return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._all = self._all, []
+        for client in clients:
+            with contextlib.suppress(Exception):
+                client.close()
+
+
+def sync_call(clients: _SyncClients, scenario: Scenario, salt: int) -> Outcome:
+    client = clients.get()
+    inputs = make_inputs(scenario, salt)
+    started = time.perf_counter()
+    try:
+        result = client.infer(
+            scenario.model,
+            inputs,
+            headers=bearer(scenario.key),
+            parameters=scenario.parameters(),
+            client_timeout=scenario.timeout_s,
+        )
+    except Exception as error:
+        return error_outcome(scenario, error, time.perf_counter() - started)
+    latency = time.perf_counter() - started
+    return Outcome(scenario, OK, latency, provenance=provenance_of(result.get_response()))
+
+
+def stream_call(clients: _SyncClients, scenario: Scenario, salt: int, *, wait_s: float = 30.0) -> Outcome:
+    """One streaming generation on its own stream: ``start_stream``, ``async_stream_infer``, wait for
+    the final response (``enable_empty_final_response``), ``stop_stream``."""
+    client = clients.get()
+    done = threading.Event()
+    state: dict[str, Any] = {"tokens": 0, "first": None, "final": None, "error": None}
+    started = time.perf_counter()
+
+    def callback(result: Any, error: Any) -> None:
+        now = time.perf_counter()
+        if error is not None:
+            if state["error"] is None:
+                state["error"] = (error, now - started)
+            done.set()
+            return
+        response = result.get_response()
+        if len(response.outputs) > 0:
+            state["tokens"] += 1
+            if state["first"] is None:
+                state["first"] = now - started
+        final = response.parameters.get(FINAL_PARAMETER)
+        if final is not None and final.bool_param:
+            state["final"] = (response, now - started)
+            done.set()
+
+    try:
+        client.start_stream(
+            callback=callback, headers=bearer(scenario.key), stream_timeout=scenario.timeout_s
+        )
+        client.async_stream_infer(
+            scenario.model,
+            make_inputs(scenario, salt),
+            request_id=f"demo-{salt}",
+            parameters=scenario.parameters(),
+            enable_empty_final_response=True,
+        )
+        if not done.wait(wait_s):
+            return Outcome(
+                scenario,
+                "CLIENT_TIMEOUT",
+                time.perf_counter() - started,
+                message=f"no final response within {wait_s:.0f} s",
+            )
+    except Exception as error:
+        return error_outcome(scenario, error, time.perf_counter() - started)
+    finally:
+        with contextlib.suppress(Exception):
+            client.stop_stream()
+    if state["error"] is not None:
+        failure, latency = state["error"]
+        return stream_error_outcome(scenario, failure, latency)
+    response, latency = state["final"]
+    return Outcome(
+        scenario,
+        OK,
+        latency,
+        provenance=provenance_of(response),
+        first_token_s=state["first"],
+        tokens=state["tokens"],
+    )
+
+
+async def aio_call(client: aioclient.InferenceServerClient, scenario: Scenario, salt: int) -> Outcome:
+    inputs = make_inputs(scenario, salt)
+    started = time.perf_counter()
+    try:
+        result = await client.infer(
+            scenario.model,
+            inputs,
+            headers=bearer(scenario.key),
+            parameters=scenario.parameters(),
+            client_timeout=scenario.timeout_s,
+        )
+    except Exception as error:
+        return error_outcome(scenario, error, time.perf_counter() - started)
+    latency = time.perf_counter() - started
+    return Outcome(scenario, OK, latency, provenance=provenance_of(result.get_response()))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSettings:
+    duration_s: float
+    rate: float  # offered requests per second, all tenants together (Poisson)
+    workers: int  # bound on requests in flight (and sync worker threads)
+    seed: int
+    drain_s: float = 30.0
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    outcomes: list[Outcome]
+    offered: int
+    elapsed_s: float
+    unfinished: int
+
+
+async def drive(address: str, scenarios: Sequence[Scenario], settings: WorkloadSettings) -> WorkloadResult:
+    """Poisson arrivals for ``duration_s``; each arrival picks a scenario by weight and waits for
+    a free slot among ``workers`` (so offered load degrades to closed-loop rather than piling up)."""
+    rng = random.Random(settings.seed)
+    weights = [s.weight for s in scenarios]
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="demo-client")
+    clients = _SyncClients(address)
+    aio = aioclient.InferenceServerClient(address)
+    slots = asyncio.Semaphore(settings.workers)
+    tasks: set[asyncio.Task[Outcome]] = set()
+    outcomes: list[Outcome] = []
+
+    async def one(scenario: Scenario, salt: int) -> Outcome:
+        try:
+            if scenario.client == "aio":
+                return await aio_call(aio, scenario, salt)
+            call: Callable[[_SyncClients, Scenario, int], Outcome] = (
+                stream_call if scenario.client == "stream" else sync_call
+            )
+            return await loop.run_in_executor(pool, call, clients, scenario, salt)
+        finally:
+            slots.release()
+
+    started = time.perf_counter()
+    end = started + settings.duration_s
+    offered = 0
+    next_at = started + rng.expovariate(settings.rate)
+    try:
+        while next_at < end:
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            await slots.acquire()
+            scenario = rng.choices(scenarios, weights)[0]
+            offered += 1
+            task = loop.create_task(one(scenario, offered))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            task.add_done_callback(lambda t: outcomes.append(t.result()) if not t.cancelled() else None)
+            next_at += rng.expovariate(settings.rate)
+        unfinished = 0
+        if tasks:
+            _, pending = await asyncio.wait(set(tasks), timeout=settings.drain_s)
+            unfinished = len(pending)
+            for task in pending:
+                task.cancel()
+        elapsed = time.perf_counter() - started
+    finally:
+        with contextlib.suppress(Exception):
+            await aio.close()
+        # Worker threads blocked on a call are released when the server stops; don't wait here.
+        pool.shutdown(wait=False, cancel_futures=True)
+        clients.close()
+    return WorkloadResult(outcomes, offered, elapsed, unfinished)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+_NUMBER = re.compile(r"(?<![\w.-])\d+(?:\.\d+)?")
+
+
+def reason_of(outcome: Outcome) -> str:
+    """How rejections are grouped: the deciding rule when the client saw one, else the message
+    with its numbers blanked (so '512 exceeds ... 256' and '600 exceeds ... 256' group together)."""
+    if outcome.rule:
+        return f"rule {outcome.rule}"
+    text = _NUMBER.sub("#", outcome.message.strip()) or "(no message)"
+    return text if len(text) <= 72 else text[:69] + "..."
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 1000.0:.1f}"
+
+
+def _table(rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(widths[i]) if i in right else cell.ljust(widths[i]) for i, cell in enumerate(row)]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return lines
+
+
+def summarize(result: WorkloadResult, settings: WorkloadSettings) -> str:
+    outcomes = result.outcomes
+    lines: list[str] = []
+    admitted = sum(o.admitted for o in outcomes)
+    lines.append(
+        f"workload: {result.offered} requests offered in {result.elapsed_s:.1f} s "
+        f"(Poisson {settings.rate:g} req/s, at most {settings.workers} in flight, seed {settings.seed}); "
+        f"{len(outcomes)} answered, {admitted} admitted"
+        + (f", {result.unfinished} unfinished at shutdown" if result.unfinished else "")
+    )
+
+    # Per tenant/class, then per scenario within it.
+    groups: dict[tuple[str, str], list[Outcome]] = defaultdict(list)
+    for o in outcomes:
+        groups[(o.scenario.tenant, o.scenario.request_class)].append(o)
+    header = (
+        "tenant/class",
+        "requests",
+        "sent",
+        "admitted",
+        "fallback",
+        "rejected",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+    )
+    rows: list[tuple[str, ...]] = [header]
+
+    def row(label: str, name: str, items: list[Outcome]) -> tuple[str, ...]:
+        ok = [o.latency_s for o in items if o.admitted]
+        return (
+            label,
+            name,
+            str(len(items)),
+            str(len(ok)),
+            str(sum(o.fallback for o in items)),
+            str(sum(not o.admitted for o in items)),
+            _ms(percentile(ok, 50)),
+            _ms(percentile(ok, 95)),
+            _ms(percentile(ok, 99)),
+        )
+
+    for (tenant, cls), items in sorted(groups.items()):
+        rows.append(row(f"{tenant}/{cls}", "(all)", items))
+        by_scenario: dict[str, list[Outcome]] = defaultdict(list)
+        for o in items:
+            by_scenario[f"{o.scenario.name} -> {o.scenario.model}"].append(o)
+        for name, scenario_items in sorted(by_scenario.items()):
+            rows.append(row("", name, scenario_items))
+    lines.append("")
+    lines.append("per tenant / class (latency: client-side, admitted requests only)")
+    lines.extend(_table(rows, right=frozenset(range(2, 9))))
+
+    streams = [o for o in outcomes if o.admitted and o.first_token_s is not None]
+    if streams:
+        ttft = [o.first_token_s for o in streams if o.first_token_s is not None]
+        lines.append(
+            f"  streams: {len(streams)} completed, {sum(o.tokens for o in streams)} tokens; "
+            f"time to first token p50 {_ms(percentile(ttft, 50))} ms, p95 {_ms(percentile(ttft, 95))} ms"
+        )
+
+    rejected = [o for o in outcomes if not o.admitted]
+    lines.append("")
+    if rejected:
+        lines.append("rejections by gRPC status and orchid-rule (or reason)")
+        counts: Counter[tuple[str, str, str]] = Counter()
+        samples: dict[tuple[str, str, str], Outcome] = {}
+        for o in rejected:
+            key = (f"{o.scenario.tenant}/{o.scenario.request_class}", o.status, reason_of(o))
+            counts[key] += 1
+            samples.setdefault(key, o)
+        reject_rows: list[tuple[str, ...]] = [
+            ("tenant/class", "status", "count", "rule / reason", "on purpose")
+        ]
+        for key, count in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1])):
+            sample = samples[key]
+            on_purpose = sample.scenario.name if sample.scenario.expect == sample.status else ""
+            reject_rows.append((key[0], key[1], str(count), key[2], on_purpose))
+        lines.extend(_table(reject_rows, right=frozenset({2})))
+        lines.append("  sample messages:")
+        seen: set[tuple[str, str]] = set()
+        for key in sorted(counts):
+            sample = samples[key]
+            if (key[1], key[2]) in seen:
+                continue
+            seen.add((key[1], key[2]))
+            extra = f" [retry-after-ms {sample.retry_after_ms}]" if sample.retry_after_ms else ""
+            lines.append(f"    {key[1]}: {sample.message}{extra}")
+        unexpected = [o for o in outcomes if o.scenario.expect != OK and o.status != o.scenario.expect]
+        if unexpected:
+            names = Counter(f"{o.scenario.name} got {o.status}" for o in unexpected)
+            lines.append(
+                "  NOTE deliberately bad requests answered differently than expected: "
+                + "; ".join(f"{k} x{v}" for k, v in sorted(names.items()))
+            )
+    else:
+        lines.append("rejections: none")
+
+    lines.append("")
+    lines.append("provenance sample (orchid.* response parameters, one response per model)")
+    sampled: dict[str, Outcome] = {}
+    for o in outcomes:
+        if o.admitted and o.provenance:
+            sampled.setdefault(o.scenario.model, o)
+    if not sampled:
+        lines.append("  (no admitted responses)")
+    for model, o in sorted(sampled.items()):
+        lines.append(f"  {model} ({o.scenario.tenant}/{o.scenario.request_class}, {o.scenario.name}):")
+        width = max(len(k) for k in o.provenance)
+        for name, value in o.provenance.items():
+            lines.append(f"    {name.ljust(width)}  {value if value else '(empty)'}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- running
+
+
+async def wait_ready(address: str, models: Sequence[str], key: str, timeout_s: float) -> None:
+    """Until the gateway reports ready and every demo model is ready through it."""
+    client = aioclient.InferenceServerClient(address)
+    deadline = time.monotonic() + timeout_s
+    last = "not ready"
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if await client.is_server_ready():
+                    missing = [m for m in models if not await client.is_model_ready(m, headers=bearer(key))]
+                    if not missing:
+                        return
+                    last = f"models not ready: {', '.join(missing)}"
+            except InferenceServerException as error:
+                last = f"{status_name(error.status())}: {error.message()}"
+            await asyncio.sleep(0.2)
+    finally:
+        await client.close()
+    raise TimeoutError(f"gateway at {address} not ready after {timeout_s:.0f} s ({last})")
+
+
+def triton_version(address: str) -> str:
+    try:
+        client = grpcclient.InferenceServerClient(address)
+        try:
+            version = str(client.get_server_metadata(client_timeout=5.0).version)
+        finally:
+            client.close()
+    except Exception as error:
+        return f"(version unavailable: {type(error).__name__})"
+    return version
+
+
+def demo_config(config: GatewayConfig, time_factor: float | None) -> GatewayConfig:
+    if time_factor is None:
+        return config
+    if config.local_triton is None:
+        raise ConfigError("--time-factor", "", "the config has no local_triton to apply it to")
+    local = config.local_triton.model_copy(update={"time_factor": time_factor})
+    return config.model_copy(update={"local_triton": local})
+
+
+async def run_demo(
+    config: GatewayConfig, listen: str, settings: WorkloadSettings, ready_timeout_s: float
+) -> int:
+    time_factor = config.local_triton.time_factor if config.local_triton is not None else 1.0
+    scenarios = build_scenarios(time_factor)
+    models = sorted({s.model for s in scenarios if s.expect == OK})
+    server = GatewayServer(config, listen=listen)
+    try:
+        try:
+            await server.start()
+            await wait_ready(server.address, models, DEMO_KEYS["orchid"], ready_timeout_s)
+        except (TritonStartError, OSError, TimeoutError, grpc.RpcError) as error:
+            print(f"orchid-gateway demo: the stack failed to start: {error}", file=sys.stderr)
+            return 3
+        if server.local_triton is not None:
+            version = await asyncio.to_thread(triton_version, server.local_triton.address)
+            backend = f"local Triton {version} at {server.local_triton.address} (time factor {time_factor:g})"
+        else:
+            backend = f"backends {', '.join(b.name + '=' + b.address for b in config.backends)}"
+        print(f"orchid-gateway {__version__} demo: gateway on {server.address} -> {backend}", flush=True)
+        print(f"driving the demo workload for {settings.duration_s:g} s ...", flush=True)
+        result = await drive(server.address, scenarios, settings)
+    finally:
+        with contextlib.suppress(Exception):
+            await server.stop()
+    print(summarize(result, settings), flush=True)
+    if not any(o.admitted for o in result.outcomes):
+        print("orchid-gateway demo: no request was admitted", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help=f"gateway YAML (default: {DEFAULT_CONFIG})"
+    )
+    parser.add_argument("--duration", type=float, default=15.0, help="seconds of offered load (default 15)")
+    parser.add_argument(
+        "--time-factor",
+        type=float,
+        default=None,
+        help="override local_triton.time_factor (the emulator's sleep multiplier)",
+    )
+    parser.add_argument("--rate", type=float, default=20.0, help="offered requests per second (default 20)")
+    parser.add_argument("--workers", type=int, default=16, help="most requests in flight (default 16)")
+    parser.add_argument("--seed", type=int, default=7, help="workload random seed (default 7)")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="gateway HOST:PORT (default: a free port)")
+    parser.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for readiness")
+    parser.add_argument("--log-level", default="WARNING", help="gateway log level (default WARNING)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.duration <= 0 or args.rate <= 0 or args.workers < 1:
+        print("orchid-gateway demo: --duration and --rate must be > 0, --workers >= 1", file=sys.stderr)
+        return 2
+    if args.time_factor is not None and args.time_factor < 0:
+        print("orchid-gateway demo: --time-factor must be >= 0", file=sys.stderr)
+        return 2
+    settings = WorkloadSettings(
+        duration_s=args.duration, rate=args.rate, workers=args.workers, seed=args.seed
+    )
+    try:
+        config = demo_config(load_gateway_config(args.config), args.time_factor)
+    except ConfigError as error:
+        print(f"orchid-gateway demo: invalid configuration: {error}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run_demo(config, args.listen, settings, args.ready_timeout))
+    except ConfigError as error:  # cross-file checks happen at start
+        print(f"orchid-gateway demo: invalid configuration: {error}", file=sys.stderr)
+        return 2

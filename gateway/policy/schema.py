@@ -1,0 +1,509 @@
+"""The policy input schema: everything a CEL rule can read, declared once.
+
+This module owns the names, CEL types, origins and meanings of the variables
+policy authors write (``request.privacy_cell``, ``budget.slack_ms``,
+``tenant.available_accelerator_ms`` ...), the ``PolicyContext`` that carries
+the non-record inputs (tenant, route, load, backends), and the functions that
+turn a ``RequestRecord`` plus a ``PolicyContext`` into CEL input. The same
+declarations type-check expressions at load (both engines), build the
+activation at evaluation, validate test-case inputs, and render the author
+docs table (``render_schema_markdown``). Nothing else declares a variable.
+
+Names are dotted CEL identifiers (``request.class``). They are declared to the
+engine as qualified variables, not as message fields, so an unknown field is an
+"undeclared reference" at load, never a silent ``null`` at runtime.
+
+Typing is strict, like CEL itself: ``int`` fields are Python ``int`` and
+``double`` fields Python ``float`` - always, whatever the record holds. CEL
+has no implicit int/double conversion: ``budget.slack_ms < 0`` does not type
+check (write ``0.0``), ``shape.input_tokens > 2048.0`` neither (write
+``2048``); convert explicitly with ``double(x)`` / ``int(x)``.
+
+Backend fields (``backend.*``) exist only for routing-stage rules, which are
+evaluated once per candidate backend. Nothing here performs I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gateway.record import RequestRecord
+
+
+class Origin(StrEnum):
+    """Who controls a value: the trust level authors must keep in mind."""
+
+    CALLER = "caller"  # request parameters or tensors: attacker-controlled
+    CREDENTIAL = "credential"  # derived from the authenticated credential
+    GATEWAY = "gateway"  # classification, estimates, live load: computed by the gateway
+    CONFIG = "config"  # tenant / route / backend configuration shipped as data
+
+
+# CEL types in the notation the checker prints (``list(string)``).
+BOOL = "bool"
+INT = "int"
+DOUBLE = "double"
+STRING = "string"
+LIST_STRING = "list(string)"
+MAP_STRING_STRING = "map(string, string)"
+DYN = "dyn"
+
+
+# ---------------------------------------------------------------------------
+# Non-record inputs
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QualityEvidence:
+    """Validated quality of the route's models on a named evaluation population.
+
+    The seed's fixture: full 0.92, compact 0.86, floor 0.84. Without evidence
+    (the defaults) a fallback cannot clear a floor of 1.0.
+    """
+
+    score: float = 0.0
+    fallback_score: float = 0.0
+    floor: float = 1.0
+    population: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantFacts:
+    """The tenant's entitlements and quota state, as of this decision."""
+
+    name: str
+    allowed_cells: tuple[str, ...] = ()
+    allowed_classes: tuple[str, ...] = ()
+    allowed_models: tuple[str, ...] = ()  # empty: every model the routes expose
+    dedicated: bool = False  # never shares a batch or instance with other tenants
+    weight: float = 1.0  # fair-share weight
+    allow_fallback: bool = True  # tenant-level opt-out of approximate answers
+    accelerator_ms_per_s: float = 0.0  # quota refill rate
+    available_accelerator_ms: float = math.inf  # current balance; inf: no quota configured
+    max_output_tokens: int = 0  # 0: no tenant cap
+
+
+@dataclass(frozen=True, slots=True)
+class RouteFacts:
+    """The route the request resolved to, with its fallback and quality evidence."""
+
+    model: str
+    fallback_model: str = ""  # "" : no fallback declared
+    fallback_classes: tuple[str, ...] = ()  # request classes that may be served by the fallback
+    fallback_warm: bool = False  # warm, validated capacity proven (never cold-load during overload)
+    fallback_cell: str = ""
+    quality: QualityEvidence = QualityEvidence()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFacts:
+    """Live load evidence (the ladder step itself is on the record)."""
+
+    utilization: float = 0.0  # offered demand / protected capacity
+    drain_ms: float = 0.0  # predicted time until queued work drains; basis for retry-after
+
+
+@dataclass(frozen=True, slots=True)
+class BackendFacts:
+    """One candidate backend for routing-stage rules."""
+
+    name: str
+    model: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """Everything policy reads that is not on the ``RequestRecord``."""
+
+    tenant: TenantFacts
+    route: RouteFacts
+    load: LoadFacts = LoadFacts()
+    backends: tuple[BackendFacts, ...] = ()
+
+
+# ---------------------------------------------------------------------------
+# The declarations
+# ---------------------------------------------------------------------------
+
+RequestReader = Callable[[RequestRecord, PolicyContext], Any]
+BackendReader = Callable[[BackendFacts], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One CEL variable: its dotted name, CEL type, origin and meaning."""
+
+    path: str
+    cel_type: str
+    origin: Origin
+    doc: str
+    read: RequestReader | None = None  # request-scoped fields
+    read_backend: BackendReader | None = None  # backend-scoped fields (routing stage only)
+
+    @property
+    def namespace(self) -> str:
+        return self.path.split(".", 1)[0]
+
+    @property
+    def per_backend(self) -> bool:
+        return self.read_backend is not None
+
+
+def _req(path: str, cel_type: str, origin: Origin, doc: str, read: RequestReader) -> Field:
+    return Field(path, cel_type, origin, doc, read=read)
+
+
+def _strings(values: tuple[str, ...]) -> list[str]:
+    return [str(v) for v in values]
+
+
+_C, _K, _G, _F = Origin.CALLER, Origin.CREDENTIAL, Origin.GATEWAY, Origin.CONFIG
+
+FIELDS: tuple[Field, ...] = (
+    # request: identity and class
+    _req("request.request_id", STRING, _G, "gateway-assigned request id", lambda r, c: r.identity.request_id),
+    _req("request.tenant", STRING, _K, "tenant from the credential", lambda r, c: r.identity.tenant),
+    _req("request.class", STRING, _C, "request class (hint `orchid.class`)", lambda r, c: r.identity.request_class),
+    _req("request.model", STRING, _C, "logical model the caller named", lambda r, c: r.identity.model),
+    _req(
+        "request.model_version",
+        STRING,
+        _C,
+        'requested version, "" for the route default',
+        lambda r, c: r.identity.model_version,
+    ),
+    _req(
+        "request.operation",
+        STRING,
+        _C,
+        "`ModelInfer` or `ModelStreamInfer`",
+        lambda r, c: r.identity.operation,
+    ),
+    _req(
+        "request.mode",
+        STRING,
+        _C,
+        "`online`, `streaming`, `async` or `batch`",
+        lambda r, c: str(r.identity.mode),
+    ),
+    _req(
+        "request.privacy_cell",
+        STRING,
+        _G,
+        "privacy cell the request must stay in",
+        lambda r, c: r.identity.privacy_cell,
+    ),
+    _req(
+        "request.risk_class",
+        STRING,
+        _G,
+        "`standard`, `safety_critical`, `regulated`, `out_of_distribution` ...",
+        lambda r, c: r.identity.risk_class,
+    ),
+    _req(
+        "request.allow_fallback",
+        BOOL,
+        _C,
+        "caller accepts an approximate answer (hint `orchid.allow_fallback`)",
+        lambda r, c: bool(r.identity.allow_fallback),
+    ),
+    # shape
+    _req("shape.items", INT, _C, "items / samples in the request", lambda r, c: int(r.shape.items)),
+    _req("shape.input_tokens", INT, _C, "input tokens", lambda r, c: int(r.shape.input_tokens)),
+    _req(
+        "shape.max_output_tokens",
+        INT,
+        _C,
+        "requested output limit",
+        lambda r, c: int(r.shape.max_output_tokens),
+    ),
+    _req("shape.modality", STRING, _C, "`text`, `image` ...", lambda r, c: r.shape.modality),
+    _req("shape.streaming", BOOL, _C, "streaming response", lambda r, c: bool(r.shape.streaming)),
+    _req("shape.bucket", STRING, _G, "shape bucket (batching compatibility)", lambda r, c: r.shape.bucket),
+    _req("shape.input_bytes", INT, _C, "input tensor bytes", lambda r, c: int(r.shape.input_bytes)),
+    # demand
+    _req("demand.prefill_ms", DOUBLE, _G, "predicted prefill accelerator-ms", lambda r, c: float(r.demand.prefill_ms)),
+    _req("demand.decode_ms", DOUBLE, _G, "predicted decode accelerator-ms", lambda r, c: float(r.demand.decode_ms)),
+    _req(
+        "demand.accelerator_ms",
+        DOUBLE,
+        _G,
+        "prefill_ms + decode_ms",
+        lambda r, c: float(r.demand.prefill_ms + r.demand.decode_ms),
+    ),
+    _req("demand.host_cpu_ms", DOUBLE, _G, "predicted host CPU ms", lambda r, c: float(r.demand.host_cpu_ms)),
+    _req(
+        "demand.peak_memory_bytes",
+        INT,
+        _G,
+        "predicted peak request state",
+        lambda r, c: int(r.demand.peak_memory_bytes),
+    ),
+    _req(
+        "demand.live_token_ms",
+        DOUBLE,
+        _G,
+        "predicted live-token-ms (sequence memory lifetime)",
+        lambda r, c: float(r.demand.live_token_ms),
+    ),
+    _req("demand.transfer_bytes", INT, _G, "predicted transfer bytes", lambda r, c: int(r.demand.transfer_bytes)),
+    # budget
+    _req("budget.deadline_ms", DOUBLE, _C, "D: end-to-end deadline", lambda r, c: float(r.budget.deadline_ms)),
+    _req("budget.elapsed_ms", DOUBLE, _G, "E: already spent", lambda r, c: float(r.budget.elapsed_ms)),
+    _req(
+        "budget.reserve_upstream_ms",
+        DOUBLE,
+        _G,
+        "R_up: unfinished upstream work",
+        lambda r, c: float(r.budget.reserve_upstream_ms),
+    ),
+    _req(
+        "budget.reserve_exec_ms",
+        DOUBLE,
+        _G,
+        "R_exec: predicted execution and response",
+        lambda r, c: float(r.budget.reserve_exec_ms),
+    ),
+    _req(
+        "budget.reserve_fail_ms",
+        DOUBLE,
+        _G,
+        "R_fail: variance or one bounded recovery",
+        lambda r, c: float(r.budget.reserve_fail_ms),
+    ),
+    _req(
+        "budget.queue_wait_ms",
+        DOUBLE,
+        _G,
+        "predicted wait behind queued work",
+        lambda r, c: float(r.budget.queue_wait_ms),
+    ),
+    _req(
+        "budget.slack_ms",
+        DOUBLE,
+        _G,
+        "S = D - E - R_up - R_exec - R_fail - queue_wait",
+        lambda r, c: float(r.budget.slack_ms),
+    ),
+    _req("budget.remaining_ms", DOUBLE, _G, "D - E", lambda r, c: float(r.budget.remaining_ms)),
+    # tenant
+    _req("tenant.name", STRING, _F, "tenant name", lambda r, c: c.tenant.name),
+    _req(
+        "tenant.allowed_cells",
+        LIST_STRING,
+        _F,
+        "privacy cells the tenant may use",
+        lambda r, c: _strings(c.tenant.allowed_cells),
+    ),
+    _req(
+        "tenant.allowed_classes",
+        LIST_STRING,
+        _F,
+        "request classes enabled for the tenant",
+        lambda r, c: _strings(c.tenant.allowed_classes),
+    ),
+    _req(
+        "tenant.allowed_models",
+        LIST_STRING,
+        _F,
+        "models the tenant may reach (empty: all routed models)",
+        lambda r, c: _strings(c.tenant.allowed_models),
+    ),
+    _req(
+        "tenant.dedicated",
+        BOOL,
+        _F,
+        "never shares a batch or instance with other tenants",
+        lambda r, c: bool(c.tenant.dedicated),
+    ),
+    _req("tenant.weight", DOUBLE, _F, "fair-share weight", lambda r, c: float(c.tenant.weight)),
+    _req(
+        "tenant.allow_fallback",
+        BOOL,
+        _F,
+        "tenant accepts approximate answers",
+        lambda r, c: bool(c.tenant.allow_fallback),
+    ),
+    _req(
+        "tenant.accelerator_ms_per_s",
+        DOUBLE,
+        _F,
+        "quota refill rate",
+        lambda r, c: float(c.tenant.accelerator_ms_per_s),
+    ),
+    _req(
+        "tenant.available_accelerator_ms",
+        DOUBLE,
+        _G,
+        "current quota balance (inf when no quota is configured)",
+        lambda r, c: float(c.tenant.available_accelerator_ms),
+    ),
+    _req(
+        "tenant.max_output_tokens",
+        INT,
+        _F,
+        "tenant output cap, 0 for none",
+        lambda r, c: int(c.tenant.max_output_tokens),
+    ),
+    # route
+    _req("route.model", STRING, _F, "primary model of the route", lambda r, c: c.route.model),
+    _req("route.fallback_model", STRING, _F, 'declared fallback, "" for none', lambda r, c: c.route.fallback_model),
+    _req(
+        "route.fallback_classes",
+        LIST_STRING,
+        _F,
+        "request classes the fallback may serve",
+        lambda r, c: _strings(c.route.fallback_classes),
+    ),
+    _req(
+        "route.fallback_warm",
+        BOOL,
+        _G,
+        "fallback has warm validated capacity",
+        lambda r, c: bool(c.route.fallback_warm),
+    ),
+    _req("route.fallback_cell", STRING, _F, "privacy cell of the fallback", lambda r, c: c.route.fallback_cell),
+    _req(
+        "route.quality.score",
+        DOUBLE,
+        _F,
+        "validated quality of the primary model",
+        lambda r, c: float(c.route.quality.score),
+    ),
+    _req(
+        "route.quality.fallback_score",
+        DOUBLE,
+        _F,
+        "validated quality of the fallback",
+        lambda r, c: float(c.route.quality.fallback_score),
+    ),
+    _req(
+        "route.quality.floor",
+        DOUBLE,
+        _F,
+        "minimum acceptable quality for the population",
+        lambda r, c: float(c.route.quality.floor),
+    ),
+    _req(
+        "route.quality.population",
+        STRING,
+        _F,
+        "evaluation population the scores hold for",
+        lambda r, c: c.route.quality.population,
+    ),
+    # load
+    _req("load.ladder_step", INT, _G, "overload ladder step 0-6", lambda r, c: int(r.ladder_step)),
+    _req(
+        "load.utilization",
+        DOUBLE,
+        _G,
+        "offered demand / protected capacity",
+        lambda r, c: float(c.load.utilization),
+    ),
+    _req(
+        "load.drain_ms",
+        DOUBLE,
+        _G,
+        "predicted time for queued work to drain",
+        lambda r, c: float(c.load.drain_ms),
+    ),
+    # backend (routing stage only)
+    Field("backend.name", STRING, _F, "backend name (routing stage only)", read_backend=lambda b: b.name),
+    Field("backend.model", STRING, _F, "model the backend serves (routing stage only)", read_backend=lambda b: b.model),
+    Field(
+        "backend.labels",
+        MAP_STRING_STRING,
+        _F,
+        "backend labels such as `cell` (routing stage only)",
+        read_backend=lambda b: {str(k): str(v) for k, v in b.labels.items()},
+    ),
+)
+
+FIELDS_BY_PATH: Mapping[str, Field] = {f.path: f for f in FIELDS}
+
+# Top-level names authors may start a reference with. ``variables`` holds the
+# named expressions declared in policy files.
+NAMESPACES: tuple[str, ...] = ("request", "shape", "demand", "budget", "tenant", "route", "load", "backend")
+VARIABLES_NAMESPACE = "variables"
+
+NAMESPACE_DOCS: Mapping[str, str] = {
+    "request": "who asks for what (from the credential, the request and its classification)",
+    "shape": "the request's shape, extracted from tensors and parameters",
+    "demand": "predicted demand of one execution on the route's model",
+    "budget": "the deadline and the reserves that spend it (ms)",
+    "tenant": "the tenant's entitlements and quota state",
+    "route": "the resolved route, its fallback and quality evidence",
+    "load": "overload ladder and load evidence",
+    "backend": "one candidate backend; routing-stage rules are evaluated once per backend",
+}
+
+
+# ---------------------------------------------------------------------------
+# Activation
+# ---------------------------------------------------------------------------
+
+
+def flat_inputs(
+    record: RequestRecord,
+    context: PolicyContext,
+    backend: BackendFacts | None = None,
+) -> dict[str, Any]:
+    """Every declared field as ``{dotted name: value}`` (backend fields only with ``backend``)."""
+    inputs: dict[str, Any] = {}
+    for f in FIELDS:
+        if f.read is not None:
+            inputs[f.path] = f.read(record, context)
+        elif backend is not None and f.read_backend is not None:
+            inputs[f.path] = f.read_backend(backend)
+    return inputs
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a.b.c": v}`` -> ``{"a": {"b": {"c": v}}}``."""
+    nested: dict[str, Any] = {}
+    for path, value in flat.items():
+        parts = path.split(".")
+        cursor = nested
+        for part in parts[:-1]:
+            cursor = cursor.setdefault(part, {})
+        cursor[parts[-1]] = value
+    return nested
+
+
+def activation(
+    record: RequestRecord,
+    context: PolicyContext,
+    backend: BackendFacts | None = None,
+) -> dict[str, Any]:
+    """The CEL input for one record as nested plain values (``{"request": {"tenant": ...}}``).
+
+    Ints stay ``int`` and doubles ``float`` as declared. ``backend`` adds the
+    ``backend`` namespace the routing stage sees for that candidate.
+    """
+    return nest(flat_inputs(record, context, backend))
+
+
+# ---------------------------------------------------------------------------
+# Author documentation
+# ---------------------------------------------------------------------------
+
+
+def render_schema_markdown() -> str:
+    """The variable table of ``docs/policy-authors.md``, generated from ``FIELDS``."""
+    lines = ["| Variable | CEL type | Origin | Meaning |", "|---|---|---|---|"]
+    for namespace in NAMESPACES:
+        lines.append(f"| **`{namespace}`** | | | {NAMESPACE_DOCS[namespace]} |")
+        for f in FIELDS:
+            if f.namespace == namespace:
+                lines.append(f"| `{f.path}` | `{f.cel_type}` | {f.origin} | {f.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - docs helper
+    print(render_schema_markdown(), end="")

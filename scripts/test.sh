@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Quickstart (b): install, then lint, type-check and run the whole default test suite
+# (integration tests start one real Triton for the session). Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+export PATH="$PWD/.venv/bin:$PATH"
+ruff check gateway tests bench
+ruff format --check gateway tests bench
+mypy
+# pytest exits 5 when it collects nothing: that is a failure here too (set -e).
+pytest "$@"

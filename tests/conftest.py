@@ -1,0 +1,110 @@
+"""Shared fixtures: one real Triton per test session, one gateway in front of it.
+
+Triton is the real ``tritonserver`` from the nvidia-pytriton wheel serving the
+example capacity-emulator repository with the time factor scaled down (0.05:
+a 56.8 ms request holds an instance for ~2.8 ms), so integration tests run
+fast on two cores. The gateway runs in-process on its own event loop thread so
+tests can drive it with unmodified synchronous ``tritonclient`` as well as
+``tritonclient.grpc.aio``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from gateway.backends.local import LocalTriton
+from gateway.config import BackendConfig, GatewayConfig, load_gateway_config
+from gateway.server import GatewayServer
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_CONFIG = ROOT / "examples" / "orchid" / "gateway.yaml"
+MODEL_REPOSITORY = ROOT / "examples" / "orchid" / "model_repository"
+TIME_FACTOR = 0.05
+
+ORCHID_KEY = "orchid-demo-key-orchid"
+LUMEN_KEY = "orchid-demo-key-lumen"
+OPS_KEY = "orchid-demo-key-ops"
+
+T = TypeVar("T")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+class ThreadedGateway:
+    """A GatewayServer on a private event loop thread."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
+        self.thread.start()
+        self.server = GatewayServer(config, listen="127.0.0.1:0")
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future.result(timeout)
+
+    def call_soon(self, fn: Any) -> Any:
+        """Run a plain function on the gateway's loop (to read its state consistently)."""
+
+        async def wrapper() -> Any:
+            return fn()
+
+        return self.call(wrapper())
+
+    def start(self) -> None:
+        self.call(self.server.start())
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def stop(self) -> None:
+        try:
+            self.call(self.server.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+def gateway_config(triton_address: str, **changes: Any) -> GatewayConfig:
+    base = load_gateway_config(EXAMPLE_CONFIG)
+    backend = BackendConfig(
+        name="local",
+        address=triton_address,
+        labels={"cell": "eu-restricted", "device_group": "local-a"},
+        devices=4,
+        max_inflight_per_device=2,
+        time_scale=TIME_FACTOR,
+    )
+    update: dict[str, Any] = {"local_triton": None, "backends": (backend,)}
+    update.update(changes)
+    return base.model_copy(update=update)
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
+    server = LocalTriton(MODEL_REPOSITORY, tmp_path_factory.mktemp("triton"), time_factor=TIME_FACTOR)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(triton: LocalTriton) -> Iterator[ThreadedGateway]:
+    running = ThreadedGateway(gateway_config(triton.address))
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
