@@ -448,10 +448,14 @@ class WorkloadResult:
 
 
 async def drive(address: str, scenarios: Sequence[Scenario], settings: WorkloadSettings) -> WorkloadResult:
-    """Poisson arrivals for ``duration_s``; each arrival picks a scenario by weight and waits for
-    a free slot among ``workers`` (so offered load degrades to closed-loop rather than piling up)."""
+    """Poisson arrivals for ``duration_s``; each arrival picks a scenario and waits for a free slot
+    among ``workers`` (so offered load degrades to closed-loop rather than piling up). The first
+    arrivals visit every scenario once, in shuffled order, so even a short run shows each kind of
+    request; after that scenarios are drawn by weight."""
     rng = random.Random(settings.seed)
     weights = [s.weight for s in scenarios]
+    tour = list(scenarios)
+    rng.shuffle(tour)
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="demo-client")
     clients = _SyncClients(address)
@@ -468,6 +472,8 @@ async def drive(address: str, scenarios: Sequence[Scenario], settings: WorkloadS
                 stream_call if scenario.client == "stream" else sync_call
             )
             return await loop.run_in_executor(pool, call, clients, scenario, salt)
+        except Exception as error:  # a client-side failure is an outcome too, never a lost request
+            return error_outcome(scenario, error, 0.0)
         finally:
             slots.release()
 
@@ -479,7 +485,7 @@ async def drive(address: str, scenarios: Sequence[Scenario], settings: WorkloadS
         while next_at < end:
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
             await slots.acquire()
-            scenario = rng.choices(scenarios, weights)[0]
+            scenario = tour.pop() if tour else rng.choices(scenarios, weights)[0]
             offered += 1
             task = loop.create_task(one(scenario, offered))
             tasks.add(task)

@@ -1,26 +1,155 @@
-"""Demand estimation: shape + profile -> predicted ``Demand``.
+"""Demand estimation: shape + profile -> predicted ``Demand``, corrected by observed work.
 
-Pure arithmetic over a ``DemandProfile`` (see ``profile``), scaled by a
-correction factor that the edge learns from observed work. No clocks, no I/O.
+Pure arithmetic and a small state machine; no clocks (``now`` is handed in) and
+no I/O.
+
+Prediction: ``DemandProfile.phases`` on the request's shape, times the backend's
+``time_scale`` (1.0 for real devices; the emulator's time factor otherwise),
+times a learned correction.
+
+Correction (the seed: "age estimates and penalize chronic underprediction
+rather than trusting callers"):
+
+* per (model, version, shape bucket): an exponentially weighted mean, in log
+  space, of observed / predicted accelerator-ms. Each observation moves the mean
+  by at least ``alpha`` = 0.3, so it converges fast (after n observations the
+  initial error has shrunk to 0.7^n: under 3 % of it after 10). History's weight
+  halves every ``half_life_s``; against it stands the profile itself as a prior
+  with a small fixed weight, so the correction *ages out* back towards 1.0
+  when observations stop, and a stale burst cannot bend predictions forever;
+* per (tenant, model): the residual after the model correction, clamped to at
+  least 1.0. A tenant whose requests chronically cost more than the shape they
+  declare (for example by understating output length) is predicted — and so
+  admitted, queued and quota-reserved — by what it really uses. It never lowers
+  a prediction: callers are not trusted to be cheap.
+
+Both factors are bounded to [``MIN_FACTOR``, ``MAX_FACTOR``] so one absurd
+observation (a stalled backend) cannot poison admission.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import TypeVar
+
 from gateway.profile import DemandProfile
 from gateway.record import Demand, Shape
 
+# One observation may be wild (a backend stall, a cold model); bound what it can do.
+MIN_FACTOR = 0.1
+MAX_FACTOR = 10.0
 
-def predict(profile: DemandProfile, shape: Shape, *, correction: float = 1.0) -> Demand:
+_K = TypeVar("_K")
+# Weight of the profile's own prediction against observed history (1 per observation).
+_PRIOR_WEIGHT = 0.05
+
+
+def predict(
+    profile: DemandProfile, shape: Shape, *, time_scale: float = 1.0, correction: float = 1.0
+) -> Demand:
+    scale = time_scale * correction
     prefill, decode = profile.phases(shape.input_tokens, shape.max_output_tokens, batch=shape.items)
     return Demand(
-        prefill_ms=prefill * correction,
-        decode_ms=decode * correction,
+        prefill_ms=prefill * scale,
+        decode_ms=decode * scale,
         host_cpu_ms=profile.host_cpu_ms,
         transfer_bytes=profile.transfer_bytes(shape.input_tokens, shape.max_output_tokens) * shape.items,
         peak_memory_bytes=profile.peak_memory_bytes(shape.input_tokens, shape.max_output_tokens)
         * shape.items,
         live_token_ms=profile.live_token_ms(shape.input_tokens, shape.max_output_tokens)
         * shape.items
-        * correction,
+        * scale,
         correction=correction,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class CorrectionKey:
+    model: str
+    version: str
+    bucket: str
+
+
+@dataclass(slots=True)
+class _Ewma:
+    """A time-weighted mean of log(observed / predicted) against a prior of 0 (the profile)."""
+
+    log_mean: float
+    weight: float
+    updated_at: float
+    samples: int
+
+
+def _clamp(value: float) -> float:
+    return min(MAX_FACTOR, max(MIN_FACTOR, value))
+
+
+class Estimator:
+    """Learned corrections from observed work. Bounded state: one entry per configured
+    (model, version, bucket) and per (tenant, model) actually seen."""
+
+    def __init__(self, *, alpha: float = 0.3, half_life_s: float = 300.0) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.half_life_s = half_life_s
+        self._models: dict[CorrectionKey, _Ewma] = {}
+        self._tenants: dict[tuple[str, str], _Ewma] = {}
+
+    def _weight(self, entry: _Ewma, now: float) -> float:
+        return entry.weight * 0.5 ** (max(0.0, now - entry.updated_at) / self.half_life_s)
+
+    def _aged(self, entry: _Ewma | None, now: float) -> float:
+        # The prior (the profile, log ratio 0) has a small fixed weight: negligible while
+        # observations keep coming, dominant once they have aged out.
+        if entry is None:
+            return 0.0
+        weight = self._weight(entry, now)
+        return entry.log_mean * weight / (weight + _PRIOR_WEIGHT)
+
+    def model_correction(self, key: CorrectionKey, now: float) -> float:
+        return _clamp(math.exp(self._aged(self._models.get(key), now)))
+
+    def tenant_factor(self, tenant: str, model: str, now: float) -> float:
+        return max(1.0, _clamp(math.exp(self._aged(self._tenants.get((tenant, model)), now))))
+
+    def correction(self, key: CorrectionKey, tenant: str, now: float) -> float:
+        return self.model_correction(key, now) * self.tenant_factor(tenant, key.model, now)
+
+    def samples(self, key: CorrectionKey) -> int:
+        entry = self._models.get(key)
+        return entry.samples if entry else 0
+
+    def observe(
+        self, key: CorrectionKey, tenant: str, *, base_ms: float, observed_ms: float, now: float
+    ) -> None:
+        """``base_ms``: the uncorrected (profile x time_scale) prediction of this request."""
+        if base_ms <= 0 or observed_ms <= 0 or not math.isfinite(observed_ms):
+            return
+        self._update(self._models, key, math.log(_clamp(observed_ms / base_ms)), now)
+        # The tenant's residual is what the (updated) model correction does not explain: a
+        # tenant alone on a model teaches the model, not itself; a tenant costlier than the
+        # others sharing the model keeps a factor above 1.
+        residual = observed_ms / (base_ms * self.model_correction(key, now))
+        self._update(self._tenants, (tenant, key.model), math.log(_clamp(residual)), now)
+
+    def _update(self, table: dict[_K, _Ewma], key: _K, log_ratio: float, now: float) -> None:
+        entry = table.get(key)
+        if entry is None:
+            table[key] = _Ewma(log_ratio, 1.0, now, 1)
+            return
+        # Cap the history's weight so a new observation always moves the mean by >= alpha.
+        weight = min(self._weight(entry, now), 1.0 / self.alpha - 1.0)
+        entry.log_mean = (weight * entry.log_mean + log_ratio) / (weight + 1.0)
+        entry.weight = weight + 1.0
+        entry.updated_at = now
+        entry.samples += 1
+
+
+def charged_live_token_ms(demand: Demand, observed_ms: float) -> float:
+    """Live-token-ms by observed lifetime: the predicted occupancy stretched or shrunk to
+    the observed execution time."""
+    if demand.accelerator_ms <= 0:
+        return 0.0
+    return demand.live_token_ms * observed_ms / demand.accelerator_ms

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -22,6 +22,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway import admission
 from gateway.auth import Tenant, TenantDirectory
+from gateway.backends.stats import PoolTiming, StatsSample, timing_between
 from gateway.backends.triton import ModelSpec, TritonBackend
 from gateway.config import GatewayConfig, RequestClassConfig, RouteConfig, RouteTable
 from gateway.errors import (
@@ -33,9 +34,9 @@ from gateway.errors import (
     PermissionDenied,
     Unavailable,
 )
-from gateway.estimate import predict
+from gateway.estimate import CorrectionKey, Estimator, charged_live_token_ms, predict
 from gateway.record import Budget, Decision, Identity, Mode, Outcome, RequestRecord, Verdict
-from gateway.scheduler import DispatchQueue
+from gateway.scheduler import DispatchQueue, Slot
 from gateway.shape import extract_shape, payload_bytes, read_hints, validate_tensors
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Admitted:
     queue: DispatchQueue
     backend_request: service_pb2.ModelInferRequest
     deadline_at: float
+    correction_key: CorrectionKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,9 @@ class Gateway:
         self.backends = backends
         self.policy_version = policy_version
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
+        self.estimator = Estimator()
+        self.pool_timing: dict[str, PoolTiming] = {}
+        self._stats_samples: dict[str, StatsSample] = {}
         self.inflight: set[asyncio.Task[object]] = set()
         self.ladder_step = 0
         self.accepting = True
@@ -209,8 +214,14 @@ class Gateway:
                 f"of {tenant.config.max_output_tokens}"
             )
         profile = self.routes.profiles[route.profile]
-        demand = predict(profile, shape, correction=handle.time_scale)
         now = time.monotonic()
+        correction_key = CorrectionKey(route.backend_model, route.version, shape.bucket)
+        demand = predict(
+            profile,
+            shape,
+            time_scale=handle.time_scale,
+            correction=self.estimator.correction(correction_key, tenant.name, now),
+        )
         deadline_ms = self._deadline_ms(call, request_class)
         budget = Budget(
             deadline_ms=deadline_ms,
@@ -257,6 +268,7 @@ class Gateway:
             queue=queue,
             backend_request=backend_request,
             deadline_at=call.received_at + deadline_ms / 1000.0,
+            correction_key=correction_key,
         )
 
     def _deadline_ms(self, call: CallContext, request_class: RequestClassConfig) -> float:
@@ -318,21 +330,64 @@ class Gateway:
         return response
 
     def settle(
-        self, admitted: Admitted, *, queued_s: float, started: float, finished: float, output_tokens: int = 0
+        self,
+        admitted: Admitted,
+        *,
+        queued_s: float,
+        started: float,
+        finished: float,
+        output_tokens: int = 0,
+        learn: bool = True,
     ) -> Settled:
-        observed_ms = (finished - started) * 1000.0
+        """Charge observed work: backend time minus the mean time such requests spent in
+        Triton's own queue (from its statistics), and teach the estimator."""
+        wall_ms = (finished - started) * 1000.0
+        timing = self.pool_timing.get(admitted.queue.name)
+        triton_queue_ms = timing.queue_ms if timing else 0.0
+        observed_ms = max(wall_ms - triton_queue_ms, 0.0)
+        record = admitted.record
+        demand = record.demand
+        base_ms = (
+            demand.accelerator_ms / demand.correction if demand.correction > 0 else demand.accelerator_ms
+        )
+        if learn:
+            self.estimator.observe(
+                admitted.correction_key,
+                record.identity.tenant,
+                base_ms=base_ms,
+                observed_ms=observed_ms,
+                now=finished,
+            )
         outcome = Outcome(
             admitted=True,
             status="OK",
             backend_model=admitted.route.backend_model,
             approximation=admitted.decision.approximation,
             queue_ms=queued_s * 1000.0,
-            completion_ms=observed_ms,
+            completion_ms=wall_ms,
             observed_accelerator_ms=observed_ms,
             charged_accelerator_ms=observed_ms,
+            charged_live_token_ms=charged_live_token_ms(demand, observed_ms),
             output_tokens=output_tokens,
         )
-        return Settled(admitted.record, admitted.decision, outcome)
+        return Settled(record, admitted.decision, outcome)
+
+    async def sample_statistics(self) -> None:
+        """Refresh per-pool Triton queue/compute timing from statistics deltas."""
+        for (backend_name, model), queue in list(self._queues.items()):
+            handle = self.backends.get(backend_name)
+            if handle is None or not handle.client.healthy:
+                continue
+            try:
+                sample = StatsSample.from_response(await handle.client.statistics(model))
+            except Exception:  # statistics are evidence, not a dependency of serving
+                continue
+            before = self._stats_samples.get(queue.name)
+            self._stats_samples[queue.name] = sample
+            if before is not None:
+                timing = timing_between(before, sample)
+                if timing is not None:
+                    self.pool_timing[queue.name] = timing
 
     async def stream(
         self, requests: AsyncIterator[bytes], call: CallContext
@@ -390,12 +445,31 @@ def attach_provenance(response: service_pb2.ModelInferResponse, settled: Settled
             param.string_param = value
 
 
-class _StreamSession:
-    """One client stream multiplexed onto one backend stream.
+@dataclass(slots=True)
+class _StreamRequest:
+    """One request in flight on a stream."""
 
-    Backend requests get gateway-assigned ids so responses can be matched to
-    their record even when clients reuse or omit ids; the client's id is
-    restored on the way back.
+    admitted: Admitted
+    client_id: str
+    arrived: float
+    wants_final: bool
+    started: float = 0.0
+    tokens: int = 0
+    slot: Slot | None = None
+
+    def release(self) -> None:
+        if self.slot is not None:
+            self.slot.release()
+            self.slot = None
+
+
+class _StreamSession:
+    """One client stream multiplexed onto one backend stream per backend.
+
+    Each request on the stream is admitted on its own, waits for a dispatch slot
+    like any other request, and holds it until its final response. Backend
+    requests get gateway-assigned ids so responses match their record even when
+    clients reuse or omit ids; the client's id is restored on the way back.
     """
 
     def __init__(self, gateway: Gateway, tenant: Tenant, call: CallContext) -> None:
@@ -403,16 +477,15 @@ class _StreamSession:
         self.tenant = tenant
         self.call = call
         self.out: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=1024)
-        self.pending: dict[str, tuple[Admitted, str, float, int, bool]] = {}
+        self.pending: dict[str, _StreamRequest] = {}
         self.backend_queues: dict[str, asyncio.Queue[service_pb2.ModelInferRequest | None]] = {}
-        self.tasks: list[asyncio.Task[None]] = []
-        self.last: Settled | None = None
+        self.pumps: list[asyncio.Task[None]] = []
+        self.dispatches: set[asyncio.Task[None]] = set()
 
     async def run(
         self, requests: AsyncIterator[bytes]
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         reader = asyncio.get_running_loop().create_task(self._read(requests))
-        self.tasks.append(reader)
         try:
             while True:
                 item = await self.out.get()
@@ -420,41 +493,74 @@ class _StreamSession:
                     break
                 yield item
         finally:
-            for task in self.tasks:
+            # Client gone or done: cancel everything, release every slot.
+            reader.cancel()
+            for task in (*self.pumps, *self.dispatches):
                 task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await asyncio.gather(reader, *self.pumps, *self.dispatches, return_exceptions=True)
+            for entry in self.pending.values():
+                entry.release()
+            self.pending.clear()
 
     async def _read(self, requests: AsyncIterator[bytes]) -> None:
         try:
             async for raw in requests:
                 await self._submit(raw)
-            # Client half-closed: finish outstanding work, then end.
+            # Client half-closed: dispatch what is waiting, let the backends finish, then end.
+            await asyncio.gather(*self.dispatches, return_exceptions=True)
             for queue in self.backend_queues.values():
                 await queue.put(None)
-            await asyncio.gather(*self.tasks[1:], return_exceptions=True)
+            await asyncio.gather(*self.pumps, return_exceptions=True)
         finally:
             await self.out.put(None)
 
     async def _submit(self, raw: bytes) -> None:
         client_id = ""
+        # Each request on a stream is its own arrival: its budget starts now, not when the
+        # stream opened; the stream's own deadline (if any) still bounds it.
+        arrived = time.monotonic()
+        remaining = self.call.time_remaining_s
+        call = CallContext(
+            metadata=self.call.metadata,
+            time_remaining_s=None if remaining is None else remaining - (arrived - self.call.received_at),
+            received_at=arrived,
+        )
         try:
             request = parse_infer_request(raw)
             client_id = request.id
             admitted = await self.gateway.admit(
-                request, self.tenant, self.call, operation="ModelStreamInfer", mode=Mode.STREAMING
+                request, self.tenant, call, operation="ModelStreamInfer", mode=Mode.STREAMING
             )
         except GatewayError as error:
             await self.out.put(stream_error(error, client_id))
             return
+        entry = _StreamRequest(
+            admitted, client_id, arrived, _flag(request, "triton_enable_empty_final_response")
+        )
+        task = asyncio.get_running_loop().create_task(self._dispatch(entry))
+        self.dispatches.add(task)
+        task.add_done_callback(self.dispatches.discard)
+
+    async def _dispatch(self, entry: _StreamRequest) -> None:
+        admitted = entry.admitted
+        try:
+            entry.slot = await admitted.queue.acquire(
+                deadline_at=admitted.deadline_at,
+                latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
+                cost_ms=admitted.record.demand.accelerator_ms,
+            )
+        except GatewayError as error:
+            await self.out.put(stream_error(error, entry.client_id))
+            return
+        entry.started = time.monotonic()
         internal_id = uuid.uuid4().hex
         admitted.backend_request.id = internal_id
-        wants_final = _flag(request, "triton_enable_empty_final_response")
-        self.pending[internal_id] = (admitted, client_id, time.monotonic(), 0, wants_final)
+        self.pending[internal_id] = entry
         queue = self.backend_queues.get(admitted.backend.name)
         if queue is None:
             queue = asyncio.Queue()
             self.backend_queues[admitted.backend.name] = queue
-            self.tasks.append(asyncio.get_running_loop().create_task(self._pump(admitted.backend, queue)))
+            self.pumps.append(asyncio.get_running_loop().create_task(self._pump(admitted.backend, queue)))
         await queue.put(admitted.backend_request)
 
     async def _pump(
@@ -467,18 +573,18 @@ class _StreamSession:
                     return
                 yield item
 
-        timeout = self.call.time_remaining_s
-        call = backend.stream(requests(), timeout_s=timeout)
+        call = backend.stream(requests(), timeout_s=self.call.time_remaining_s)
         try:
             # Ends when the backend has answered everything after our half-close.
             async for reply in call:
                 await self._on_reply(reply)
         except Exception as exc:  # backend stream broke: fail every request still pending on it
             error = Unavailable(f"streaming backend failed ({type(exc).__name__})")
-            for internal_id, (admitted, client_id, *_rest) in list(self.pending.items()):
-                if admitted.backend is backend:
+            for internal_id, entry in list(self.pending.items()):
+                if entry.admitted.backend is backend:
                     del self.pending[internal_id]
-                    await self.out.put(stream_error(error, client_id))
+                    entry.release()
+                    await self.out.put(stream_error(error, entry.client_id))
         finally:
             call.cancel()
 
@@ -487,35 +593,32 @@ class _StreamSession:
         entry = self.pending.get(response.id)
         if entry is None:
             return
-        admitted, client_id, started, tokens, wants_final = entry
-        final = _flag_response(response, "triton_final_response")
+        admitted = entry.admitted
         if reply.error_message:
             del self.pending[response.id]
-            await self.out.put(
-                stream_error(
-                    InvalidArgument(f"model {admitted.record.identity.model!r}: {reply.error_message}"),
-                    client_id,
-                )
-            )
+            entry.release()
+            error = InvalidArgument(f"model {admitted.record.identity.model!r}: {reply.error_message}")
+            await self.out.put(stream_error(error, entry.client_id))
             return
+        final = _flag_response(response, "triton_final_response")
         has_output = len(response.outputs) > 0
         if has_output:
-            tokens += 1
+            entry.tokens += 1
         now = time.monotonic()
-        settled = self.gateway.settle(
-            admitted,
-            queued_s=started - self.call.received_at,
-            started=started,
-            finished=now,
-            output_tokens=tokens,
-        )
         if final:
             del self.pending[response.id]
-            self.last = settled
-        else:
-            self.pending[response.id] = (admitted, client_id, started, tokens, wants_final)
-        if has_output or wants_final:
-            response.id = client_id
+            entry.release()
+        # Partial responses carry the charge so far; only the final one teaches the estimator.
+        settled = self.gateway.settle(
+            admitted,
+            queued_s=entry.started - entry.arrived,
+            started=entry.started,
+            finished=now,
+            output_tokens=entry.tokens,
+            learn=final,
+        )
+        if has_output or (final and entry.wants_final):
+            response.id = entry.client_id
             response.model_name = admitted.record.identity.model
             attach_provenance(response, settled)
             await self.out.put(reply)
@@ -535,7 +638,3 @@ def stream_error(error: GatewayError, client_id: str) -> service_pb2.ModelStream
     for key, value in error.trailing_metadata():
         reply.infer_response.parameters[key].string_param = value
     return reply
-
-
-def metadata_pairs(metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[tuple[str, str | bytes], ...]:
-    return tuple(metadata or ())

@@ -55,6 +55,13 @@ class GatewayServer:
         self.gateway: Gateway | None = None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.port = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def _sample_statistics(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.gateway is not None:
+                await self.gateway.sample_statistics()
 
     def backend_configs(self) -> list[BackendConfig]:
         backends = list(self.config.backends)
@@ -117,6 +124,7 @@ class GatewayServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.listen}")
         await self.server.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._sample_statistics(), name="stats"))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("orchid-gateway listening on %s", self.address)
 
@@ -146,6 +154,9 @@ class GatewayServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.server is not None:
             await self.server.stop(grace=self.config.limits.drain_timeout_s)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.gateway is not None:
             for handle in self.gateway.backends.values():
                 await handle.client.close()

@@ -77,10 +77,25 @@ def test_sync_infer_matches_direct_triton_and_carries_provenance(
         assert got["orchid.ladder_step"] == 0
         assert got["orchid.charged_accelerator_ms"] > 0
         assert via.get_response().model_name == "full-v18"
-    # The prediction is the profile's price, on the emulator's time scale (0.05):
-    # 256 in / 64 out = 56.8 accelerator-ms x 0.05.
+
+
+def test_prediction_is_the_profile_price_times_learned_correction(
+    gateway: ThreadedGateway, client: grpcclient.InferenceServerClient
+) -> None:
+    # 256 in / 64 out = 56.8 accelerator-ms on the profile, on the emulator's time scale (0.05),
+    # times what the estimator has learned from observed work so far.
+    import time
+
+    from gateway.estimate import CorrectionKey
+
+    gw = gateway.server.gateway
+    assert gw is not None
+    key = CorrectionKey("full-v18", "1", "short")
+    correction = gw.estimator.correction(key, "orchid", time.monotonic())
     via = client.infer("full-v18", [tokens(256)], headers=bearer(ORCHID_KEY))
-    assert params(via.get_response())["orchid.predicted_accelerator_ms"] == pytest.approx(56.8 * 0.05)
+    got = params(via.get_response())
+    assert got["orchid.predicted_accelerator_ms"] == pytest.approx(56.8 * 0.05 * correction, rel=0.02)
+    assert 0.1 <= correction <= 100  # model correction x tenant factor, each bounded to [0.1, 10]
 
 
 async def test_aio_infer_matches_direct(gateway: ThreadedGateway, triton: LocalTriton) -> None:

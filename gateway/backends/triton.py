@@ -108,7 +108,8 @@ class TritonBackend:
         except grpc.aio.AioRpcError:
             healthy = False
         if healthy != self.healthy:
-            log.warning("backend %s is now %s", self.name, "healthy" if healthy else "UNHEALTHY")
+            level = logging.INFO if healthy else logging.WARNING
+            log.log(level, "backend %s is now %s", self.name, "healthy" if healthy else "UNHEALTHY")
             # A restarted server may have different models/configs: forget what we cached.
             self._specs.clear()
             self._ready_models.clear()

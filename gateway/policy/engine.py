@@ -1,0 +1,313 @@
+"""CEL engines behind one small protocol.
+
+This module owns the two CEL implementations the policy core can run on and
+the seam between them and the rest of the package:
+
+- ``cel-expr`` (default): ``cel-expr-python``, Google's cel-cpp. Expressions
+  are type-checked at compile against the schema's declared variables. Its one
+  surprise: a runtime error (division by zero, missing map key, overflow) is
+  *returned* as a value of type ``ERROR`` whose ``value()`` is the message,
+  not raised. ``CelExprEngine`` detects that explicitly and raises
+  ``EvaluationError`` - an ERROR value must never reach a rule as a result.
+- ``cel-python``: ``celpy``, pure Python, about 25-50x slower, with no type
+  checker. The engine-independent checks in ``analysis`` (names, bounded
+  evaluation, int vs double) run for both, so lint behaves the same; the
+  result types that only a checker would prove are verified at runtime here.
+
+Inputs are handed to ``bind`` as flat ``{dotted name: plain value}``
+(``{"budget.slack_ms": 68.0}``); each engine builds its own activation.
+Results come back as plain Python values. Engines hold no per-request state.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from gateway.policy import schema
+
+
+class EvaluationError(Exception):
+    """A CEL runtime error (or a result of the wrong type) during evaluation."""
+
+
+class CompileProblem(Exception):
+    """An engine rejected an expression. ``problems`` holds (line, column, message), 1-based."""
+
+    def __init__(self, problems: list[tuple[int, int, str]]) -> None:
+        super().__init__("; ".join(p[2] for p in problems))
+        self.problems = problems
+
+
+class CompiledExpression(Protocol):
+    @property
+    def result_type(self) -> str:
+        """The checked CEL result type (``bool``, ``list(string)``), ``dyn`` when unknown."""
+        ...
+
+    def evaluate(self, bindings: Any) -> Any:
+        """Evaluate against ``Engine.bind`` output; raises ``EvaluationError``."""
+        ...
+
+
+class Engine(Protocol):
+    name: str
+
+    def compile(self, text: str, declarations: Mapping[str, str]) -> CompiledExpression:
+        """Compile ``text`` with variables ``{dotted name: CEL type}``; raises ``CompileProblem``."""
+        ...
+
+    def bind(self, inputs: Mapping[str, Any]) -> Any:
+        """An activation for flat ``{dotted name: plain value}`` inputs."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+# cel-expr-python (cel-cpp)
+# ---------------------------------------------------------------------------
+
+_CEL_ERROR = re.compile(r"ERROR: <input>:(\d+):(\d+): (.*)")
+
+
+def _to_schema_type(name: str) -> str:
+    """cel-cpp type names (``LIST<STRING>``) -> schema notation (``list(string)``)."""
+    name = name.strip()
+    upper = name.upper()
+    if upper.startswith("LIST<") and upper.endswith(">"):
+        return f"list({_to_schema_type(name[5:-1])})"
+    if upper.startswith("MAP<") and upper.endswith(">"):
+        inner = name[4:-1]
+        depth = 0
+        for index, ch in enumerate(inner):
+            if ch == "<":
+                depth += 1
+            elif ch == ">":
+                depth -= 1
+            elif ch == "," and depth == 0:
+                return f"map({_to_schema_type(inner[:index])}, {_to_schema_type(inner[index + 1 :])})"
+    simple = {"BOOL": "bool", "INT": "int", "UINT": "uint", "DOUBLE": "double", "STRING": "string", "BYTES": "bytes"}
+    return simple.get(upper, schema.DYN)
+
+
+class _CelExprExpression:
+    __slots__ = ("_error_type", "_expr", "_plain", "_py", "result_type")
+
+    def __init__(self, expr: Any, result_type: str, error_type: Any) -> None:
+        self._expr = expr
+        self.result_type = result_type
+        self._error_type = error_type
+        self._py: type | None = {"bool": bool, "int": int, "double": float}.get(result_type)
+        self._plain = result_type.startswith(("list(", "map(")) or result_type == schema.DYN
+
+    def evaluate(self, bindings: Any) -> Any:
+        value = self._expr.eval(bindings)
+        if self._plain:  # lists, maps, dyn: one conversion to plain Python values
+            if value.type() == self._error_type:
+                raise EvaluationError(str(value.value()))
+            return value.plain_value()
+        result = value.value()
+        # Fast path: a statically bool/int/double expression whose result has that
+        # Python type cannot be an ERROR value (those carry a str message).
+        if self._py is not None and result.__class__ is self._py:
+            return result
+        if value.type() == self._error_type:
+            raise EvaluationError(str(result))
+        if self._py is not None:  # pragma: no cover - checker guarantees the type
+            raise EvaluationError(f"expected {self.result_type}, got {value.type().name().lower()}")
+        return result
+
+
+class CelExprEngine:
+    """The default engine: cel-expr-python (cel-cpp), type-checked at compile."""
+
+    name = "cel-expr"
+
+    def __init__(self) -> None:
+        from cel_expr_python import cel
+
+        self._cel = cel
+        self._envs: dict[tuple[tuple[str, str], ...], Any] = {}
+        self._lock = threading.Lock()
+        self._bind_env = cel.NewEnv(variables={})
+
+    def _type(self, notation: str) -> Any:
+        cel = self._cel
+        simple = {
+            "bool": cel.Type.BOOL,
+            "int": cel.Type.INT,
+            "uint": cel.Type.UINT,
+            "double": cel.Type.DOUBLE,
+            "string": cel.Type.STRING,
+            "bytes": cel.Type.BYTES,
+        }
+        if notation in simple:
+            return simple[notation]
+        if notation.startswith("list(") and notation.endswith(")"):
+            return cel.Type.List(self._type(notation[5:-1]))
+        if notation.startswith("map(") and notation.endswith(")"):
+            inner = notation[4:-1]
+            depth = 0
+            for index, ch in enumerate(inner):
+                if ch == "(":
+                    depth += 1
+                elif ch == ")":
+                    depth -= 1
+                elif ch == "," and depth == 0:
+                    return cel.Type.Map(self._type(inner[:index].strip()), self._type(inner[index + 1 :].strip()))
+        return cel.Type.DYN
+
+    def _env(self, declarations: Mapping[str, str]) -> Any:
+        key = tuple(sorted(declarations.items()))
+        with self._lock:
+            env = self._envs.get(key)
+            if env is None:
+                env = self._cel.NewEnv(variables={name: self._type(t) for name, t in declarations.items()})
+                self._envs[key] = env
+            return env
+
+    def compile(self, text: str, declarations: Mapping[str, str]) -> CompiledExpression:
+        env = self._env(declarations)
+        try:
+            expr = env.compile(text)
+        except RuntimeError as exc:
+            raise CompileProblem(_parse_cel_errors(str(exc))) from exc
+        result_type = _to_schema_type(expr.return_type().name())
+        return _CelExprExpression(expr, result_type, self._cel.Type.ERROR)
+
+    def bind(self, inputs: Mapping[str, Any]) -> Any:
+        return self._bind_env.Activation(inputs)
+
+
+def _parse_cel_errors(message: str) -> list[tuple[int, int, str]]:
+    problems: list[tuple[int, int, str]] = []
+    for line in message.splitlines():
+        match = _CEL_ERROR.search(line)
+        if match:
+            text = re.sub(r"\s*\[[A-Z_]+\]$", "", match.group(3)).strip()
+            text = text.replace(" (in container '')", "")
+            problems.append((int(match.group(1)), int(match.group(2)), text))
+    if not problems:
+        text = re.sub(r"^[A-Z_]+: ", "", message.strip().splitlines()[0] if message.strip() else "compile error")
+        problems.append((1, 1, re.sub(r"\s*\[[A-Z_]+\]$", "", text)))
+    return problems
+
+
+# ---------------------------------------------------------------------------
+# cel-python (celpy)
+# ---------------------------------------------------------------------------
+
+
+class _CelPythonExpression:
+    __slots__ = ("_program", "result_type")
+
+    def __init__(self, program: Any, result_type: str) -> None:
+        self._program = program
+        self.result_type = result_type
+
+    def evaluate(self, bindings: Any) -> Any:
+        try:
+            result = self._program.evaluate(bindings)
+        except Exception as exc:  # celpy raises CELEvalError and, at times, bare Python errors
+            raise EvaluationError(_celpy_message(exc)) from exc
+        return _from_celpy(result)
+
+
+def _celpy_message(exc: Exception) -> str:
+    args = getattr(exc, "args", ())
+    if args and isinstance(args[0], str):
+        return args[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _from_celpy(value: Any) -> Any:
+    from celpy import celtypes
+
+    if isinstance(value, Exception):
+        raise EvaluationError(_celpy_message(value))
+    if isinstance(value, celtypes.BoolType):
+        return bool(value)
+    if isinstance(value, celtypes.IntType | celtypes.UintType):
+        return int(value)
+    if isinstance(value, celtypes.DoubleType):
+        return float(value)
+    if isinstance(value, celtypes.StringType):
+        return str(value)
+    if isinstance(value, celtypes.ListType):
+        return [_from_celpy(item) for item in value]
+    if isinstance(value, celtypes.MapType):
+        return {_from_celpy(k): _from_celpy(v) for k, v in value.items()}
+    return value
+
+
+class CelPythonEngine:
+    """The pure-Python engine (celpy): no type checker, runtime result checks instead."""
+
+    name = "cel-python"
+
+    def __init__(self) -> None:
+        import celpy
+
+        self._celpy = celpy
+        self._env = celpy.Environment()
+
+    def compile(self, text: str, declarations: Mapping[str, str]) -> CompiledExpression:
+        from celpy.celparser import CELParseError
+
+        try:
+            ast = self._env.compile(text)
+            program = self._env.program(ast)
+        except CELParseError as exc:
+            line = getattr(exc, "line", None) or 1
+            column = getattr(exc, "column", None) or 1
+            raise CompileProblem([(int(line), int(column), "syntax error")]) from exc
+        except Exception as exc:
+            raise CompileProblem([(1, 1, f"cel-python cannot compile this expression: {exc}")]) from exc
+        return _CelPythonExpression(program, schema.DYN)
+
+    def bind(self, inputs: Mapping[str, Any]) -> Any:
+        return {name: _to_celpy(value) for name, value in schema.nest(inputs).items()}
+
+
+def _to_celpy(value: Any) -> Any:
+    from celpy import celtypes
+
+    if isinstance(value, bool):
+        return celtypes.BoolType(value)
+    if isinstance(value, int):
+        return celtypes.IntType(value)
+    if isinstance(value, float):
+        return celtypes.DoubleType(value)
+    if isinstance(value, str):
+        return celtypes.StringType(value)
+    if isinstance(value, Mapping):
+        return celtypes.MapType({celtypes.StringType(str(k)): _to_celpy(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return celtypes.ListType([_to_celpy(v) for v in value])
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Selection
+# ---------------------------------------------------------------------------
+
+ENGINE_NAMES: tuple[str, ...] = ("cel-expr", "cel-python")
+DEFAULT_ENGINE = "cel-expr"
+_ENGINES: dict[str, Engine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def get_engine(name: str = DEFAULT_ENGINE) -> Engine:
+    """The shared engine instance for ``name`` (``cel-expr`` or ``cel-python``)."""
+    with _ENGINES_LOCK:
+        engine = _ENGINES.get(name)
+        if engine is None:
+            if name == "cel-expr":
+                engine = CelExprEngine()
+            elif name == "cel-python":
+                engine = CelPythonEngine()
+            else:
+                raise ValueError(f"unknown CEL engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+            _ENGINES[name] = engine
+        return engine

@@ -1,0 +1,729 @@
+"""The compiled, immutable policy set and its evaluation.
+
+This module owns ``PolicySnapshot.evaluate``: the one place that decides what a
+policy set says about one request, and ``PolicyResult``, what it says. It is
+pure: no I/O, no metrics, no logging; the only clock read is the
+``perf_counter_ns`` pair that measures ``eval_us``.
+
+Theory of operation (the stage table is in ``model``):
+
+1. Read only the schema fields some rule or variable uses, as plain values.
+2. Evaluate the policy set's variables once, in dependency order. A variable
+   that errs poisons every rule that reads it (that rule errs).
+3. privacy -> admission -> quota, rules in file order. The first enforce deny
+   that fires (or a fail-closed error) stops everything after it. Shadow rules
+   that fire are reported in ``shadow_fired`` and change nothing.
+4. fallback: eligible iff at least one enforce ``fallback_eligible`` fired, no
+   enforce ``fallback_ineligible`` fired, and no enforce fallback rule erred.
+5. routing: every rule once per ``context.backends`` entry, with ``backend.*``
+   bound to it; a firing or erring enforce rule excludes that backend.
+
+Every error lands in ``errors``; every error that let a request through an
+``on_error: allow`` rule also lands in ``fail_open``, which the decision log
+must carry.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import (
+    DeadlineInfeasible,
+    GatewayError,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+from gateway.policy import schema
+from gateway.policy.engine import CompiledExpression, Engine, EvaluationError
+from gateway.policy.model import (
+    FAIL_CLOSED_STATUS,
+    PRIVACY_FAIL_CLOSED_STATUS,
+    ActionKind,
+    OnError,
+    Rule,
+    Stage,
+    Variable,
+)
+from gateway.policy.schema import BackendFacts, PolicyContext
+from gateway.record import RequestRecord
+
+_STATUS_ERRORS: Mapping[str, type[GatewayError]] = {
+    "PERMISSION_DENIED": PermissionDenied,
+    "RESOURCE_EXHAUSTED": ResourceExhausted,
+    "DEADLINE_EXCEEDED": DeadlineInfeasible,
+    "INVALID_ARGUMENT": InvalidArgument,
+    "UNAVAILABLE": Unavailable,
+    "INTERNAL": Internal,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RuleError:
+    """A runtime error in one rule (or in a variable it reads)."""
+
+    rule: str
+    stage: str
+    error: str
+    backend: str = ""  # routing rules: the backend being evaluated
+    shadow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FailOpen:
+    """An ``on_error: allow`` rule erred and the request went on: must reach the decision log."""
+
+    rule: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyResult:
+    """What the policy set decided for one request."""
+
+    policy_version: str
+    allowed: bool
+    status: str = ""  # gRPC status name of the denial
+    rule: str = ""  # the deciding rule of a denial
+    message: str = ""  # caller-facing reason of a denial
+    retry_after_ms: int | None = None
+    rules_fired: tuple[str, ...] = ()  # enforce rules whose condition held, in evaluation order
+    shadow_fired: tuple[str, ...] = ()  # shadow rules that would have acted
+    fallback_eligible: bool = False
+    excluded_backends: tuple[str, ...] = ()
+    max_output_tokens: int | None = None  # min over fired limit rules
+    annotations: tuple[tuple[str, str], ...] = ()
+    fail_open: tuple[FailOpen, ...] = ()
+    errors: tuple[RuleError, ...] = ()
+    eval_us: float = 0.0
+
+    @property
+    def outcome(self) -> str:
+        return "allow" if self.allowed else "deny"
+
+    @property
+    def annotation_map(self) -> dict[str, str]:
+        return dict(self.annotations)
+
+    def to_error(self) -> GatewayError | None:
+        """The domain error a denial maps to (``None`` when allowed)."""
+        if self.allowed:
+            return None
+        error_class = _STATUS_ERRORS.get(self.status, Internal)
+        return error_class(self.message, rule=self.rule or None, retry_after_ms=self.retry_after_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class RuleTrace:
+    """One rule evaluation, for ``policy explain``."""
+
+    rule: str
+    stage: str
+    mode: str
+    action: str
+    result: str  # "fired" | "not fired" | "error" | "skipped"
+    inputs: tuple[tuple[str, Any], ...] = ()
+    backend: str = ""
+    error: str = ""
+    effect: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class VariableTrace:
+    name: str
+    value: Any
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    result: PolicyResult
+    variables: tuple[VariableTrace, ...]
+    rules: tuple[RuleTrace, ...]
+
+
+@dataclass
+class _Trace:
+    variables: list[VariableTrace] = field(default_factory=list)
+    rules: list[RuleTrace] = field(default_factory=list)
+
+
+class _Denial:
+    __slots__ = ("message", "retry_after_ms", "rule", "status")
+
+    def __init__(self, status: str, rule: str, message: str, retry_after_ms: int | None) -> None:
+        self.status = status
+        self.rule = rule
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+def _fail_closed_message(rule_id: str) -> str:
+    return f"request denied: policy rule '{rule_id}' could not be evaluated"
+
+
+BACKENDS_VARIABLE = "candidate_backends"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The whole policy set as one CEL expression: one activation, one evaluation per request.
+
+    The loader builds it from the already-checked rule texts::
+
+        [{"v1": (e1), ...}].map(variables,
+          [variables, [(c1), (c2), ...],
+           candidate_backends.map(backend, [(r1), ...])])[0]
+
+    - the variables as a map, the non-routing conditions in evaluation order,
+      and per candidate backend the routing conditions. The one-element
+      ``map`` binds ``variables`` (standard CEL, no extension needed), so both
+      engines run the same plan. CEL is pure, so each element equals that
+      expression evaluated alone; if anything errs the whole plan errs, and
+      evaluation falls back to one expression at a time, which attributes the
+      error to its rule. ``explain`` always goes one at a time. Only built when
+      no variable reads another variable.
+    """
+
+    expression: CompiledExpression
+    variable_names: tuple[str, ...]
+    backend_fields: tuple[str, ...]  # schema paths of backend.* the routing rules read
+
+
+class _Bindings:
+    """The engine activation over ``inputs``, built on first use (the plan usually needs none)."""
+
+    __slots__ = ("_bound", "_engine", "_inputs")
+
+    def __init__(self, engine: Engine, inputs: dict[str, Any]) -> None:
+        self._engine = engine
+        self._inputs = inputs
+        self._bound: Any = None
+
+    def get(self) -> Any:
+        if self._bound is None:
+            self._bound = self._engine.bind(self._inputs)
+        return self._bound
+
+
+class PolicySnapshot:
+    """An immutable, compiled policy set. Build with ``loader``; share freely across tasks."""
+
+    __slots__ = (
+        "_backend_readers",
+        "_by_id",
+        "_engine",
+        "_files",
+        "_label",
+        "_plan",
+        "_plan_backend_readers",
+        "_readers",
+        "_routing_keys",
+        "_rules",
+        "_stages",
+        "_variable_keys",
+        "_variables",
+        "_version",
+    )
+
+    def __init__(
+        self,
+        *,
+        version: str,
+        label: str,
+        engine: Engine,
+        rules: Sequence[Rule],
+        variables: Sequence[Variable],
+        files: Sequence[str],
+        plan: Plan | None = None,
+    ) -> None:
+        self._version = version
+        self._label = label
+        self._engine = engine
+        self._rules = tuple(rules)
+        self._variables = tuple(variables)
+        self._files = tuple(files)
+        self._plan = plan
+        self._by_id = {rule.id: rule for rule in self._rules}
+        self._stages: dict[Stage, tuple[Rule, ...]] = {
+            stage: tuple(rule for rule in self._rules if rule.stage is stage) for stage in Stage
+        }
+        reads: set[str] = set()
+        for item in (*self._rules, *self._variables):
+            reads.update(path for path in item.reads if not schema.FIELDS_BY_PATH[path].per_backend)
+        self._readers = tuple((f.path, f.read) for f in schema.FIELDS if f.path in reads and f.read is not None)
+        self._variable_keys = tuple(
+            (var, (*var.reads, *(f"variables.{name}" for name in var.uses))) for var in self._variables
+        )
+        routing_keys: set[str] = set()
+        backend_reads: set[str] = set()
+        for rule in self._stages[Stage.ROUTING]:
+            for path in rule.reads:
+                (backend_reads if schema.FIELDS_BY_PATH[path].per_backend else routing_keys).add(path)
+            routing_keys.update(f"variables.{name}" for name in rule.uses)
+        self._routing_keys = tuple(sorted(routing_keys))
+        self._backend_readers = tuple(
+            (f.path, f.read_backend) for f in schema.FIELDS if f.path in backend_reads and f.read_backend is not None
+        )
+        self._plan_backend_readers = tuple((path.split(".", 1)[1], read) for path, read in self._backend_readers)
+
+    # -- identity ------------------------------------------------------------
+
+    @property
+    def version(self) -> str:
+        """Content hash of the policy files, ``sha256:`` + 12 hex. Stamped on every decision."""
+        return self._version
+
+    @property
+    def label(self) -> str:
+        """The author's label from ``policy.yaml`` ("" when none)."""
+        return self._label
+
+    @property
+    def display_version(self) -> str:
+        return f"{self._label} ({self._version})" if self._label else self._version
+
+    @property
+    def engine_name(self) -> str:
+        return self._engine.name
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return self._rules
+
+    @property
+    def variables(self) -> tuple[Variable, ...]:
+        return self._variables
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self._files
+
+    @property
+    def planned(self) -> bool:
+        """Whether evaluation has the one-expression fast path (see ``Plan``)."""
+        return self._plan is not None
+
+    def rule(self, rule_id: str) -> Rule:
+        return self._by_id[rule_id]
+
+    def stage_rules(self, stage: Stage) -> tuple[Rule, ...]:
+        return self._stages[stage]
+
+    # -- evaluation ----------------------------------------------------------
+
+    def evaluate(self, record: RequestRecord, context: PolicyContext) -> PolicyResult:
+        """Decide one request. Pure; safe to call concurrently."""
+        return self._run(record, context, None)
+
+    def explain(self, record: RequestRecord, context: PolicyContext) -> Explanation:
+        """``evaluate`` plus every rule's inputs, result and error (always one rule at a time)."""
+        trace = _Trace()
+        result = self._run(record, context, trace)
+        return Explanation(result, tuple(trace.variables), tuple(trace.rules))
+
+    def _run_plan(
+        self, plan: Plan, inputs: dict[str, Any], context: PolicyContext
+    ) -> tuple[list[bool], list[list[bool]]] | None:
+        """Evaluate the plan; on success store the variables in ``inputs``. ``None``: go one at a time."""
+        readers = self._plan_backend_readers
+        inputs[BACKENDS_VARIABLE] = [{key: read(b) for key, read in readers} for b in context.backends]
+        try:
+            out = plan.expression.evaluate(self._engine.bind(inputs))
+        except EvaluationError:
+            return None
+        finally:
+            del inputs[BACKENDS_VARIABLE]
+        if not isinstance(out, list) or len(out) != 3:
+            return None
+        values, conditions, routing = out
+        if not isinstance(values, dict) or not _bools(conditions, len(self._rules) - len(self._stages[Stage.ROUTING])):
+            return None
+        if not isinstance(routing, list) or len(routing) != len(context.backends):
+            return None
+        width = len(self._stages[Stage.ROUTING])
+        for per_backend in routing:
+            if not _bools(per_backend, width):
+                return None
+        for name in plan.variable_names:
+            if name not in values:
+                return None
+            inputs[f"variables.{name}"] = values[name]
+        return conditions, routing
+
+    def _run(self, record: RequestRecord, context: PolicyContext, trace: _Trace | None) -> PolicyResult:
+        started = time.perf_counter_ns()
+        engine = self._engine
+        inputs: dict[str, Any] = {path: read(record, context) for path, read in self._readers}
+
+        conditions: list[bool] | None = None
+        routing_conditions: list[list[bool]] | None = None
+        variable_errors: dict[str, str] = {}
+        if trace is None and self._plan is not None:
+            planned = self._run_plan(self._plan, inputs, context)
+            if planned is not None:
+                conditions, routing_conditions = planned
+        if conditions is None:
+            self._variables_one_by_one(inputs, variable_errors, trace)
+
+        bindings = _Bindings(engine, inputs)
+        position = 0
+        rules_fired: list[str] = []
+        shadow_fired: list[str] = []
+        errors: list[RuleError] = []
+        fail_open: list[FailOpen] = []
+        annotations: dict[str, str] = {}
+        limit: int | None = None
+        denial: _Denial | None = None
+
+        for stage in (Stage.PRIVACY, Stage.ADMISSION, Stage.QUOTA):
+            for rule in self._stages[stage]:
+                if denial is not None:
+                    if trace is not None:
+                        trace.rules.append(_skipped(rule, denial.rule))
+                    continue
+                error = ""
+                fired = False
+                if conditions is not None:
+                    fired = conditions[position]
+                else:
+                    try:
+                        fired = _condition(rule, bindings.get(), variable_errors)
+                    except EvaluationError as exc:
+                        error = str(exc)
+                position += 1
+                effect = ""
+                if error:
+                    errors.append(RuleError(rule.id, stage, error, shadow=rule.shadow))
+                    if rule.shadow:
+                        effect = "shadow: error ignored"
+                    elif stage is Stage.PRIVACY or rule.on_error is OnError.DENY:
+                        status = (
+                            rule.action.status
+                            if rule.action.kind is ActionKind.DENY
+                            else PRIVACY_FAIL_CLOSED_STATUS
+                            if stage is Stage.PRIVACY
+                            else FAIL_CLOSED_STATUS
+                        )
+                        denial = _Denial(status, rule.id, _fail_closed_message(rule.id), None)
+                        effect = f"fail closed: deny {status}"
+                    else:
+                        fail_open.append(FailOpen(rule.id, error))
+                        effect = "fail open: on_error allow"
+                elif fired and rule.shadow:
+                    shadow_fired.append(rule.id)
+                    effect = f"shadow: would {rule.action.describe()}"
+                elif fired:
+                    kind = rule.action.kind
+                    if kind is ActionKind.DENY:
+                        rules_fired.append(rule.id)
+                        denial = self._deny(rule, bindings.get(), errors)
+                        effect = f"deny {denial.status}"
+                    elif kind is ActionKind.LIMIT:
+                        try:
+                            value = _int_result(rule.action.max_output_tokens, bindings.get(), "max_output_tokens")
+                            if value < 0:
+                                raise EvaluationError(f"max_output_tokens must be >= 0, got {value}")
+                        except EvaluationError as exc:
+                            error = str(exc)
+                            errors.append(RuleError(rule.id, stage, error))
+                            if rule.on_error is OnError.ALLOW:
+                                fail_open.append(FailOpen(rule.id, error))
+                                effect = "fail open: on_error allow"
+                            else:
+                                denial = _Denial(FAIL_CLOSED_STATUS, rule.id, _fail_closed_message(rule.id), None)
+                                effect = f"fail closed: deny {FAIL_CLOSED_STATUS}"
+                        else:
+                            rules_fired.append(rule.id)
+                            limit = value if limit is None else min(limit, value)
+                            effect = f"limit max_output_tokens={value}"
+                    else:
+                        rules_fired.append(rule.id)
+                        annotations.update(rule.action.annotations)
+                        effect = rule.action.describe()
+                if trace is not None:
+                    trace.rules.append(_traced(rule, inputs, fired, error, effect))
+
+        fallback_eligible = False
+        excluded: list[str] = []
+        if denial is None:
+            fallback_eligible = self._fallback(
+                bindings,
+                inputs,
+                variable_errors,
+                conditions[position:] if conditions is not None else None,
+                rules_fired,
+                shadow_fired,
+                errors,
+                annotations,
+                trace,
+            )
+            if self._stages[Stage.ROUTING]:
+                self._routing(
+                    context,
+                    inputs,
+                    variable_errors,
+                    routing_conditions,
+                    rules_fired,
+                    shadow_fired,
+                    errors,
+                    excluded,
+                    trace,
+                )
+        elif trace is not None:
+            for stage in (Stage.FALLBACK, Stage.ROUTING):
+                trace.rules.extend(_skipped(rule, denial.rule) for rule in self._stages[stage])
+
+        eval_us = (time.perf_counter_ns() - started) / 1000.0
+        if denial is not None:
+            return PolicyResult(
+                policy_version=self._version,
+                allowed=False,
+                status=denial.status,
+                rule=denial.rule,
+                message=denial.message,
+                retry_after_ms=denial.retry_after_ms,
+                rules_fired=tuple(rules_fired),
+                shadow_fired=tuple(shadow_fired),
+                annotations=tuple(annotations.items()),
+                max_output_tokens=limit,
+                fail_open=tuple(fail_open),
+                errors=tuple(errors),
+                eval_us=eval_us,
+            )
+        return PolicyResult(
+            policy_version=self._version,
+            allowed=True,
+            rules_fired=tuple(rules_fired),
+            shadow_fired=tuple(shadow_fired),
+            fallback_eligible=fallback_eligible,
+            excluded_backends=tuple(excluded),
+            max_output_tokens=limit,
+            annotations=tuple(annotations.items()),
+            fail_open=tuple(fail_open),
+            errors=tuple(errors),
+            eval_us=eval_us,
+        )
+
+    def _variables_one_by_one(self, inputs: dict[str, Any], variable_errors: dict[str, str], trace: _Trace | None) -> None:
+        engine = self._engine
+        for variable, keys in self._variable_keys:
+            failed = next((name for name in variable.uses if name in variable_errors), None)
+            if failed is not None:
+                variable_errors[variable.name] = f"variable '{failed}' failed"
+            else:
+                try:
+                    value = variable.expression.evaluate(engine.bind({key: inputs[key] for key in keys}))
+                    inputs[f"variables.{variable.name}"] = value
+                except EvaluationError as exc:
+                    variable_errors[variable.name] = str(exc)
+            if trace is not None:
+                trace.variables.append(
+                    VariableTrace(
+                        variable.name,
+                        _plain(inputs.get(f"variables.{variable.name}")),
+                        variable_errors.get(variable.name, ""),
+                    )
+                )
+
+    def _deny(self, rule: Rule, bindings: Any, errors: list[RuleError]) -> _Denial:
+        message = f"denied by policy rule '{rule.id}'"
+        if rule.message is not None:
+            try:
+                message = _string_result(rule.message, bindings)
+            except EvaluationError as exc:
+                errors.append(RuleError(rule.id, rule.stage, f"message: {exc}"))
+        retry_after_ms: int | None = None
+        if rule.action.retry_after_ms is not None:
+            try:
+                retry_after_ms = max(0, _int_result(rule.action.retry_after_ms, bindings, "retry_after_ms"))
+            except EvaluationError as exc:
+                errors.append(RuleError(rule.id, rule.stage, f"retry_after_ms: {exc}"))
+        return _Denial(rule.action.status, rule.id, message, retry_after_ms)
+
+    def _fallback(
+        self,
+        bindings: _Bindings,
+        inputs: Mapping[str, Any],
+        variable_errors: Mapping[str, str],
+        conditions: list[bool] | None,
+        rules_fired: list[str],
+        shadow_fired: list[str],
+        errors: list[RuleError],
+        annotations: dict[str, str],
+        trace: _Trace | None,
+    ) -> bool:
+        eligible = False
+        vetoed = False
+        for index, rule in enumerate(self._stages[Stage.FALLBACK]):
+            error = ""
+            fired = False
+            if conditions is not None:
+                fired = conditions[index]
+            else:
+                try:
+                    fired = _condition(rule, bindings.get(), variable_errors)
+                except EvaluationError as exc:
+                    error = str(exc)
+            effect = ""
+            if error:
+                errors.append(RuleError(rule.id, Stage.FALLBACK, error, shadow=rule.shadow))
+                if not rule.shadow:
+                    vetoed = True
+                    effect = "error: not eligible"
+                else:
+                    effect = "shadow: error ignored"
+            elif fired and rule.shadow:
+                shadow_fired.append(rule.id)
+                effect = f"shadow: would {rule.action.describe()}"
+            elif fired:
+                rules_fired.append(rule.id)
+                kind = rule.action.kind
+                if kind is ActionKind.FALLBACK_ELIGIBLE:
+                    eligible = True
+                    effect = "eligible"
+                elif kind is ActionKind.FALLBACK_INELIGIBLE:
+                    vetoed = True
+                    effect = "not eligible"
+                else:
+                    annotations.update(rule.action.annotations)
+                    effect = rule.action.describe()
+            if trace is not None:
+                trace.rules.append(_traced(rule, inputs, fired, error, effect))
+        return eligible and not vetoed
+
+    def _routing(
+        self,
+        context: PolicyContext,
+        inputs: Mapping[str, Any],
+        variable_errors: Mapping[str, str],
+        planned: list[list[bool]] | None,
+        rules_fired: list[str],
+        shadow_fired: list[str],
+        errors: list[RuleError],
+        excluded: list[str],
+        trace: _Trace | None,
+    ) -> None:
+        engine = self._engine
+        base = {key: inputs[key] for key in self._routing_keys if key in inputs}
+        for number, backend in enumerate(context.backends):
+            backend_inputs: dict[str, Any] = {}
+            bindings: Any = None
+            if planned is None or trace is not None:
+                backend_inputs = dict(base)
+                for path, read in self._backend_readers:
+                    backend_inputs[path] = read(backend)
+                bindings = engine.bind(backend_inputs)
+            exclude = False
+            for index, rule in enumerate(self._stages[Stage.ROUTING]):
+                error = ""
+                fired = False
+                if planned is not None:
+                    fired = planned[number][index]
+                else:
+                    try:
+                        fired = _condition(rule, bindings, variable_errors)
+                    except EvaluationError as exc:
+                        error = str(exc)
+                effect = ""
+                if error:
+                    errors.append(RuleError(rule.id, Stage.ROUTING, error, backend=backend.name, shadow=rule.shadow))
+                    if rule.shadow:
+                        effect = "shadow: error ignored"
+                    else:
+                        exclude = True
+                        effect = f"error: exclude {backend.name}"
+                elif fired and rule.shadow:
+                    if rule.id not in shadow_fired:
+                        shadow_fired.append(rule.id)
+                    effect = f"shadow: would exclude {backend.name}"
+                elif fired:
+                    if rule.id not in rules_fired:
+                        rules_fired.append(rule.id)
+                    exclude = True
+                    effect = f"exclude {backend.name}"
+                if trace is not None:
+                    trace.rules.append(_traced(rule, backend_inputs, fired, error, effect, backend))
+            if exclude:
+                excluded.append(backend.name)
+
+
+def _bools(values: Any, width: int) -> bool:
+    if not isinstance(values, list) or len(values) != width:
+        return False
+    for value in values:
+        if value is not True and value is not False:
+            return False
+    return True
+
+
+def _condition(rule: Rule, bindings: Any, variable_errors: Mapping[str, str]) -> bool:
+    if variable_errors:
+        for name in rule.uses:
+            if name in variable_errors:
+                raise EvaluationError(f"variable '{name}' failed: {variable_errors[name]}")
+    value = rule.condition.evaluate(bindings)
+    if value is True or value is False:
+        return value
+    raise EvaluationError(f"condition returned {type(value).__name__}, expected bool")
+
+
+def _int_result(expression: CompiledExpression | None, bindings: Any, what: str) -> int:
+    if expression is None:  # pragma: no cover - the loader guarantees it
+        raise EvaluationError(f"{what} is missing")
+    value = expression.evaluate(bindings)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EvaluationError(f"{what} returned {type(value).__name__}, expected int")
+    return value
+
+
+def _string_result(expression: CompiledExpression, bindings: Any) -> str:
+    value = expression.evaluate(bindings)
+    if not isinstance(value, str):
+        raise EvaluationError(f"message returned {type(value).__name__}, expected string")
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _traced(
+    rule: Rule,
+    inputs: Mapping[str, Any],
+    fired: bool,
+    error: str,
+    effect: str,
+    backend: BackendFacts | None = None,
+) -> RuleTrace:
+    names = (*rule.reads, *(f"variables.{name}" for name in rule.uses))
+    return RuleTrace(
+        rule=rule.id,
+        stage=str(rule.stage),
+        mode=str(rule.mode),
+        action=rule.action.describe(),
+        result="error" if error else "fired" if fired else "not fired",
+        inputs=tuple((name, _plain(inputs.get(name))) for name in names),
+        backend=backend.name if backend is not None else "",
+        error=error,
+        effect=effect,
+    )
+
+
+def _skipped(rule: Rule, deciding_rule: str) -> RuleTrace:
+    return RuleTrace(
+        rule=rule.id,
+        stage=str(rule.stage),
+        mode=str(rule.mode),
+        action=rule.action.describe(),
+        result="skipped",
+        effect=f"not evaluated: '{deciding_rule}' already denied",
+    )

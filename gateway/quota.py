@@ -1,0 +1,804 @@
+"""Quota ledgers: hierarchical token buckets, reserved at admission, settled on observed work.
+
+Owns the tenants' quota state: how many accelerator-ms (and live-token-ms) each tenant may spend
+in each request class, how much it has reserved and not yet settled, and the refusals that follow
+(``quota.*`` rules). It is a pure decision core like h11's state machine: every method takes
+``now`` (seconds, monotonic) from the caller; it must not read a clock, do I/O, await, or log.
+Nothing here awaits, so callers on one event loop need no lock. It must not create state for
+names that arrive with a request: every bucket is built from ``QuotaSettings`` at construction,
+so memory is bounded by configuration, never by traffic.
+
+Theory of operation
+-------------------
+Buckets. Each (tenant, request class) account is a token bucket of accelerator-ms: it refills at
+``accelerator_ms_per_s`` up to ``burst_ms`` and is debited by admitted work. An optional second
+bucket meters live-token-ms (sequence memory held over time), because the seed's point is that
+request counts fail when one tenant sends long contexts: price compute *and* memory.
+
+Hierarchy. A request class with a ``ClassShareConfig`` has a parent bucket for the whole class.
+Every admission in the class debits the parent too, so the parent's level is the class's
+*unused* capacity. Tenants either state their own rate or take ``weight`` of the class share
+(the share left after explicit rates, split by weight). The parent never blocks a tenant's own
+guarantee: an admission paid from the tenant's own bucket passes even when the parent is empty
+(the parent then goes negative, which only stops borrowing).
+
+Borrowing. When the tenant's bucket cannot pay, it may borrow from the class's idle capacity:
+the request passes if the parent holds the whole demand, the tenant is not in debt, and the
+tenant's *outstanding* borrowed accelerator-ms (admitted on borrowed tokens, not yet settled)
+stay within ``borrow_fraction x burst_ms``. The tenant spends what it has first and borrows the
+rest. Invariant: at any instant a tenant holds at most ``borrow_fraction x burst_ms`` of
+capacity it did not earn, so when lenders return the class is over-committed by at most the sum
+of those bounds. Under contention the parent holds no idle tokens, nobody borrows, and each
+tenant converges to its own rate: shares follow the weights.
+
+Reserve then settle. ``reserve`` debits the *predicted* demand before the request queues, so
+concurrent admissions cannot all spend the same tokens. ``settle`` corrects with the *observed*
+charge. The class pays the observed charge; the tenant's own bucket pays what exceeds the
+borrowed part, so a refund returns the tenant's own part first, and an overcharge is debited
+from the tenant's bucket and may drive it negative, which delays its next admission (chronic
+underprediction is paid by the underpredicted tenant, not its neighbours).
+``release`` refunds a request that never ran. Both are idempotent: a reservation closes at most
+once, later calls return ``None``. ``outstanding()`` counts what is open, so a test or a gauge
+can prove that reservations never leak. ``start`` marks a reservation as dispatched (queued ->
+executing) so queued work can be limited separately from work in flight.
+
+Tenants without a quota for a class
+-----------------------------------
+1. A configured (tenant, class) entry: its own buckets.
+2. Otherwise, when the class has a share with a ``default`` entry: every unconfigured tenant of
+   that class draws on one shared pool (account ``("*", class)``), like Kubernetes API priority
+   and fairness's catch-all level. One pool per class keeps memory bounded by configuration.
+   Refusal messages from the pool carry no numbers: they are other tenants' numbers too.
+3. Otherwise: unmetered (never refused by quota; ``metered=False`` on the reservation and the
+   view so the decision log can say it failed open). If the class has a share, unmetered work
+   still debits the parent, so it shrinks the idle capacity others may borrow.
+Authorization (which classes a tenant may use) is decided before quota, not here.
+
+Refusals
+--------
+``ResourceExhausted`` (RESOURCE_EXHAUSTED, retryable) for rate and concurrency limits, with
+``retry_after_ms`` computed from the binding limit (bucket refill, predicted drain), ceiled to
+whole ms, never a constant. When several limits refuse, the one with the longest wait is
+reported, so retrying at that time does not meet another of them immediately.
+``PermissionDenied`` (PERMISSION_DENIED, not retryable) for length caps: a context or output
+longer than the tenant's entitlement does not become acceptable by waiting (RESOURCE_EXHAUSTED
+would invite retry loops), and the shape itself is valid -- another tenant may send it -- so it is
+not INVALID_ARGUMENT.
+
+Limits and their reasons
+------------------------
+``DEFAULT_BURST_S`` (2 s of refill): holds the seed's long request (467.6 accelerator-ms) at
+   a 250 ms/s share, while an idle tenant's saved-up burst occupies its class for at most about
+   two seconds of its own share.
+Full-bucket rule: a request costlier than the whole bucket passes when the bucket is full and
+   drives it negative; otherwise it could never pass, and the long-run rate still holds.
+``borrow_fraction`` (default 0.5): bounds what a tenant holds of its neighbours' idle capacity,
+   and therefore how far a returning lender's guarantee is over-committed.
+Debt blocks borrowing: otherwise neighbours would refinance a chronic underpredictor.
+``max_concurrent``: in-flight plus queued requests; bounds the scheduler memory and queue slots
+   one tenant can hold. Retry after: the predicted end of its soonest-ending open request.
+``max_queued_ms``: predicted accelerator-ms waiting (reserved, not started); one tenant's
+   backlog must not become everyone's queue wait. One request may always queue when the
+   tenant has nothing queued. Retry after: the excess drained at the tenant's own rate.
+``max_input_tokens`` / ``max_output_tokens``: live-token memory grows with length; the seed
+   asks to limit context/output length per tenant.
+Live-token-ms are tenant-level only (no borrowing): held sequence memory cannot be recalled
+   from a borrower without preemption, which this gateway does not do.
+``_EPSILON_MS``: float slack in comparisons, so retrying exactly at ``retry_after_ms`` passes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway.errors import PermissionDenied, ResourceExhausted
+from gateway.record import RequestRecord
+
+__all__ = [
+    "DEFAULT_BORROW_FRACTION",
+    "DEFAULT_BURST_S",
+    "POOL_TENANT",
+    "RULE_ACCELERATOR_MS",
+    "RULE_CONCURRENCY",
+    "RULE_LIVE_TOKEN_MS",
+    "RULE_MAX_INPUT_TOKENS",
+    "RULE_MAX_OUTPUT_TOKENS",
+    "RULE_QUEUED_WORK",
+    "ClassShareConfig",
+    "Outstanding",
+    "QuotaConfig",
+    "QuotaLedger",
+    "QuotaSettings",
+    "QuotaView",
+    "Reservation",
+    "Settlement",
+]
+
+POOL_TENANT: Final = "*"  # account name of a class's shared default pool; not a valid tenant name
+DEFAULT_BURST_S: Final = 2.0  # bucket capacity in seconds of refill (reason in the module docstring)
+DEFAULT_BORROW_FRACTION: Final = 0.5
+_EPSILON_MS: Final = 1e-6
+
+RULE_ACCELERATOR_MS: Final = "quota.accelerator_ms"
+RULE_LIVE_TOKEN_MS: Final = "quota.live_token_ms"
+RULE_CONCURRENCY: Final = "quota.concurrency"
+RULE_QUEUED_WORK: Final = "quota.queued_work"
+RULE_MAX_INPUT_TOKENS: Final = "quota.max_input_tokens"
+RULE_MAX_OUTPUT_TOKENS: Final = "quota.max_output_tokens"
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class QuotaConfig(_Strict):
+    """One tenant's quota in one request class (or the class's shared ``default`` pool)."""
+
+    accelerator_ms_per_s: float | None = Field(
+        default=None, gt=0, description="own refill rate; unset: `weight` of the class share"
+    )
+    weight: float = Field(default=1.0, gt=0, description="share of the class rate when no rate is set")
+    burst_ms: float | None = Field(default=None, gt=0, description="bucket capacity; unset: 2 s of refill")
+    live_token_ms_per_s: float | None = Field(
+        default=None, gt=0, description="live-token-ms refill; unset: none"
+    )
+    live_token_burst_ms: float | None = Field(default=None, gt=0, description="unset: 2 s of refill")
+    max_concurrent: int | None = Field(default=None, ge=1, description="open requests: in flight + queued")
+    max_queued_ms: float | None = Field(default=None, gt=0, description="predicted accelerator-ms waiting")
+    max_input_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    borrow_fraction: float = Field(
+        default=DEFAULT_BORROW_FRACTION, ge=0, le=1, description="borrowable share of burst_ms"
+    )
+
+    @model_validator(mode="after")
+    def _live_burst_needs_rate(self) -> QuotaConfig:
+        if self.live_token_burst_ms is not None and self.live_token_ms_per_s is None:
+            raise ValueError("live_token_burst_ms needs live_token_ms_per_s")
+        return self
+
+
+class ClassShareConfig(_Strict):
+    """A request class's whole share: the parent bucket of its tenants."""
+
+    accelerator_ms_per_s: float = Field(gt=0)
+    burst_ms: float | None = Field(default=None, gt=0, description="unset: 2 s of refill")
+    default: QuotaConfig | None = Field(default=None, description="shared pool of unconfigured tenants")
+
+
+class QuotaSettings(_Strict):
+    """All quota configuration: class shares and tenant -> request class -> quota."""
+
+    classes: dict[str, ClassShareConfig] = Field(default_factory=dict)
+    tenants: dict[str, dict[str, QuotaConfig]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _rates_resolve(self) -> QuotaSettings:
+        if POOL_TENANT in self.tenants:
+            raise ValueError(f"tenant name {POOL_TENANT!r} is reserved for a class's default pool")
+        self.resolved_rates()  # raises ValueError when a weighted rate cannot be derived
+        return self
+
+    def resolved_rates(self) -> dict[tuple[str, str], float]:
+        """Accelerator-ms/s of every account, weighted ones derived from their class share."""
+        members: dict[str, list[tuple[str, QuotaConfig]]] = {}
+        for tenant, per_class in self.tenants.items():
+            for request_class, config in per_class.items():
+                members.setdefault(request_class, []).append((tenant, config))
+        for request_class, share in self.classes.items():
+            if share.default is not None:
+                members.setdefault(request_class, []).append((POOL_TENANT, share.default))
+        rates: dict[tuple[str, str], float] = {}
+        for request_class, accounts in members.items():
+            explicit = sum(c.accelerator_ms_per_s or 0.0 for _, c in accounts)
+            weighted = [(t, c) for t, c in accounts if c.accelerator_ms_per_s is None]
+            class_share = self.classes.get(request_class)
+            if weighted and class_share is None:
+                names = ", ".join(t for t, _ in weighted)
+                raise ValueError(
+                    f"class {request_class!r}: {names} set no accelerator_ms_per_s and the class has no share"
+                )
+            remaining = (class_share.accelerator_ms_per_s if class_share else 0.0) - explicit
+            if weighted and remaining <= 0:
+                raise ValueError(
+                    f"class {request_class!r}: explicit rates use the whole class share, "
+                    "weighted tenants would get none"
+                )
+            total_weight = sum(c.weight for _, c in weighted)
+            for tenant, config in accounts:
+                rate = config.accelerator_ms_per_s
+                rates[(tenant, request_class)] = (
+                    rate if rate is not None else remaining * config.weight / total_weight
+                )
+        return rates
+
+
+# --------------------------------------------------------------------------- values handed out
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """An admission's hold on quota. Hand it back to ``start``/``settle``/``release``."""
+
+    id: int
+    tenant: str
+    request_class: str
+    demand_ms: float  # predicted accelerator-ms reserved
+    live_token_ms: float  # predicted live-token-ms reserved
+    borrowed_ms: float  # part of demand_ms admitted on the class's idle tokens
+    reserved_at: float
+    metered: bool  # False: no quota applies (failed open; say so in the decision log)
+    pooled: bool  # True: charged to the class's shared default pool
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """How one reservation closed: the ``Settled`` event's payload."""
+
+    reservation_id: int
+    kind: Literal["settled", "released"]
+    predicted_ms: float
+    charged_ms: float
+    refunded_ms: float  # predicted - charged when positive
+    extra_ms: float  # charged - predicted when positive
+    predicted_live_token_ms: float
+    charged_live_token_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Outstanding:
+    """Open reservations, all accounts together. Zero everywhere when nothing is in flight."""
+
+    count: int
+    accelerator_ms: float
+    live_token_ms: float
+    borrowed_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaView:
+    """An account's state at ``now``, for policy (``tenant.available_accelerator_ms``) and metrics.
+
+    Unmetered accounts report infinite availability and zero rates; ``concurrent`` and
+    ``queued_ms`` are not tracked for them (0). ``None`` limits mean no limit.
+    """
+
+    tenant: str
+    request_class: str
+    metered: bool
+    pooled: bool
+    available_accelerator_ms: float  # bucket level; negative while in debt
+    refill_ms_per_s: float
+    burst_ms: float
+    borrowable_ms: float  # what it could borrow now from the class's idle capacity
+    available_live_token_ms: float
+    live_token_refill_ms_per_s: float
+    concurrent: int
+    max_concurrent: int | None
+    queued_ms: float
+    max_queued_ms: float | None
+    max_input_tokens: int | None
+    max_output_tokens: int | None
+
+
+# --------------------------------------------------------------------------- internal state
+
+
+@dataclass(slots=True)
+class _Bucket:
+    rate_ms_per_s: float
+    capacity_ms: float
+    level_ms: float
+    updated_at: float | None = None  # None: untouched since construction, still full
+
+    @classmethod
+    def full(cls, rate_ms_per_s: float, capacity_ms: float | None) -> _Bucket:
+        capacity = capacity_ms if capacity_ms is not None else DEFAULT_BURST_S * rate_ms_per_s
+        return cls(rate_ms_per_s, capacity, capacity)
+
+    def level_at(self, now: float) -> float:
+        if self.updated_at is None:
+            return self.level_ms
+        elapsed_s = max(0.0, now - self.updated_at)  # an earlier `now` is read as no time passing
+        return min(self.capacity_ms, self.level_ms + self.rate_ms_per_s * elapsed_s)
+
+    def refill(self, now: float) -> None:
+        self.level_ms = self.level_at(now)
+        self.updated_at = now if self.updated_at is None else max(self.updated_at, now)
+
+    def debit(self, amount_ms: float) -> None:
+        self.level_ms -= amount_ms  # may go negative: debt delays the next admission
+
+    def credit(self, amount_ms: float) -> None:
+        self.level_ms = min(self.capacity_ms, self.level_ms + amount_ms)
+
+    def covers(self, need_ms: float) -> bool:
+        return self.level_ms >= need_ms - _EPSILON_MS
+
+    def need_for(self, demand_ms: float) -> float:
+        return min(demand_ms, self.capacity_ms)  # the full-bucket rule
+
+    def wait_ms(self, need_ms: float) -> int:
+        """Whole ms of refill until the level covers ``need_ms`` (after ``refill``)."""
+        deficit = need_ms - self.level_ms - _EPSILON_MS
+        if deficit <= 0:
+            return 0
+        return max(1, math.ceil(deficit / self.rate_ms_per_s * 1000.0))
+
+
+@dataclass(slots=True)
+class _Account:
+    tenant: str
+    request_class: str
+    config: QuotaConfig
+    accelerator: _Bucket
+    live_token: _Bucket | None
+    borrow_limit_ms: float
+    open_ids: set[int] = field(default_factory=set)
+    queued_ids: set[int] = field(default_factory=set)
+    queued_ms: float = 0.0
+    borrowed_ms: float = 0.0
+
+    @property
+    def pooled(self) -> bool:
+        return self.tenant == POOL_TENANT
+
+
+@dataclass(slots=True)
+class _Open:
+    reservation: Reservation
+    account: _Account | None
+    parent: _Bucket | None
+    started_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    rule: str
+    retry_after_ms: int
+    message: str
+
+
+def _check_amount(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+
+
+def _check_now(now: float) -> None:
+    if not math.isfinite(now):
+        raise ValueError(f"now must be finite, got {now!r}")
+
+
+# --------------------------------------------------------------------------- the ledger
+
+
+class QuotaLedger:
+    """Hierarchical reserve-then-settle quota state for every configured account."""
+
+    def __init__(self, settings: QuotaSettings) -> None:
+        self._settings = settings
+        self._classes: dict[str, _Bucket] = {
+            name: _Bucket.full(share.accelerator_ms_per_s, share.burst_ms)
+            for name, share in settings.classes.items()
+        }
+        rates = settings.resolved_rates()
+        configs: dict[tuple[str, str], QuotaConfig] = {
+            (tenant, request_class): config
+            for tenant, per_class in settings.tenants.items()
+            for request_class, config in per_class.items()
+        }
+        for request_class, share in settings.classes.items():
+            if share.default is not None:
+                configs[(POOL_TENANT, request_class)] = share.default
+        self._accounts: dict[tuple[str, str], _Account] = {}
+        for key, config in configs.items():
+            accelerator = _Bucket.full(rates[key], config.burst_ms)
+            live = (
+                _Bucket.full(config.live_token_ms_per_s, config.live_token_burst_ms)
+                if config.live_token_ms_per_s is not None
+                else None
+            )
+            self._accounts[key] = _Account(
+                tenant=key[0],
+                request_class=key[1],
+                config=config,
+                accelerator=accelerator,
+                live_token=live,
+                borrow_limit_ms=config.borrow_fraction * accelerator.capacity_ms,
+            )
+        self._open: dict[int, _Open] = {}
+        self._ids = count(1)
+
+    @property
+    def settings(self) -> QuotaSettings:
+        return self._settings
+
+    def accounts(self) -> tuple[tuple[str, str], ...]:
+        """(tenant, request class) of every account with state; ``"*"`` names a default pool."""
+        return tuple(self._accounts)
+
+    # ------------------------------------------------------------------ admission
+
+    def reserve(
+        self,
+        tenant: str,
+        request_class: str,
+        *,
+        demand_ms: float,
+        live_token_ms: float = 0.0,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float,
+    ) -> Reservation:
+        """Reserve the predicted demand, or raise ``ResourceExhausted`` / ``PermissionDenied``."""
+        _check_amount("demand_ms", demand_ms)
+        _check_amount("live_token_ms", live_token_ms)
+        _check_amount("input_tokens", input_tokens)
+        _check_amount("output_tokens", output_tokens)
+        _check_now(now)
+        account = self._account_for(tenant, request_class)
+        parent = self._classes.get(request_class)
+        if account is None:
+            if parent is not None:
+                parent.refill(now)
+                parent.debit(demand_ms)
+            return self._open_reservation(
+                tenant, request_class, demand_ms, live_token_ms, 0.0, now, account=None, parent=parent
+            )
+
+        self._check_lengths(account, input_tokens, output_tokens)
+        if parent is not None:
+            parent.refill(now)
+        account.accelerator.refill(now)
+        if account.live_token is not None:
+            account.live_token.refill(now)
+
+        refusals: list[_Refusal] = []
+        if (refusal := self._concurrency_refusal(account, now)) is not None:
+            refusals.append(refusal)
+        if (refusal := self._queued_work_refusal(account, demand_ms)) is not None:
+            refusals.append(refusal)
+        if (refusal := self._live_token_refusal(account, live_token_ms)) is not None:
+            refusals.append(refusal)
+        borrowed_ms = self._accelerator_grant(account, parent, demand_ms)
+        if borrowed_ms is None:
+            refusals.append(self._accelerator_refusal(account, demand_ms))
+        if refusals:
+            worst = max(refusals, key=lambda r: r.retry_after_ms)
+            raise ResourceExhausted(worst.message, rule=worst.rule, retry_after_ms=worst.retry_after_ms)
+        assert borrowed_ms is not None  # refused above otherwise
+
+        account.accelerator.debit(demand_ms - borrowed_ms)  # a borrower spends its own remainder first
+        if parent is not None:
+            parent.debit(demand_ms)
+        if account.live_token is not None:
+            account.live_token.debit(live_token_ms)
+        account.borrowed_ms += borrowed_ms
+        account.queued_ms += demand_ms
+        reservation = self._open_reservation(
+            tenant, request_class, demand_ms, live_token_ms, borrowed_ms, now, account=account, parent=parent
+        )
+        account.open_ids.add(reservation.id)
+        account.queued_ids.add(reservation.id)
+        return reservation
+
+    def reserve_record(self, record: RequestRecord, *, now: float) -> Reservation:
+        """``reserve`` for an admission record: its tenant, class, predicted demand and shape."""
+        return self.reserve(
+            record.identity.tenant,
+            record.identity.request_class,
+            demand_ms=record.demand.accelerator_ms,
+            live_token_ms=record.demand.live_token_ms,
+            input_tokens=record.shape.input_tokens,
+            output_tokens=record.shape.max_output_tokens,
+            now=now,
+        )
+
+    def start(self, reservation: Reservation, *, now: float) -> bool:
+        """Mark a reservation dispatched (it stops counting as queued work). False if not open or already."""
+        _check_now(now)
+        entry = self._entry(reservation)
+        if entry is None or entry.started_at is not None:
+            return False
+        entry.started_at = now
+        account = entry.account
+        if account is not None:
+            account.queued_ids.discard(reservation.id)
+            account.queued_ms = (
+                max(0.0, account.queued_ms - reservation.demand_ms) if account.queued_ids else 0.0
+            )
+        return True
+
+    def settle(
+        self,
+        reservation: Reservation,
+        *,
+        charged_ms: float,
+        charged_live_token_ms: float | None = None,
+        now: float,
+    ) -> Settlement | None:
+        """Correct a reservation with the observed charge. ``None``: it was already closed.
+
+        ``charged_live_token_ms=None`` charges the live-token-ms as predicted.
+        """
+        _check_amount("charged_ms", charged_ms)
+        if charged_live_token_ms is not None:
+            _check_amount("charged_live_token_ms", charged_live_token_ms)
+        _check_now(now)
+        live = reservation.live_token_ms if charged_live_token_ms is None else charged_live_token_ms
+        return self._close(reservation, charged_ms, live, now, "settled")
+
+    def release(self, reservation: Reservation, *, now: float) -> Settlement | None:
+        """Refund a reservation whose request never ran. ``None``: it was already closed.
+
+        A request cancelled while executing has done work: ``settle`` it with the observed charge.
+        """
+        _check_now(now)
+        return self._close(reservation, 0.0, 0.0, now, "released")
+
+    # ------------------------------------------------------------------ observation
+
+    def outstanding(self) -> Outstanding:
+        entries = [e.reservation for e in self._open.values()]
+        return Outstanding(
+            count=len(entries),
+            accelerator_ms=sum(r.demand_ms for r in entries),
+            live_token_ms=sum(r.live_token_ms for r in entries),
+            borrowed_ms=sum(r.borrowed_ms for r in entries),
+        )
+
+    def available(self, tenant: str, request_class: str, *, now: float) -> QuotaView:
+        """The account's state at ``now``. Reads only: creates no state, refills nothing."""
+        _check_now(now)
+        account = self._account_for(tenant, request_class)
+        if account is None:
+            return QuotaView(
+                tenant=tenant,
+                request_class=request_class,
+                metered=False,
+                pooled=False,
+                available_accelerator_ms=math.inf,
+                refill_ms_per_s=0.0,
+                burst_ms=math.inf,
+                borrowable_ms=0.0,
+                available_live_token_ms=math.inf,
+                live_token_refill_ms_per_s=0.0,
+                concurrent=0,
+                max_concurrent=None,
+                queued_ms=0.0,
+                max_queued_ms=None,
+                max_input_tokens=None,
+                max_output_tokens=None,
+            )
+        config = account.config
+        level = account.accelerator.level_at(now)
+        parent = self._classes.get(request_class)
+        borrowable = 0.0
+        if parent is not None and level >= 0:
+            headroom = account.borrow_limit_ms - account.borrowed_ms
+            borrowable = max(0.0, min(headroom, parent.level_at(now)))
+        live = account.live_token
+        return QuotaView(
+            tenant=tenant,
+            request_class=request_class,
+            metered=True,
+            pooled=account.pooled,
+            available_accelerator_ms=level,
+            refill_ms_per_s=account.accelerator.rate_ms_per_s,
+            burst_ms=account.accelerator.capacity_ms,
+            borrowable_ms=borrowable,
+            available_live_token_ms=live.level_at(now) if live is not None else math.inf,
+            live_token_refill_ms_per_s=live.rate_ms_per_s if live is not None else 0.0,
+            concurrent=len(account.open_ids),
+            max_concurrent=config.max_concurrent,
+            queued_ms=account.queued_ms,
+            max_queued_ms=config.max_queued_ms,
+            max_input_tokens=config.max_input_tokens,
+            max_output_tokens=config.max_output_tokens,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _account_for(self, tenant: str, request_class: str) -> _Account | None:
+        account = self._accounts.get((tenant, request_class))
+        if account is None and tenant != POOL_TENANT:
+            account = self._accounts.get((POOL_TENANT, request_class))
+        return account
+
+    def _entry(self, reservation: Reservation) -> _Open | None:
+        entry = self._open.get(reservation.id)
+        if entry is None or entry.reservation != reservation:  # closed, or another ledger's
+            return None
+        return entry
+
+    def _open_reservation(
+        self,
+        tenant: str,
+        request_class: str,
+        demand_ms: float,
+        live_token_ms: float,
+        borrowed_ms: float,
+        now: float,
+        *,
+        account: _Account | None,
+        parent: _Bucket | None,
+    ) -> Reservation:
+        reservation = Reservation(
+            id=next(self._ids),
+            tenant=tenant,
+            request_class=request_class,
+            demand_ms=demand_ms,
+            live_token_ms=live_token_ms,
+            borrowed_ms=borrowed_ms,
+            reserved_at=now,
+            metered=account is not None,
+            pooled=account is not None and account.pooled,
+        )
+        self._open[reservation.id] = _Open(reservation, account, parent)
+        return reservation
+
+    def _close(
+        self,
+        reservation: Reservation,
+        charged_ms: float,
+        charged_live_token_ms: float,
+        now: float,
+        kind: Literal["settled", "released"],
+    ) -> Settlement | None:
+        entry = self._entry(reservation)
+        if entry is None:
+            return None
+        del self._open[reservation.id]
+        delta = charged_ms - reservation.demand_ms
+        if entry.parent is not None:
+            entry.parent.refill(now)
+            if delta >= 0:
+                entry.parent.debit(delta)
+            else:
+                entry.parent.credit(-delta)
+        account = entry.account
+        if account is not None:
+            account.accelerator.refill(now)
+            # The loan is spent first; the own bucket pays max(0, charged - borrowed), so an
+            # underprediction is the tenant's to pay and a refund returns its own part first.
+            if delta >= 0:
+                account.accelerator.debit(delta)
+            else:
+                own_part = reservation.demand_ms - reservation.borrowed_ms
+                account.accelerator.credit(min(own_part, -delta))
+            if account.live_token is not None:
+                account.live_token.refill(now)
+                live_delta = charged_live_token_ms - reservation.live_token_ms
+                if live_delta >= 0:
+                    account.live_token.debit(live_delta)
+                else:
+                    account.live_token.credit(-live_delta)
+            account.open_ids.discard(reservation.id)
+            if reservation.id in account.queued_ids:
+                account.queued_ids.discard(reservation.id)
+                account.queued_ms -= reservation.demand_ms
+            # Running sums snap to exact zero when nothing is open, so float residue cannot accrue.
+            account.queued_ms = max(0.0, account.queued_ms) if account.queued_ids else 0.0
+            account.borrowed_ms = (
+                max(0.0, account.borrowed_ms - reservation.borrowed_ms) if account.open_ids else 0.0
+            )
+        return Settlement(
+            reservation_id=reservation.id,
+            kind=kind,
+            predicted_ms=reservation.demand_ms,
+            charged_ms=charged_ms,
+            refunded_ms=max(0.0, -delta),
+            extra_ms=max(0.0, delta),
+            predicted_live_token_ms=reservation.live_token_ms,
+            charged_live_token_ms=charged_live_token_ms,
+        )
+
+    def _accelerator_grant(self, account: _Account, parent: _Bucket | None, demand_ms: float) -> float | None:
+        """Borrowed part of an admissible demand (0.0: own tokens pay), or None if it cannot pass."""
+        own = account.accelerator
+        if own.covers(own.need_for(demand_ms)):
+            return 0.0
+        if parent is None or account.borrow_limit_ms <= 0 or own.level_ms < -_EPSILON_MS:
+            return None  # no class to borrow from, borrowing off, or in debt
+        borrowed = demand_ms - max(0.0, own.level_ms)
+        if False:
+            return None
+        # The parent's level is the class's unused capacity, including this tenant's own remainder.
+        if not parent.covers(demand_ms):
+            return None
+        return borrowed
+
+    def _accelerator_refusal(self, account: _Account, demand_ms: float) -> _Refusal:
+        bucket = account.accelerator
+        need = bucket.need_for(demand_ms)
+        # Waiting for the own bucket is an upper bound: by then the guarantee alone covers it.
+        wait = bucket.wait_ms(need)
+        if account.pooled:
+            message = f"the shared accelerator-ms quota of class {account.request_class!r} is exhausted"
+        else:
+            message = (
+                f"accelerator-ms quota of class {account.request_class!r} exhausted: the request needs "
+                f"{need:.1f} ms, {bucket.level_ms:.1f} ms available, refill {bucket.rate_ms_per_s:g} ms/s"
+            )
+        return _Refusal(RULE_ACCELERATOR_MS, wait, message)
+
+    def _live_token_refusal(self, account: _Account, live_token_ms: float) -> _Refusal | None:
+        bucket = account.live_token
+        if bucket is None:
+            return None
+        need = bucket.need_for(live_token_ms)
+        if bucket.covers(need):
+            return None
+        if account.pooled:
+            message = f"the shared live-token-ms quota of class {account.request_class!r} is exhausted"
+        else:
+            message = (
+                f"live-token-ms quota of class {account.request_class!r} exhausted: the request needs "
+                f"{need:.0f}, {bucket.level_ms:.0f} available, refill {bucket.rate_ms_per_s:g}/s"
+            )
+        return _Refusal(RULE_LIVE_TOKEN_MS, bucket.wait_ms(need), message)
+
+    def _concurrency_refusal(self, account: _Account, now: float) -> _Refusal | None:
+        limit = account.config.max_concurrent
+        if limit is None or len(account.open_ids) < limit:
+            return None
+        # Predicted end of the soonest-ending open request. Queued ones need at least a full
+        # execution; one running past its prediction is expected to need up to one more.
+        soonest = math.inf
+        for reservation_id in account.open_ids:
+            entry = self._open[reservation_id]
+            demand = entry.reservation.demand_ms
+            remaining = demand
+            if entry.started_at is not None:
+                remaining = demand - (now - entry.started_at) * 1000.0
+                if remaining <= 0:
+                    remaining = demand
+            soonest = min(soonest, remaining)
+        wait = max(1, math.ceil(soonest)) if math.isfinite(soonest) else 1
+        if account.pooled:
+            message = f"the shared concurrency limit of class {account.request_class!r} is reached"
+        else:
+            open_count = len(account.open_ids)
+            message = f"{open_count} requests of class {account.request_class!r} are open (limit {limit})"
+        return _Refusal(RULE_CONCURRENCY, wait, message)
+
+    def _queued_work_refusal(self, account: _Account, demand_ms: float) -> _Refusal | None:
+        limit = account.config.max_queued_ms
+        queued = account.queued_ms
+        if limit is None or not account.queued_ids or queued + demand_ms <= limit + _EPSILON_MS:
+            return None
+        # With nothing queued one request always may wait, so at most the queued work must drain;
+        # it drains at least at the tenant's own rate under a share-aware scheduler.
+        excess = min(queued, queued + demand_ms - limit)
+        wait = max(1, math.ceil((excess - _EPSILON_MS) / account.accelerator.rate_ms_per_s * 1000.0))
+        if account.pooled:
+            message = f"the shared queued-work limit of class {account.request_class!r} is reached"
+        else:
+            message = (
+                f"{queued:.1f} accelerator-ms of class {account.request_class!r} already queued "
+                f"(limit {limit:g} ms)"
+            )
+        return _Refusal(RULE_QUEUED_WORK, wait, message)
+
+    def _check_lengths(self, account: _Account, input_tokens: int, output_tokens: int) -> None:
+        config = account.config
+        if config.max_input_tokens is not None and input_tokens > config.max_input_tokens:
+            raise PermissionDenied(
+                f"input of {input_tokens} tokens exceeds this tenant's limit of {config.max_input_tokens} "
+                f"in class {account.request_class!r}",
+                rule=RULE_MAX_INPUT_TOKENS,
+            )
+        if config.max_output_tokens is not None and output_tokens > config.max_output_tokens:
+            raise PermissionDenied(
+                f"output of up to {output_tokens} tokens exceeds this tenant's limit of "
+                f"{config.max_output_tokens} in class {account.request_class!r}",
+                rule=RULE_MAX_OUTPUT_TOKENS,
+            )
