@@ -51,7 +51,9 @@ and the next two. Everything started is stopped on exit, Ctrl-C included.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import hashlib
 import os
 import platform
 import re
@@ -64,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +88,8 @@ DEMO_KEY = "orchid-demo-key-orchid"
 INSTALL_H2LOAD = "apt-get update && apt-get install -y nghttp2-client"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TARGETS = ("direct", "passthrough", "gateway")
+# The gateway's backend time_scale must be > 0; at time factor 0 the emulator costs ~nothing.
+MIN_TIME_SCALE = 0.001
 
 
 # --------------------------------------------------------------------------- request
@@ -128,6 +133,61 @@ def verify(address: str, message: bytes, metadata: Sequence[tuple[str, str]], ca
                 raise RuntimeError(f"{address}: unexpected response {response}")
             sizes.append(len(raw) + 5)
     return min(sizes)
+
+
+def sample_outcomes(
+    address: str, message: bytes, metadata: Sequence[tuple[str, str]], concurrency: int, waves: int = 10
+) -> tuple[Counter[str], int | None]:
+    """Diagnosis when a run's answers differ from the verified one: the status codes (and, for
+    OK, the answering model and frame size) of ``waves`` x ``concurrency`` real calls, and the
+    smallest OK frame among them."""
+
+    async def sample() -> tuple[Counter[str], int | None]:
+        seen: Counter[str] = Counter()
+        ok_frames: list[int] = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.unary_unary(METHOD)
+
+            async def one() -> None:
+                try:
+                    raw: bytes = await call(message, metadata=tuple(metadata), timeout=10.0)
+                except grpc.aio.AioRpcError as error:
+                    seen[f"{error.code().name}: {error.details()}"] += 1
+                    return
+                response = service_pb2.ModelInferResponse.FromString(raw)
+                ok_frames.append(len(raw) + 5)
+                seen[f"OK model={response.model_name} frame={len(raw) + 5}B"] += 1
+
+            for _ in range(waves):
+                await asyncio.gather(*(one() for _ in range(concurrency)))
+        return seen, min(ok_frames, default=None)
+
+    return asyncio.run(sample())
+
+
+def code_fingerprint() -> str:
+    """Which gateway code was measured: the commit, and whether gateway/ differs from it."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "gateway", "routes", "examples"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git)"
+    if not dirty:
+        return head
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "gateway").rglob("*.py")):
+        digest.update(path.read_bytes())
+    return f"{head} + uncommitted changes (gateway/*.py sha256 {digest.hexdigest()[:12]})"
 
 
 # --------------------------------------------------------------------------- processes
@@ -256,19 +316,52 @@ class Stoppable(Protocol):
 
 @dataclass
 class Run:
+    """One measured h2load run; per-request figures are derived so a better ``ok_frame``
+    (learnt when diagnosing) corrects them."""
+
     target: str
     requests: int
-    succeeded: int
-    failed: int
-    grpc_errors: int
+    http_ok: int  # h2load "succeeded": HTTP 2xx, whatever the grpc-status
+    http_failed: int  # h2load "failed" + "errored"
+    data_bytes: int  # DATA bytes received (gRPC messages incl. their 5-byte prefixes)
+    ok_frame: int  # smallest OK answer seen with real gRPC calls (prefix included)
     req_per_s: float
     p50_ms: float
     p99_ms: float
     mean_ms: float
-    proxy_cpu_us: float | None
-    triton_cpu_us: float
-    client_cpu_us: float
+    proxy_cpu_s: float | None
+    triton_cpu_s: float
+    client_cpu_s: float
     raw: str = field(repr=False, default="")
+
+    @property
+    def data_per_response(self) -> float:
+        return self.data_bytes / max(self.http_ok, 1)
+
+    @property
+    def answers_differ(self) -> bool:
+        """DATA per response is not what the verified OK answer carries: errors (no message)
+        or other answers (another size, e.g. the gateway's fallback model) were mixed in."""
+        return abs(self.data_per_response - self.ok_frame) > 0.02 * self.ok_frame
+
+    @property
+    def grpc_errors(self) -> int:
+        """Estimate. gRPC errors are HTTP 200 with trailers only and no message, so they show as
+        a shortfall of DATA bytes against ``http_ok`` answers of at least ``ok_frame`` bytes."""
+        if self.data_bytes >= 0.98 * self.http_ok * self.ok_frame:
+            return 0
+        return self.http_ok - min(self.http_ok, round(self.data_bytes / self.ok_frame))
+
+    @property
+    def succeeded(self) -> int:
+        return self.http_ok - self.grpc_errors
+
+    @property
+    def failed(self) -> int:
+        return self.http_failed + self.grpc_errors
+
+    def per_request_us(self, cpu_s: float | None) -> float | None:
+        return None if cpu_s is None else cpu_s * 1e6 / max(self.succeeded, 1)
 
 
 _FINISHED = re.compile(r"finished in ([\d.]+)(\w+), ([\d.]+) req/s")
@@ -318,7 +411,7 @@ def run_h2load(
     target: str,
     cmd: list[str],
     log_file: Path,
-    frame_bytes: int,
+    ok_frame: int,
     proxy_pid: int | None,
     triton_sid: int,
 ) -> Run:
@@ -335,11 +428,6 @@ def run_h2load(
     if out.returncode != 0 or not (finished and counts and traffic):
         raise RuntimeError(f"h2load failed for {target} (exit {out.returncode}):\n{text[-3000:]}")
     total, succeeded, failed, errored = (int(counts.group(i)) for i in (1, 4, 5, 6))
-    data_bytes = int(traffic.group(3))
-    # gRPC errors are HTTP 200 with trailers only, no message: a shortfall of DATA bytes against
-    # ``succeeded`` OK responses means errors (estimate; 2 % slack for varying response sizes).
-    ok_estimate = min(succeeded, round(data_bytes / frame_bytes))
-    grpc_errors = 0 if data_bytes >= 0.98 * succeeded * frame_bytes else succeeded - ok_estimate
     durations = []
     for line in log_file.read_text().splitlines():
         parts = line.split("\t")
@@ -347,56 +435,74 @@ def run_h2load(
             durations.append(int(parts[2]) / 1000.0)
     durations.sort()
     mean = _MEAN.search(text)
-    good = max(succeeded - grpc_errors, 1)
     client_cpu = (client_after.ru_utime + client_after.ru_stime) - (
         client_before.ru_utime + client_before.ru_stime
     )
     return Run(
         target=target,
         requests=total,
-        succeeded=succeeded - grpc_errors,
-        failed=failed + errored + grpc_errors,
-        grpc_errors=grpc_errors,
+        http_ok=succeeded,
+        http_failed=failed + errored,
+        data_bytes=int(traffic.group(3)),
+        ok_frame=ok_frame,
         req_per_s=float(finished.group(3)),
         p50_ms=percentile(durations, 50),
         p99_ms=percentile(durations, 99),
         mean_ms=_to_ms(mean.group(1), mean.group(2)) if mean else float("nan"),
-        proxy_cpu_us=(proxy_after - proxy_before) * 1e6 / good if proxy_pid else None,
-        triton_cpu_us=(triton_after - triton_before) * 1e6 / good,
-        client_cpu_us=client_cpu * 1e6 / good,
+        proxy_cpu_s=proxy_after - proxy_before if proxy_pid else None,
+        triton_cpu_s=triton_after - triton_before,
+        client_cpu_s=client_cpu,
         raw=text,
     )
+
+
+@dataclass
+class Row:
+    """One table row: a target's runs summarized (medians; counts summed)."""
+
+    target: str
+    req_per_s: float
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    proxy_cpu_us: float | None
+    triton_cpu_us: float
+    client_cpu_us: float
+    succeeded: int
+    failed: int
+    data_per_response: float
+    ok_frame: int
+
+    @classmethod
+    def of(cls, runs: list[Run]) -> Row:
+        def med(values: list[float | None]) -> float:
+            return float(statistics.median(v for v in values if v is not None))
+
+        proxy = [r.per_request_us(r.proxy_cpu_s) for r in runs]
+        return cls(
+            target=runs[0].target,
+            req_per_s=med([r.req_per_s for r in runs]),
+            p50_ms=med([r.p50_ms for r in runs]),
+            p99_ms=med([r.p99_ms for r in runs]),
+            mean_ms=med([r.mean_ms for r in runs]),
+            proxy_cpu_us=med(proxy) if any(v is not None for v in proxy) else None,
+            triton_cpu_us=med([r.per_request_us(r.triton_cpu_s) for r in runs]),
+            client_cpu_us=med([r.per_request_us(r.client_cpu_s) for r in runs]),
+            succeeded=sum(r.succeeded for r in runs),
+            failed=sum(r.failed for r in runs),
+            data_per_response=med([r.data_per_response for r in runs]),
+            ok_frame=min(r.ok_frame for r in runs),
+        )
 
 
 # --------------------------------------------------------------------------- report
 
 
-def median_run(runs: list[Run]) -> Run:
-    def med(values: list[float]) -> float:
-        return float(statistics.median(values))
-
-    proxies = [r.proxy_cpu_us for r in runs if r.proxy_cpu_us is not None]
-    return Run(
-        target=runs[0].target,
-        requests=sum(r.requests for r in runs),
-        succeeded=sum(r.succeeded for r in runs),
-        failed=sum(r.failed for r in runs),
-        grpc_errors=sum(r.grpc_errors for r in runs),
-        req_per_s=med([r.req_per_s for r in runs]),
-        p50_ms=med([r.p50_ms for r in runs]),
-        p99_ms=med([r.p99_ms for r in runs]),
-        mean_ms=med([r.mean_ms for r in runs]),
-        proxy_cpu_us=med(proxies) if proxies else None,
-        triton_cpu_us=med([r.triton_cpu_us for r in runs]),
-        client_cpu_us=med([r.client_cpu_us for r in runs]),
-    )
-
-
-def render(rows: list[Run]) -> str:
+def render(rows: list[Row]) -> str:
     header = (
         f"{'target':<12} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} "
         f"{'proxy CPU-us/req':>17} {'triton CPU-us/req':>18} {'h2load CPU-us/req':>18} "
-        f"{'succeeded/failed':>17} {'grpc err':>9}"
+        f"{'succeeded/failed':>17} {'B/resp (OK)':>12}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -404,7 +510,7 @@ def render(rows: list[Run]) -> str:
         lines.append(
             f"{r.target:<12} {r.req_per_s:>8.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.mean_ms:>8.2f} "
             f"{proxy:>17} {r.triton_cpu_us:>18.0f} {r.client_cpu_us:>18.0f} "
-            f"{f'{r.succeeded}/{r.failed}':>17} {r.grpc_errors:>9}"
+            f"{f'{r.succeeded}/{r.failed}':>17} {f'{r.data_per_response:.0f} ({r.ok_frame})':>12}"
         )
     by = {r.target: r for r in rows}
     gw = by.get("gateway")
@@ -425,24 +531,32 @@ def render(rows: list[Run]) -> str:
 # --------------------------------------------------------------------------- main
 
 
-def write_gateway_config(path: Path, listen_port: int, triton_address: str) -> None:
-    example = yaml.safe_load((EXAMPLES / "gateway.yaml").read_text())
-    config = {
-        "listen": f"127.0.0.1:{listen_port}",
-        "tenants_file": str(EXAMPLES / "tenants.yaml"),
-        "routes_dir": str(REPO / "routes"),
-        "backends": [
-            {
-                "name": "bench",
-                "address": triton_address,
-                "labels": {"cell": "eu-restricted", "device_group": "bench"},
-                "devices": 4,
-            }
-        ],
-        "classes": example["classes"],
-        "default_class": example.get("default_class", "interactive"),
-        "limits": example.get("limits", {}),
-    }
+def write_gateway_config(path: Path, listen_port: int, triton_address: str, time_scale: float | None) -> None:
+    """The example stack's settings (classes, limits, policies, ...) with one external backend.
+
+    Every key of examples/orchid/gateway.yaml is kept except ``local_triton`` (the bench
+    starts its own Triton) and ``listen``; its relative ``*_file``/``*_dir`` paths are
+    made absolute, so tenants, routes and policies are the repository's own. ``time_scale``
+    tells the gateway that the backend's devices run ``time_scale`` x the profiles'
+    milliseconds (the emulator's time factor); ``None`` leaves the key out (real devices)."""
+    example_path = EXAMPLES / "gateway.yaml"
+    config = yaml.safe_load(example_path.read_text())
+    config.pop("local_triton", None)
+    for key, value in list(config.items()):
+        if (key.endswith("_file") or key.endswith("_dir")) and isinstance(value, str):
+            config[key] = str((example_path.parent / value).resolve())
+    config["listen"] = f"127.0.0.1:{listen_port}"
+    config["tenants_file"] = str(EXAMPLES / "tenants.yaml")
+    config["routes_dir"] = str(REPO / "routes")
+    config["backends"] = [
+        {
+            "name": "bench",
+            "address": triton_address,
+            "labels": {"cell": "eu-restricted", "device_group": "bench"},
+            "devices": 4,
+            **({"time_scale": time_scale} if time_scale is not None else {}),
+        }
+    ]
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -479,6 +593,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--targets", default=",".join(TARGETS), help="comma-separated subset of " + ",".join(TARGETS)
     )
     parser.add_argument("--model-repository", type=Path, default=EXAMPLES / "model_repository")
+    parser.add_argument(
+        "--gateway-time-scale",
+        type=float,
+        default=None,
+        help="backend time_scale in the gateway's config (default: the time factor, or "
+        f"{MIN_TIME_SCALE} for time factor 0; 0 leaves it unset, i.e. real-device cost 1.0)",
+    )
     parser.add_argument("--gateway-log-level", default="WARNING", help="orchid-gateway serve --log-level")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, h2load logs)")
     args = parser.parse_args(argv)
@@ -543,7 +664,11 @@ def bench(
         )
     if "gateway" in args.targets:
         config_path = work / "gateway.yaml"
-        write_gateway_config(config_path, ports["gateway"], triton.address)
+        time_scale = args.gateway_time_scale
+        if time_scale is None:
+            time_scale = args.time_factor if args.time_factor > 0 else MIN_TIME_SCALE
+        write_gateway_config(config_path, ports["gateway"], triton.address, time_scale or None)
+        print(f"gateway backend time_scale: {time_scale or 'unset (1.0)'}", flush=True)
         proxies["gateway"] = Child(
             "gateway",
             [gateway_command(), "serve", "--config", str(config_path), "--log-level", args.gateway_log_level],
@@ -569,9 +694,16 @@ def bench(
         for target in args.targets:
             url = f"http://{addresses[target]}{METHOD}"
             frame = frames["gateway" if target == "gateway" else "plain"]
+            message = hinted if target == "gateway" else plain
+            metadata = [("authorization", f"Bearer {auth[target]}")] if target in auth else []
             if args.warmup:
                 warm = h2load_args(h2load, url, frame, args, args.warmup, auth.get(target))
                 subprocess.run(warm, capture_output=True, check=False)
+                # A warm gateway's OK answers can be smaller than a cold one's (fewer provenance
+                # parameters): keep the smallest OK answer seen as the yardstick for errors.
+                _, smallest = sample_outcomes(addresses[target], message, metadata, 1, waves=5)
+                if smallest is not None:
+                    frame_sizes[target] = min(frame_sizes[target], smallest)
             cmd = h2load_args(h2load, url, frame, args, args.requests, auth.get(target))
             if round_no == 1:
                 print("  $ " + " ".join(f"'{a}'" if " " in a else a for a in cmd), flush=True)
@@ -584,12 +716,30 @@ def bench(
                 f"{run.succeeded}/{run.failed} ok/failed",
                 flush=True,
             )
-            if run.failed:
-                print(run.raw[-1500:], flush=True)
+            if run.failed or run.answers_differ:
+                if run.http_failed:
+                    print(run.raw[-1500:], flush=True)
+                print(
+                    f"{target}: {run.data_per_response:.0f} DATA bytes per response, "
+                    f"the verified OK answer is {run.ok_frame}",
+                    flush=True,
+                )
+                if run.answers_differ:
+                    concurrency = args.connections * args.streams
+                    seen, smallest = sample_outcomes(addresses[target], message, metadata, concurrency)
+                    print(
+                        f"gRPC outcomes of {concurrency * 10} calls at concurrency {concurrency}:", flush=True
+                    )
+                    for outcome, count in seen.most_common():
+                        print(f"  {count:6d}  {outcome}", flush=True)
+                    if smallest is not None and smallest < run.ok_frame:
+                        # Smaller OK answers exist: re-estimate errors against them, here and later.
+                        frame_sizes[target] = run.ok_frame = smallest
+                        print(f"{target}: now {run.succeeded}/{run.failed} ok/failed (estimate)", flush=True)
                 if target in proxies:
                     print(f"--- {target} log tail ---\n{proxies[target].log_tail()}", flush=True)
 
-    rows = [median_run(runs[t]) for t in args.targets]
+    rows = [Row.of(runs[t]) for t in args.targets]
     print()
     print("load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.rounds > 1:
@@ -616,6 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"machine: nproc={os.cpu_count()} python={platform.python_version()} {platform.machine()}"
         f" | {version}\n"
+        f"code: {code_fingerprint()}\n"
         f"load: -n {args.requests} (+{args.warmup} warm-up) -c {args.connections} -m {args.streams} "
         f"-t {args.threads}, rounds {args.rounds}; model {MODEL} INPUT_IDS [1,{args.tokens}], "
         f"time factor {args.time_factor}\n"

@@ -1,54 +1,142 @@
-"""Admission: the pure pipeline that turns a ``RequestRecord`` into a ``Decision``.
+"""Admission: the pure pipeline that turns priced records and policy results into a ``Decision``.
 
-No I/O and no clocks: everything it needs is in the record (shape, predicted
-demand, deadline budget, ladder step) and the ``AdmissionContext`` handed in
-by the edge (route facts, policy evaluation). The rule of the house: reject
-work whose predicted completion misses its deadline *before* it spends
-accelerator time; never send work outside its privacy cell; route to a
-fallback only when quality evidence and eligibility allow.
+No I/O and no clocks. The edge prices the request on its primary route (and,
+when one exists, on the route's warm fallback in the same privacy cell),
+evaluates the policy snapshot on the primary record, and asks ``decide``. When
+``wants_fallback_pass`` says so, it also evaluates the policy on the fallback
+record and hands that result in too.
+
+Rules, in order:
+
+1. A policy denial is final unless it is a *capacity* denial
+   (``DEADLINE_EXCEEDED``: infeasible slack; ``RESOURCE_EXHAUSTED``: quota or
+   shedding) and the request may be answered by the fallback: then the
+   fallback is tried (rule 3).
+2. Overload ladder step 4 and above defer batch and async work: rejected with
+   ``RESOURCE_EXHAUSTED`` and a ``retry-after-ms`` from the predicted drain.
+3. The fallback serves a request only when every one of these holds: the
+   policy's fallback stage found it eligible (allowed class, no prohibited
+   risk class, caller did not opt out, quality evidence at or above the floor,
+   fallback warm, same cell — see ``policies/40-fallback.yaml``), and the
+   policy allows the request *as priced on the fallback* (its own slack and
+   quota). It is taken when the ladder is at step 3+ (overload) or when the
+   primary was denied for capacity. Provenance says
+   ``orchid.approximation=fallback`` and why.
+4. A policy output limit below the requested output is applied and marked
+   ``reduced_output``.
+5. Otherwise the primary admits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.overload import LadderEffects
+from gateway.policy.snapshot import PolicyResult
 from gateway.record import Approximation, Decision, RequestRecord, Verdict
 
-INFEASIBLE_RULE = "admission.infeasible_deadline"
+CAPACITY_STATUSES = frozenset({"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
+DEFER_BATCH_RULE = "ladder.defer_batch"
+BATCH_MODES = frozenset({"batch", "async"})
+FALLBACK = Approximation.FALLBACK
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One way to serve the request: the record priced on that route, and what policy said."""
+
+    record: RequestRecord
+    policy: PolicyResult
 
 
 @dataclass(frozen=True, slots=True)
 class AdmissionContext:
-    policy_version: str
+    effects: LadderEffects
+    retry_after_ms: int  # from the predicted drain of the pool
     max_dwell_ms: float
+    batch_classes: frozenset[str] = frozenset({"batch"})
 
 
-def infeasible_message(record: RequestRecord) -> str:
-    b = record.budget
-    predicted_completion = b.elapsed_ms + b.queue_wait_ms + b.reserve_exec_ms
-    return (
-        f"predicted completion {predicted_completion:.1f} ms plus reserves "
-        f"{b.reserve_upstream_ms + b.reserve_fail_ms:.1f} ms exceeds the deadline of {b.deadline_ms:.1f} ms "
-        f"(remaining budget {b.remaining_ms:.1f} ms, slack {b.slack_ms:.1f} ms)"
+def wants_fallback_pass(primary: PolicyResult, effects: LadderEffects, fallback_available: bool) -> bool:
+    """Should the edge price the fallback and evaluate policy on it?"""
+    if not fallback_available:
+        return False
+    if not primary.allowed:
+        return primary.status in CAPACITY_STATUSES
+    return effects.fallback_for_eligible and primary.fallback_eligible
+
+
+def _reject(record: RequestRecord, result: PolicyResult) -> Decision:
+    return Decision(
+        verdict=Verdict.REJECT,
+        target_model=record.identity.model,
+        route_reason="rejected",
+        rules=(result.rule,) if result.rule else result.rules_fired,
+        shadow_rules=result.shadow_fired,
+        policy_version=result.policy_version,
+        status=result.status,
+        message=result.message,
+        retry_after_ms=result.retry_after_ms,
     )
 
 
-def decide(record: RequestRecord, context: AdmissionContext) -> Decision:
-    if record.budget.slack_ms < 0:
+def _admit(
+    candidate: Candidate, *, route_reason: str, approximation: Approximation, context: AdmissionContext
+) -> Decision:
+    record, result = candidate.record, candidate.policy
+    limit = result.max_output_tokens
+    reduced = limit is not None and limit < record.shape.max_output_tokens
+    if reduced and approximation is Approximation.NONE:
+        approximation = Approximation.REDUCED_OUTPUT
+    return Decision(
+        verdict=Verdict.FALLBACK if approximation is Approximation.FALLBACK else Verdict.ADMIT,
+        target_model=record.identity.model,
+        route_reason=route_reason,
+        approximation=approximation,
+        rules=result.rules_fired,
+        shadow_rules=result.shadow_fired,
+        policy_version=result.policy_version,
+        max_output_tokens=limit if reduced else None,
+        max_dwell_ms=context.max_dwell_ms,
+    )
+
+
+def decide(primary: Candidate, fallback: Candidate | None, context: AdmissionContext) -> Decision:
+    record = primary.record
+    is_batch = (
+        str(record.identity.mode) in BATCH_MODES or record.identity.request_class in context.batch_classes
+    )
+    if context.effects.defer_batch and is_batch:
         return Decision(
             verdict=Verdict.REJECT,
             target_model=record.identity.model,
             route_reason="rejected",
-            rules=(INFEASIBLE_RULE,),
-            policy_version=context.policy_version,
-            status="DEADLINE_EXCEEDED",
-            message=infeasible_message(record),
+            rules=(DEFER_BATCH_RULE,),
+            policy_version=primary.policy.policy_version,
+            status="RESOURCE_EXHAUSTED",
+            message=f"batch work is deferred while the service is overloaded (step {record.ladder_step})",
+            retry_after_ms=context.retry_after_ms,
         )
-    return Decision(
-        verdict=Verdict.ADMIT,
-        target_model=record.identity.model,
-        route_reason="primary",
-        approximation=Approximation.NONE,
-        policy_version=context.policy_version,
-        max_dwell_ms=context.max_dwell_ms,
+    capacity_denied = not primary.policy.allowed and primary.policy.status in CAPACITY_STATUSES
+    eligible = primary.policy.fallback_eligible or (
+        # A primary denied for capacity never reached the fallback stage; the fallback pass decides.
+        capacity_denied and fallback is not None and fallback.policy.fallback_eligible
     )
+    if fallback is not None and eligible and fallback.policy.allowed:
+        if capacity_denied:
+            reason = "fallback:primary_" + (
+                "infeasible" if primary.policy.status == "DEADLINE_EXCEEDED" else "shed"
+            )
+            return _admit(
+                fallback, route_reason=reason, approximation=Approximation.FALLBACK, context=context
+            )
+        if context.effects.fallback_for_eligible:
+            return _admit(
+                fallback,
+                route_reason="fallback:overload",
+                approximation=Approximation.FALLBACK,
+                context=context,
+            )
+    if not primary.policy.allowed:
+        return _reject(record, primary.policy)
+    return _admit(primary, route_reason="primary", approximation=Approximation.NONE, context=context)

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import ConfigError
+from gateway.overload import LadderConfig
 from gateway.profile import DemandProfile
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -84,12 +85,17 @@ class GatewayConfig(_Strict):
     listen: str = "127.0.0.1:8001"
     tenants_file: Path
     routes_dir: Path
-    policies_dir: Path | None = None
+    policies_dir: Path
     backends: tuple[BackendConfig, ...] = ()
     local_triton: LocalTritonConfig | None = None
     classes: dict[str, RequestClassConfig]
     default_class: str = "interactive"
+    batch_classes: tuple[str, ...] = Field(default=("batch",), description="deferred from ladder step 4")
     limits: LimitsConfig = LimitsConfig()
+    policy_engine: str = Field(default="cel-expr", pattern="^(cel-expr|cel-python)$")
+    policy_watch_s: float = Field(default=1.0, gt=0, description="how often the policy directory is checked")
+    protected_utilization: float = Field(default=0.70, gt=0, le=1)
+    ladder: LadderConfig = LadderConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:
@@ -117,6 +123,7 @@ class TenantConfig(_Strict):
     max_output_tokens: int = Field(default=4096, ge=1)
     weight: float = Field(default=1.0, gt=0)
     dedicated: bool = False
+    allow_fallback: bool = True
     admin: bool = False
 
     @field_validator("key_sha256")
@@ -185,6 +192,9 @@ class RouteConfig(_Strict):
     shape: ShapeSpec
     streaming: bool = False
     fallback: str | None = None
+    fallback_classes: tuple[str, ...] = Field(
+        default=("interactive",), description="request classes the fallback may serve"
+    )
     quality: QualityEvidence | None = None
     quality_floor: float | None = Field(default=None, ge=0, le=1)
     backends: tuple[str, ...] = Field(default=(), description="backend names serving it; empty = all")
@@ -247,7 +257,7 @@ def load_gateway_config(path: Path) -> GatewayConfig:
         update={
             "tenants_file": _resolve(base, config.tenants_file),
             "routes_dir": _resolve(base, config.routes_dir),
-            "policies_dir": _resolve(base, config.policies_dir) if config.policies_dir else None,
+            "policies_dir": _resolve(base, config.policies_dir),
             "local_triton": local,
         }
     )

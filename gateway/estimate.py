@@ -98,7 +98,7 @@ class Estimator:
         self._tenants: dict[tuple[str, str], _Ewma] = {}
 
     def _weight(self, entry: _Ewma, now: float) -> float:
-        return entry.weight * 0.5 ** (max(0.0, now - entry.updated_at) / self.half_life_s)
+        return entry.weight * math.pow(0.5, max(0.0, now - entry.updated_at) / self.half_life_s)
 
     def _aged(self, entry: _Ewma | None, now: float) -> float:
         # The prior (the profile, log ratio 0) has a small fixed weight: negligible while

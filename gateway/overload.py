@@ -152,6 +152,10 @@ def protected_capacity_ms_per_s(
 # --------------------------------------------------------------------------- windows
 
 
+# The shortest time a young window's rate is measured over (see DemandWindow.rate_ms_per_s).
+MIN_COVERED_S = 1.0
+
+
 class DemandWindow:
     """Predicted accelerator-ms arriving at one pool over the last ``window_s`` seconds.
 
@@ -207,7 +211,10 @@ class DemandWindow:
             if oldest <= self._epochs[slot] <= bucket:
                 total += self._sums[slot]
                 count += self._counts[slot]
-        covered = self.buckets if self._first is None else max(1, min(self.buckets, bucket - self._first + 1))
+        # A young window divides by its age, but never by less than MIN_COVERED_S: one burst
+        # in the first 100 ms of a gateway's life is not ten times its rate.
+        floor = min(self.buckets, max(1, math.ceil(MIN_COVERED_S / self._width_s)))
+        covered = self.buckets if self._first is None else max(floor, min(self.buckets, bucket - self._first + 1))
         return total, count, covered
 
     def total_ms(self, now: float) -> float:

@@ -11,6 +11,7 @@ about gRPC servers: ``protocol`` adapts it to ``inference.GRPCInferenceService``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -32,10 +33,16 @@ from gateway.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     Unavailable,
 )
 from gateway.estimate import CorrectionKey, Estimator, charged_live_token_ms, predict
-from gateway.record import Budget, Decision, Identity, Mode, Outcome, RequestRecord, Verdict
+from gateway.load import PoolLoad
+from gateway.overload import effects as overload_effects
+from gateway.policy.schema import LoadFacts, PolicyContext, QualityEvidence, RouteFacts, TenantFacts
+from gateway.policy.snapshot import PolicyResult
+from gateway.policy.store import PolicyStore
+from gateway.record import Budget, Decision, Identity, Mode, Outcome, RequestRecord, Shape, Verdict
 from gateway.scheduler import DispatchQueue, Slot
 from gateway.shape import extract_shape, payload_bytes, read_hints, validate_tensors
 
@@ -46,7 +53,19 @@ _STATUS_ERRORS: dict[str, type[GatewayError]] = {
     "PERMISSION_DENIED": PermissionDenied,
     "INVALID_ARGUMENT": InvalidArgument,
     "UNAVAILABLE": Unavailable,
+    "RESOURCE_EXHAUSTED": ResourceExhausted,
 }
+
+
+class GatewayListener:
+    """Typed events out of the request path (decided, settled); telemetry subscribes.
+    The base class ignores them."""
+
+    def decided(self, record: RequestRecord, decision: Decision, policy: PolicyResult) -> None:
+        return None
+
+    def settled(self, settled: Settled) -> None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +103,15 @@ class Admitted:
 
 
 @dataclass(frozen=True, slots=True)
+class _Priced:
+    record: RequestRecord
+    route: RouteConfig
+    handle: BackendHandle
+    queue: DispatchQueue
+    correction_key: CorrectionKey
+
+
+@dataclass(frozen=True, slots=True)
 class Settled:
     record: RequestRecord
     decision: Decision
@@ -99,20 +127,22 @@ class Gateway:
         tenants: TenantDirectory,
         routes: RouteTable,
         backends: dict[str, BackendHandle],
+        policy: PolicyStore,
         *,
-        policy_version: str = "builtin",
+        listener: GatewayListener | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants
         self.routes = routes
         self.backends = backends
-        self.policy_version = policy_version
+        self.policy = policy
+        self.listener: GatewayListener = listener or GatewayListener()
+        self.loads: dict[str, PoolLoad] = {}
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
         self.estimator = Estimator()
         self.pool_timing: dict[str, PoolTiming] = {}
         self._stats_samples: dict[str, StatsSample] = {}
         self.inflight: set[asyncio.Task[object]] = set()
-        self.ladder_step = 0
         self.accepting = True
 
     # ------------------------------------------------------------------ lookup
@@ -125,13 +155,14 @@ class Gateway:
             raise NotFound(f"unknown model {model!r}")
         return route
 
-    def request_class(self, tenant: Tenant, requested: str | None) -> tuple[str, RequestClassConfig]:
+    def request_class(self, requested: str | None) -> tuple[str, RequestClassConfig]:
+        """The class's reserves. Whether this tenant may use it is policy's call (class-allowed)."""
         name = requested or self.config.default_class
-        if name not in tenant.config.classes:
-            if name not in self.config.classes:
-                raise InvalidArgument(f"unknown request class {name!r}")
-            raise PermissionDenied(f"request class {name!r} is not allowed for this credential")
-        return name, self.config.classes[name]
+        config = self.config.classes.get(name)
+        if config is None:
+            known = ", ".join(sorted(self.config.classes))
+            raise InvalidArgument(f"unknown request class {name!r} (known: {known})")
+        return name, config
 
     def candidate_backends(self, route: RouteConfig, cell: str) -> list[str]:
         names = route.backends or tuple(self.backends)
@@ -186,6 +217,11 @@ class Gateway:
         operation: str,
         mode: Mode,
     ) -> Admitted:
+        """Authenticated request in; an ``Admitted`` bound to a pool out, or a ``GatewayError``.
+
+        Prices the request on its route (and on the route's warm fallback when the
+        decision may need it), evaluates the policy snapshot, and lets the pure
+        ``admission.decide`` choose."""
         logical = request.model_name
         route = self.tenant_route(tenant, logical)
         if route.streaming != (mode is Mode.STREAMING):
@@ -195,7 +231,7 @@ class Gateway:
         if request.model_version and route.version and request.model_version != route.version:
             raise NotFound(f"unknown version {request.model_version!r} of model {logical!r}")
         hints = read_hints(request)
-        class_name, request_class = self.request_class(tenant, hints.request_class)
+        class_name, request_class = self.request_class(hints.request_class)
         cell = tenant.config.home_cell
         handle, spec, queue = await self.bind_pool(route, cell, logical)
         shapes = validate_tensors(request, spec, model=logical)
@@ -207,22 +243,110 @@ class Gateway:
             streaming=mode is Mode.STREAMING,
             input_bytes=payload_bytes(request),
         )
-        if shape.max_output_tokens > tenant.config.max_output_tokens:
-            raise InvalidArgument(
-                f"parameter orchid.max_output_tokens: {shape.max_output_tokens} exceeds "
-                f"this credential's limit "
-                f"of {tenant.config.max_output_tokens}"
-            )
-        profile = self.routes.profiles[route.profile]
         now = time.monotonic()
+        deadline_ms = self._deadline_ms(call, request_class)
+        identity = Identity(
+            request_id=uuid.uuid4().hex,
+            tenant=tenant.name,
+            request_class=class_name,
+            model=logical,
+            model_version=route.version,
+            operation=operation,
+            mode=mode,
+            privacy_cell=cell,
+            allow_fallback=hints.allow_fallback and tenant.config.allow_fallback,
+            operation_id=hints.operation_id,
+        )
+        load = self.pool_load(queue, request_class)
+        priced = self._price(
+            identity, route, shape, handle, queue, call, deadline_ms, request_class, load.step, now
+        )
+        # Offered demand is priced on the model asked for, before any ladder action.
+        load.demand.add(now, priced.record.demand.accelerator_ms)
+        policy = self.policy.current()
+        context = self._policy_context(tenant, route, cell, load)
+        primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context))
+        effects = overload_effects(load.step)
+        fallback: admission.Candidate | None = None
+        fallback_priced: _Priced | None = None
+        fallback_route = self.routes.models.get(route.fallback) if route.fallback else None
+        fallback_pool = await self._warm_fallback(fallback_route, cell, logical) if fallback_route else None
+        if fallback_route is not None and admission.wants_fallback_pass(
+            primary.policy, effects, fallback_pool is not None
+        ):
+            assert fallback_pool is not None and route.fallback is not None
+            f_handle, _f_spec, f_queue = fallback_pool
+            f_identity = dataclasses.replace(
+                identity, model=route.fallback, model_version=fallback_route.version
+            )
+            f_shape = dataclasses.replace(
+                shape, max_output_tokens=min(shape.max_output_tokens, fallback_route.shape.max_output_tokens)
+            )
+            fallback_priced = self._price(
+                f_identity,
+                fallback_route,
+                f_shape,
+                f_handle,
+                f_queue,
+                call,
+                deadline_ms,
+                request_class,
+                load.step,
+                now,
+            )
+            fallback = admission.Candidate(
+                fallback_priced.record, policy.evaluate(fallback_priced.record, context)
+            )
+        decision = admission.decide(
+            primary,
+            fallback,
+            admission.AdmissionContext(
+                effects=effects,
+                retry_after_ms=load.retry_after_ms(),
+                max_dwell_ms=request_class.max_dwell_ms,
+                batch_classes=frozenset(self.config.batch_classes),
+            ),
+        )
+        self.listener.decided(primary.record, decision, primary.policy)
+        if decision.verdict is Verdict.REJECT:
+            error_type = _STATUS_ERRORS.get(decision.status, PermissionDenied)
+            rule = decision.rules[0] if decision.rules else None
+            raise error_type(decision.message, rule=rule, retry_after_ms=decision.retry_after_ms)
+        chosen = fallback_priced if decision.verdict is Verdict.FALLBACK and fallback_priced else priced
+        max_output = decision.max_output_tokens or chosen.record.shape.max_output_tokens
+        backend_request = self._backend_request(request, chosen.route, max_output, mode)
+        return Admitted(
+            record=chosen.record,
+            decision=decision,
+            route=chosen.route,
+            backend=chosen.handle.client,
+            queue=chosen.queue,
+            backend_request=backend_request,
+            deadline_at=call.received_at + deadline_ms / 1000.0,
+            correction_key=chosen.correction_key,
+        )
+
+    def _price(
+        self,
+        identity: Identity,
+        route: RouteConfig,
+        shape: Shape,
+        handle: BackendHandle,
+        queue: DispatchQueue,
+        call: CallContext,
+        deadline_ms: float,
+        request_class: RequestClassConfig,
+        ladder_step: int,
+        now: float,
+    ) -> _Priced:
+        """The record of this request as it would run on ``route`` in ``queue``."""
         correction_key = CorrectionKey(route.backend_model, route.version, shape.bucket)
         demand = predict(
-            profile,
+            self.routes.profiles[route.profile],
             shape,
             time_scale=handle.time_scale,
-            correction=self.estimator.correction(correction_key, tenant.name, now),
+            correction=self.estimator.correction(correction_key, identity.tenant, now),
         )
-        deadline_ms = self._deadline_ms(call, request_class)
         budget = Budget(
             deadline_ms=deadline_ms,
             elapsed_ms=(now - call.received_at) * 1000.0,
@@ -232,44 +356,81 @@ class Gateway:
             queue_wait_ms=queue.predicted_wait_ms(now),
         )
         record = RequestRecord(
-            identity=Identity(
-                request_id=uuid.uuid4().hex,
-                tenant=tenant.name,
-                request_class=class_name,
-                model=logical,
-                model_version=route.version,
-                operation=operation,
-                mode=mode,
-                privacy_cell=cell,
-                allow_fallback=hints.allow_fallback,
-                operation_id=hints.operation_id,
+            identity=identity, shape=shape, demand=demand, budget=budget, ladder_step=ladder_step
+        )
+        return _Priced(record, route, handle, queue, correction_key)
+
+    async def _warm_fallback(
+        self, route: RouteConfig, cell: str, logical: str
+    ) -> tuple[BackendHandle, ModelSpec, DispatchQueue] | None:
+        """The fallback's pool in the same cell, only if it is warm right now (never cold-load)."""
+        try:
+            handle, spec, queue = await self.bind_pool(route, cell, logical)
+        except Unavailable:
+            return None
+        return (handle, spec, queue) if handle.client.is_warm(route.backend_model) else None
+
+    def _policy_context(self, tenant: Tenant, route: RouteConfig, cell: str, load: PoolLoad) -> PolicyContext:
+        config = tenant.config
+        fallback = self.routes.models.get(route.fallback) if route.fallback else None
+        fallback_warm = False
+        fallback_cell = ""
+        if fallback is not None:
+            for name in self.candidate_backends(fallback, cell):
+                handle = self.backends[name]
+                if handle.client.is_warm(fallback.backend_model):
+                    fallback_warm, fallback_cell = True, handle.labels.get("cell", "")
+                    break
+        quality = QualityEvidence(
+            score=route.quality.score if route.quality else 0.0,
+            fallback_score=fallback.quality.score if fallback and fallback.quality else 0.0,
+            floor=fallback.quality_floor if fallback and fallback.quality_floor is not None else 1.0,
+            population=route.quality.population if route.quality else "",
+        )
+        return PolicyContext(
+            tenant=TenantFacts(
+                name=tenant.name,
+                allowed_cells=config.cells,
+                allowed_classes=config.classes,
+                allowed_models=config.models,
+                dedicated=config.dedicated,
+                weight=config.weight,
+                allow_fallback=config.allow_fallback,
+                max_output_tokens=config.max_output_tokens,
             ),
-            shape=shape,
-            demand=demand,
-            budget=budget,
-            ladder_step=self.ladder_step,
-        )
-        decision = admission.decide(
-            record,
-            admission.AdmissionContext(
-                policy_version=self.policy_version, max_dwell_ms=request_class.max_dwell_ms
+            route=RouteFacts(
+                model=route.backend_model,
+                fallback_model=route.fallback or "",
+                fallback_classes=route.fallback_classes,
+                fallback_warm=fallback_warm,
+                fallback_cell=fallback_cell,
+                quality=quality,
             ),
+            load=LoadFacts(utilization=load.utilization(), drain_ms=load.drain_ms()),
         )
-        if decision.verdict is Verdict.REJECT:
-            error_type = _STATUS_ERRORS.get(decision.status, PermissionDenied)
-            rule = decision.rules[0] if decision.rules else None
-            raise error_type(decision.message, rule=rule, retry_after_ms=decision.retry_after_ms)
-        backend_request = self._backend_request(request, route, shape.max_output_tokens, mode)
-        return Admitted(
-            record=record,
-            decision=decision,
-            route=route,
-            backend=handle.client,
-            queue=queue,
-            backend_request=backend_request,
-            deadline_at=call.received_at + deadline_ms / 1000.0,
-            correction_key=correction_key,
-        )
+
+    def pool_load(self, queue: DispatchQueue, request_class: RequestClassConfig) -> PoolLoad:
+        load = self.loads.get(queue.name)
+        if load is None:
+            load = PoolLoad(
+                queue.name,
+                devices=queue.devices,
+                dwell_budget_ms=request_class.max_dwell_ms,
+                config=self.config.ladder,
+                protected_utilization=self.config.protected_utilization,
+            )
+            self.loads[queue.name] = load
+        return load
+
+    def update_ladders(self, now: float) -> None:
+        """Step every pool's ladder from fresh evidence (called periodically)."""
+        for (backend_name, _), queue in list(self._queues.items()):
+            load = self.loads.get(queue.name)
+            handle = self.backends.get(backend_name)
+            if load is None or handle is None:
+                continue
+            evidence_at = now if handle.client.healthy else handle.client.healthy_at
+            load.gather(now, queue, healthy=handle.client.healthy, evidence_at=evidence_at)
 
     def _deadline_ms(self, call: CallContext, request_class: RequestClassConfig) -> float:
         if call.time_remaining_s is None:
@@ -312,6 +473,7 @@ class Gateway:
             cost_ms=admitted.record.demand.accelerator_ms,
         )
         started = time.monotonic()
+        self._dispatched(admitted, dwell_ms=(started - call.received_at) * 1000.0, now=started)
         try:
             timeout_s = admitted.deadline_at - started
             if timeout_s <= 0:
@@ -325,6 +487,7 @@ class Gateway:
         settled = self.settle(
             admitted, queued_s=started - call.received_at, started=started, finished=finished
         )
+        self.listener.settled(settled)
         response.model_name = admitted.record.identity.model
         attach_provenance(response, settled)
         return response
@@ -371,6 +534,11 @@ class Gateway:
             output_tokens=output_tokens,
         )
         return Settled(record, admitted.decision, outcome)
+
+    def _dispatched(self, admitted: Admitted, *, dwell_ms: float, now: float) -> None:
+        load = self.loads.get(admitted.queue.name)
+        if load is not None:
+            load.dwell.add(now, dwell_ms)
 
     async def sample_statistics(self) -> None:
         """Refresh per-pool Triton queue/compute timing from statistics deltas."""
@@ -553,6 +721,9 @@ class _StreamSession:
             await self.out.put(stream_error(error, entry.client_id))
             return
         entry.started = time.monotonic()
+        self.gateway._dispatched(
+            admitted, dwell_ms=(entry.started - entry.arrived) * 1000.0, now=entry.started
+        )
         internal_id = uuid.uuid4().hex
         admitted.backend_request.id = internal_id
         self.pending[internal_id] = entry
@@ -617,6 +788,8 @@ class _StreamSession:
             output_tokens=entry.tokens,
             learn=final,
         )
+        if final:
+            self.gateway.listener.settled(settled)
         if has_output or (final and entry.wants_final):
             response.id = entry.client_id
             response.model_name = admitted.record.identity.model

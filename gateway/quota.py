@@ -709,7 +709,7 @@ class QuotaLedger:
         if parent is None or account.borrow_limit_ms <= 0 or own.level_ms < -_EPSILON_MS:
             return None  # no class to borrow from, borrowing off, or in debt
         borrowed = demand_ms - max(0.0, own.level_ms)
-        if False:
+        if account.borrowed_ms + borrowed > account.borrow_limit_ms + _EPSILON_MS:
             return None
         # The parent's level is the class's unused capacity, including this tenant's own remainder.
         if not parent.covers(demand_ms):

@@ -62,10 +62,14 @@ class DispatchQueue:
     def inflight(self) -> int:
         return len(self._inflight)
 
+    def inflight_remaining_ms(self, now: float) -> float:
+        """Predicted work still executing in the pool's slots."""
+        return sum(max(0.0, s.cost_ms - (now - s.started_at) * 1000.0) for s in self._inflight)
+
     def predicted_wait_ms(self, now: float | None = None) -> float:
         """Work ahead of a new arrival, spread over the pool's devices."""
         now = time.monotonic() if now is None else now
-        remaining_inflight = sum(max(0.0, s.cost_ms - (now - s.started_at) * 1000.0) for s in self._inflight)
+        remaining_inflight = self.inflight_remaining_ms(now)
         if self._free() > 0 and self.queued == 0:
             return 0.0
         return (self.queued_ms + remaining_inflight) / self.devices

@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -36,6 +37,8 @@ from gateway.config import (
 )
 from gateway.errors import ConfigError
 from gateway.pipeline import BackendHandle, Gateway
+from gateway.policy.diagnostics import PolicyLoadError
+from gateway.policy.store import PolicyStore
 from gateway.protocol import SERVICE, InferenceServicer, add_to_server
 
 log = logging.getLogger("orchid.gateway")
@@ -56,6 +59,12 @@ class GatewayServer:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.port = 0
         self._tasks: list[asyncio.Task[None]] = []
+
+    async def _update_ladders(self, interval_s: float = 0.1) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.gateway is not None:
+                self.gateway.update_ladders(time.monotonic())
 
     async def _sample_statistics(self, interval_s: float = 1.0) -> None:
         while True:
@@ -109,7 +118,14 @@ class GatewayServer:
             clients[backend.name] = BackendHandle(
                 client, backend.labels, backend.devices, backend.max_inflight_per_device, backend.time_scale
             )
-        self.gateway = Gateway(config, TenantDirectory(tenants), routes, clients)
+        self.policy = PolicyStore(config.policies_dir, engine=config.policy_engine)
+        result = await asyncio.to_thread(self.policy.reload)
+        if not result.ok:
+            raise PolicyLoadError(result.diagnostics)
+        for route in routes.models.values():
+            for handle in clients.values():
+                handle.client.watched_models.add(route.backend_model)
+        self.gateway = Gateway(config, TenantDirectory(tenants), routes, clients, self.policy)
         limit = config.limits.max_message_bytes
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -124,7 +140,10 @@ class GatewayServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.listen}")
         await self.server.start()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._sample_statistics(), name="stats"))
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._sample_statistics(), name="stats"))
+        self._tasks.append(loop.create_task(self._update_ladders(), name="ladders"))
+        self._tasks.append(loop.create_task(self.policy.watch(config.policy_watch_s), name="policy-watch"))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("orchid-gateway listening on %s", self.address)
 
@@ -138,6 +157,7 @@ class GatewayServer:
         return (
             gateway is not None
             and gateway.accepting
+            and gateway.policy.ready
             and any(h.client.healthy for h in gateway.backends.values())
         )
 

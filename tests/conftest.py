@@ -108,3 +108,9 @@ def gateway(triton: LocalTriton) -> Iterator[ThreadedGateway]:
         yield running
     finally:
         running.stop()
+
+
+def ladder_steps(running: ThreadedGateway) -> dict[str, int]:
+    gw = running.server.gateway
+    assert gw is not None
+    return running.call_soon(lambda: {name: load.step for name, load in gw.loads.items()})

@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.admission import INFEASIBLE_RULE, AdmissionContext, decide
+from gateway.admission import AdmissionContext, Candidate, decide, wants_fallback_pass
 from gateway.backends.triton import InputSpec, ModelSpec
 from gateway.config import ShapeSpec
 from gateway.errors import InvalidArgument
 from gateway.estimate import predict
+from gateway.overload import effects
+from gateway.policy.snapshot import PolicyResult
 from gateway.profile import DemandProfile, batch_accelerator_ms, padding
-from gateway.record import Budget, Demand, Identity, Mode, RequestRecord, Shape, Verdict
+from gateway.record import Approximation, Budget, Demand, Identity, Mode, RequestRecord, Shape, Verdict
 from gateway.shape import RequestHints, extract_shape, read_hints, validate_tensors
 
 FULL = DemandProfile(fixed_ms=4.4, prefill_ms_per_token=0.1, decode_ms_per_token=0.41875)
@@ -28,7 +30,9 @@ SPEC = ModelSpec(
 
 
 def test_seed_teaching_request_slack_is_68_ms() -> None:
-    budget = Budget(deadline_ms=200, elapsed_ms=45, reserve_upstream_ms=12, reserve_exec_ms=60, reserve_fail_ms=15)
+    budget = Budget(
+        deadline_ms=200, elapsed_ms=45, reserve_upstream_ms=12, reserve_exec_ms=60, reserve_fail_ms=15
+    )
     assert budget.slack_ms == pytest.approx(68.0)
     assert budget.remaining_ms == pytest.approx(155.0)
 
@@ -102,11 +106,15 @@ def test_bytes_payload_framing() -> None:
 
 def test_shape_extraction_buckets_and_caps() -> None:
     spec = ShapeSpec(tokens_input="INPUT_IDS", items_dim=0, max_input_tokens=8192, long_input_tokens=1024)
-    short = extract_shape({"INPUT_IDS": (1, 256)}, RequestHints(), spec, model="m", streaming=False, input_bytes=0)
-    long = extract_shape({"INPUT_IDS": (1, 4096)}, RequestHints(), spec, model="m", streaming=False, input_bytes=0)
+    short = extract_shape(
+        {"INPUT_IDS": (1, 256)}, RequestHints(), spec, model="m", streaming=False, input_bytes=0
+    )
+    long = extract_shape(
+        {"INPUT_IDS": (1, 4096)}, RequestHints(), spec, model="m", streaming=False, input_bytes=0
+    )
     assert (short.bucket, long.bucket) == ("short", "long")
     assert short.max_output_tokens == spec.default_max_output_tokens
-    with pytest.raises(InvalidArgument, match="orchid.max_output_tokens: 5000 exceeds"):
+    with pytest.raises(InvalidArgument, match=r"orchid\.max_output_tokens: 5000 exceeds"):
         extract_shape(
             {"INPUT_IDS": (1, 8)},
             RequestHints(max_output_tokens=5000),
@@ -119,22 +127,105 @@ def test_shape_extraction_buckets_and_caps() -> None:
         extract_shape({"INPUT_IDS": (1, 0)}, RequestHints(), spec, model="m", streaming=False, input_bytes=0)
 
 
-def record(deadline_ms: float, exec_ms: float, queue_ms: float = 0.0) -> RequestRecord:
+def record(deadline_ms: float, exec_ms: float, queue_ms: float = 0.0, **identity: object) -> RequestRecord:
+    fields: dict[str, object] = {
+        "request_id": "r",
+        "tenant": "orchid",
+        "request_class": "interactive",
+        "model": "full-v18",
+        "model_version": "1",
+        "operation": "ModelInfer",
+        "mode": Mode.ONLINE,
+        "privacy_cell": "eu",
+    }
+    fields.update(identity)
     return RequestRecord(
-        identity=Identity("r", "orchid", "interactive", "full-v18", "1", "ModelInfer", Mode.ONLINE, "eu"),
+        identity=Identity(**fields),  # type: ignore[arg-type]
         shape=Shape(items=1, input_tokens=256, max_output_tokens=64),
         demand=Demand(prefill_ms=exec_ms, decode_ms=0.0),
         budget=Budget(deadline_ms, 0.0, 12.0, exec_ms, 15.0, queue_ms),
     )
 
 
-def test_admission_rejects_infeasible_work_with_its_numbers() -> None:
-    context = AdmissionContext(policy_version="v", max_dwell_ms=20)
-    assert decide(record(200, 56.8), context).verdict is Verdict.ADMIT
-    rejected = decide(record(200, 467.6), context)
-    assert rejected.verdict is Verdict.REJECT
-    assert rejected.status == "DEADLINE_EXCEEDED"
-    assert rejected.rules == (INFEASIBLE_RULE,)
-    assert "467.6 ms" in rejected.message and "200.0 ms" in rejected.message
-    # Queue wait ahead counts: feasible alone, infeasible behind 150 ms of queued work.
-    assert decide(record(200, 56.8, queue_ms=150), context).verdict is Verdict.REJECT
+ALLOW = PolicyResult(policy_version="sha256:x", allowed=True, rules_fired=("r1",))
+ELIGIBLE = PolicyResult(policy_version="sha256:x", allowed=True, fallback_eligible=True)
+INFEASIBLE = PolicyResult(
+    policy_version="sha256:x",
+    allowed=False,
+    status="DEADLINE_EXCEEDED",
+    rule="deadline-infeasible",
+    message="late",
+)
+DENIED = PolicyResult(
+    policy_version="sha256:x", allowed=False, status="PERMISSION_DENIED", rule="privacy", message="no"
+)
+
+
+def context(step: int) -> AdmissionContext:
+    return AdmissionContext(effects=effects(step), retry_after_ms=250, max_dwell_ms=20)
+
+
+def fallback_candidate(result: PolicyResult = ELIGIBLE) -> Candidate:
+    return Candidate(record(200, 32.0, model="compact-v11"), result)
+
+
+def test_allowed_primary_admits_with_its_rules() -> None:
+    decision = decide(Candidate(record(200, 56.8), ALLOW), None, context(0))
+    assert decision.verdict is Verdict.ADMIT
+    assert (decision.route_reason, decision.rules, decision.policy_version) == (
+        "primary",
+        ("r1",),
+        "sha256:x",
+    )
+
+
+def test_policy_denial_is_final_for_non_capacity_reasons() -> None:
+    decision = decide(Candidate(record(200, 56.8), DENIED), fallback_candidate(), context(4))
+    assert decision.verdict is Verdict.REJECT
+    assert (decision.status, decision.rules) == ("PERMISSION_DENIED", ("privacy",))
+    assert not wants_fallback_pass(DENIED, effects(4), fallback_available=True)
+
+
+def test_infeasible_primary_goes_to_eligible_feasible_fallback() -> None:
+    assert wants_fallback_pass(INFEASIBLE, effects(0), fallback_available=True)
+    decision = decide(Candidate(record(200, 467.6), INFEASIBLE), fallback_candidate(), context(0))
+    assert decision.verdict is Verdict.FALLBACK
+    assert decision.approximation is Approximation.FALLBACK
+    assert decision.target_model == "compact-v11"
+    assert decision.route_reason == "fallback:primary_infeasible"
+    # ... but not when the fallback is not eligible (prohibited class, floor, cold, cell ...).
+    ineligible = PolicyResult(policy_version="sha256:x", allowed=True, fallback_eligible=False)
+    decision = decide(Candidate(record(200, 467.6), INFEASIBLE), fallback_candidate(ineligible), context(0))
+    assert decision.verdict is Verdict.REJECT and decision.status == "DEADLINE_EXCEEDED"
+
+
+def test_overload_routes_eligible_work_to_fallback_only_from_step_3() -> None:
+    primary = Candidate(record(200, 56.8), ELIGIBLE)
+    assert not wants_fallback_pass(ELIGIBLE, effects(2), fallback_available=True)
+    assert decide(primary, None, context(2)).verdict is Verdict.ADMIT
+    assert wants_fallback_pass(ELIGIBLE, effects(3), fallback_available=True)
+    assert not wants_fallback_pass(ELIGIBLE, effects(3), fallback_available=False)  # cold: never
+    decision = decide(primary, fallback_candidate(), context(3))
+    assert (decision.verdict, decision.route_reason) == (Verdict.FALLBACK, "fallback:overload")
+    # Not eligible: keeps the primary even under overload.
+    assert decide(Candidate(record(200, 56.8), ALLOW), None, context(3)).verdict is Verdict.ADMIT
+
+
+def test_step_4_defers_batch_work_with_computed_retry() -> None:
+    decision = decide(Candidate(record(30000, 56.8, request_class="batch"), ALLOW), None, context(4))
+    assert decision.verdict is Verdict.REJECT
+    assert (decision.status, decision.rules, decision.retry_after_ms) == (
+        "RESOURCE_EXHAUSTED",
+        ("ladder.defer_batch",),
+        250,
+    )
+    assert decide(Candidate(record(30000, 56.8, request_class="batch"), ALLOW), None, context(3)).verdict is (
+        Verdict.ADMIT
+    )
+
+
+def test_output_limit_marks_reduced_output() -> None:
+    limited = PolicyResult(policy_version="sha256:x", allowed=True, max_output_tokens=16)
+    decision = decide(Candidate(record(200, 56.8), limited), None, context(0))
+    assert decision.max_output_tokens == 16
+    assert decision.approximation is Approximation.REDUCED_OUTPUT

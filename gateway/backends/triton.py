@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -97,6 +98,8 @@ class TritonBackend:
         self._specs: dict[str, ModelSpec] = {}
         self._ready_models: dict[str, bool] = {}
         self.healthy = False
+        self.healthy_at = 0.0  # monotonic time of the last successful probe
+        self.watched_models: set[str] = set()  # readiness refreshed by the probe (warm checks)
         self._probe_task: asyncio.Task[None] | None = None
 
     # -------------------------------------------------------------- health
@@ -114,7 +117,15 @@ class TritonBackend:
             self._specs.clear()
             self._ready_models.clear()
         self.healthy = healthy
+        if healthy:
+            self.healthy_at = time.monotonic()
+            for model in list(self.watched_models):
+                await self.model_ready(model)
         return healthy
+
+    def is_warm(self, model: str) -> bool:
+        """Healthy and the model reported READY at the last probe: never a cold load."""
+        return self.healthy and self._ready_models.get(model, False)
 
     def start_probing(self, interval_s: float = 0.5) -> None:
         async def loop() -> None:

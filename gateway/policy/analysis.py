@@ -108,7 +108,7 @@ _PARSER_LOCK = threading.Lock()
 
 def _bool_literals(token: Token) -> Token:
     if token.value in ("true", "false"):
-        return Token("BOOL_LIT", token.value)
+        return Token.new_borrow_pos("BOOL_LIT", token.value, token)
     return token
 
 
@@ -258,7 +258,7 @@ class _Converter:
     def _start(self, tree: Tree[Token] | Token) -> tuple[int, int]:
         if isinstance(tree, Token):
             return int(tree.line or 1), int(tree.column or 1)
-        return int(getattr(tree.meta, "line", 1)), int(getattr(tree.meta, "column", 1))
+        return int(getattr(tree.meta, "line", None) or 1), int(getattr(tree.meta, "column", None) or 1)
 
     def _after(self, tree: Tree[Token], symbol: str) -> tuple[int, int]:
         """Position of ``symbol`` after the end of ``tree`` (an infix operator)."""
@@ -415,7 +415,9 @@ def parse(text: str) -> Node:
     try:
         tree = _parser().parse(text)
     except UnexpectedCharacters as exc:
-        raise _Failed(Problem(exc.line, exc.column, f"syntax error: unexpected character {exc.char!r}")) from exc
+        raise _Failed(
+            Problem(exc.line, exc.column, f"syntax error: unexpected character {exc.char!r}")
+        ) from exc
     except UnexpectedEOF as exc:
         raise _Failed(Problem(exc.line, exc.column, "syntax error: unexpected end of expression")) from exc
     except UnexpectedToken as exc:
@@ -524,7 +526,9 @@ class _Checker:
         resolved: str | None = None
         if root == schema.VARIABLES_NAMESPACE:
             if len(parts) == 1:
-                return self.fail(rline, rcolumn, "'variables' is a namespace: name one, e.g. variables.long_input"), None
+                return self.fail(
+                    rline, rcolumn, "'variables' is a namespace: name one, e.g. variables.long_input"
+                ), None
             name, nline, ncolumn = parts[1]
             if name not in self.scope.variable_types:
                 return self.fail(nline, ncolumn, f"undeclared reference to 'variables.{name}'"), None
@@ -554,7 +558,8 @@ class _Checker:
                 return self.fail(
                     rline,
                     rcolumn,
-                    f"'{path}' is only available to routing-stage rules (they run once per candidate backend)",
+                    f"'{path}' is only available to routing-stage rules "
+                    "(they run once per candidate backend)",
                 ), None
             self.reads.add(path)
             cel_type = declared.cel_type
@@ -608,9 +613,13 @@ class _Checker:
         if isinstance(node, Unary):
             operand = self.walk(node.operand, bound, depth)
             if node.op == "!_" and operand in _SCALARS and operand != schema.BOOL:
-                return self.fail(node.line, node.column, f"found no matching overload for '!_' applied to '({operand})'")
+                return self.fail(
+                    node.line, node.column, f"found no matching overload for '!_' applied to '({operand})'"
+                )
             if node.op == "-_" and operand in _SCALARS and operand not in _NUMERIC:
-                return self.fail(node.line, node.column, f"found no matching overload for '-_' applied to '({operand})'")
+                return self.fail(
+                    node.line, node.column, f"found no matching overload for '-_' applied to '({operand})'"
+                )
             return schema.BOOL if node.op == "!_" else operand
         if isinstance(node, Cond):
             cond = self.walk(node.cond, bound, depth)
@@ -632,7 +641,9 @@ class _Checker:
             key = keys.pop() if len(keys) == 1 else schema.DYN
             value = values.pop() if len(values) == 1 else schema.DYN
             return f"map({key}, {value})"
-        return self.fail(node.line, node.column, "message construction is not supported in policy expressions")
+        return self.fail(
+            node.line, node.column, "message construction is not supported in policy expressions"
+        )
 
     def index(self, node: Index, bound: Mapping[str, str], depth: int) -> str:
         operand = self.walk(node.operand, bound, depth)
@@ -640,15 +651,27 @@ class _Checker:
         elem = _list_elem(operand)
         if elem is not None:
             if key in _SCALARS and key != schema.INT:
-                return self.fail(node.line, node.column, f"found no matching overload for '_[_]' applied to '({operand}, {key})'")
+                return self.fail(
+                    node.line,
+                    node.column,
+                    f"found no matching overload for '_[_]' applied to '({operand}, {key})'",
+                )
             return elem
         parts = _map_parts(operand)
         if parts is not None:
             if key in _SCALARS and parts[0] in _SCALARS and key != parts[0]:
-                return self.fail(node.line, node.column, f"found no matching overload for '_[_]' applied to '({operand}, {key})'")
+                return self.fail(
+                    node.line,
+                    node.column,
+                    f"found no matching overload for '_[_]' applied to '({operand}, {key})'",
+                )
             return parts[1]
         if operand in _SCALARS:
-            return self.fail(node.line, node.column, f"found no matching overload for '_[_]' applied to '({operand}, {key})'")
+            return self.fail(
+                node.line,
+                node.column,
+                f"found no matching overload for '_[_]' applied to '({operand}, {key})'",
+            )
         return schema.DYN
 
     def binary(self, node: Binary, bound: Mapping[str, str], depth: int) -> str:
@@ -657,7 +680,11 @@ class _Checker:
         op = node.op
 
         def mismatch() -> str:
-            return self.fail(node.line, node.column, f"found no matching overload for '{op}' applied to '({left}, {right})'")
+            return self.fail(
+                node.line,
+                node.column,
+                f"found no matching overload for '{op}' applied to '({left}, {right})'",
+            )
 
         if op in ("_&&_", "_||_"):
             if (left in _SCALARS and left != schema.BOOL) or (right in _SCALARS and right != schema.BOOL):
@@ -708,30 +735,45 @@ class _Checker:
         args = [self.walk(arg, bound, depth) for arg in node.args]
         if name not in MEMBER_FUNCTIONS:
             return self.fail(node.line, node.column, f"undeclared reference to '{name}'")
-        if name in ("contains", "startsWith", "endsWith", "matches"):
-            if (target in _SCALARS and target != schema.STRING) or any(a in _SCALARS and a != schema.STRING for a in args):
-                signature = ", ".join([target, *args])
-                return self.fail(node.line, node.column, f"found no matching overload for '{name}' applied to '({signature})'")
+        if name in ("contains", "startsWith", "endsWith", "matches") and (
+            (target in _SCALARS and target != schema.STRING)
+            or any(a in _SCALARS and a != schema.STRING for a in args)
+        ):
+            signature = ", ".join([target, *args])
+            return self.fail(
+                node.line,
+                node.column,
+                f"found no matching overload for '{name}' applied to '({signature})'",
+            )
         return MEMBER_FUNCTIONS[name]
 
     def has(self, node: Call, bound: Mapping[str, str], depth: int) -> str:
         if len(node.args) != 1 or not isinstance(node.args[0], Select):
-            return self.fail(node.line, node.column, "has() takes one field selection, e.g. has(backend.labels.cell)")
+            return self.fail(
+                node.line, node.column, "has() takes one field selection, e.g. has(backend.labels.cell)"
+            )
         selection = node.args[0]
         parts = _qualified(selection)
-        if parts is not None and parts[0][0] not in bound and ".".join(p[0] for p in parts) in schema.FIELDS_BY_PATH:
+        if (
+            parts is not None
+            and parts[0][0] not in bound
+            and ".".join(p[0] for p in parts) in schema.FIELDS_BY_PATH
+        ):
             path = ".".join(p[0] for p in parts)
             return self.fail(
                 node.line,
                 node.column,
-                f"has({path}): schema fields are always present; has() tests map keys, e.g. has(backend.labels.cell)",
+                f"has({path}): schema fields are always present; "
+                "has() tests map keys, e.g. has(backend.labels.cell)",
             )
         operand = self.walk(selection.operand, bound, depth)
         if operand in _SCALARS or _list_elem(operand) is not None:
             return self.fail(node.line, node.column, f"has() needs a map operand; this one is a {operand}")
         return schema.BOOL
 
-    def comprehension(self, node: Call, target: Node, variable: Ident, bound: Mapping[str, str], depth: int) -> str:
+    def comprehension(
+        self, node: Call, target: Node, variable: Ident, bound: Mapping[str, str], depth: int
+    ) -> str:
         if depth > 0:
             self.fail(
                 node.line,
@@ -739,7 +781,11 @@ class _Checker:
                 f"nested comprehension '{node.name}' is not allowed: evaluation must stay bounded",
             )
         if variable.name in schema.NAMESPACES or variable.name == schema.VARIABLES_NAMESPACE:
-            self.fail(variable.line, variable.column, f"comprehension variable '{variable.name}' shadows a namespace")
+            self.fail(
+                variable.line,
+                variable.column,
+                f"comprehension variable '{variable.name}' shadows a namespace",
+            )
         before, before_vars = set(self.reads), set(self.variables)
         range_type = self.walk(target, bound, depth)
         parts = _qualified(target)
@@ -793,7 +839,9 @@ def analyze(text: str, scope: Scope) -> Analysis:
     try:
         result_type = checker.walk(node, {}, 0)
     except RecursionError:
-        checker.problems.append(Problem(1, 1, f"expression is too deeply nested (MAX_NESTING_DEPTH is {MAX_NESTING_DEPTH})"))
+        checker.problems.append(
+            Problem(1, 1, f"expression is too deeply nested (MAX_NESTING_DEPTH is {MAX_NESTING_DEPTH})")
+        )
         result_type = schema.DYN
     return Analysis(
         frozenset(checker.reads),

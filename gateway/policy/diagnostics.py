@@ -49,7 +49,9 @@ class PolicyLoadError(ConfigError):
 
     def __init__(self, diagnostics: Iterable[Diagnostic]) -> None:
         self.diagnostics: tuple[Diagnostic, ...] = tuple(diagnostics)
-        first = self.diagnostics[0] if self.diagnostics else Diagnostic("<policy>", 0, 0, "invalid policy set")
+        first = (
+            self.diagnostics[0] if self.diagnostics else Diagnostic("<policy>", 0, 0, "invalid policy set")
+        )
         more = len(self.diagnostics) - 1
         problem = first.message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more > 0 else "")
         super().__init__(first.location, "", problem)

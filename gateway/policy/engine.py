@@ -87,7 +87,14 @@ def _to_schema_type(name: str) -> str:
                 depth -= 1
             elif ch == "," and depth == 0:
                 return f"map({_to_schema_type(inner[:index])}, {_to_schema_type(inner[index + 1 :])})"
-    simple = {"BOOL": "bool", "INT": "int", "UINT": "uint", "DOUBLE": "double", "STRING": "string", "BYTES": "bytes"}
+    simple = {
+        "BOOL": "bool",
+        "INT": "int",
+        "UINT": "uint",
+        "DOUBLE": "double",
+        "STRING": "string",
+        "BYTES": "bytes",
+    }
     return simple.get(upper, schema.DYN)
 
 
@@ -155,7 +162,9 @@ class CelExprEngine:
                 elif ch == ")":
                     depth -= 1
                 elif ch == "," and depth == 0:
-                    return cel.Type.Map(self._type(inner[:index].strip()), self._type(inner[index + 1 :].strip()))
+                    return cel.Type.Map(
+                        self._type(inner[:index].strip()), self._type(inner[index + 1 :].strip())
+                    )
         return cel.Type.DYN
 
     def _env(self, declarations: Mapping[str, str]) -> Any:
@@ -189,7 +198,9 @@ def _parse_cel_errors(message: str) -> list[tuple[int, int, str]]:
             text = text.replace(" (in container '')", "")
             problems.append((int(match.group(1)), int(match.group(2)), text))
     if not problems:
-        text = re.sub(r"^[A-Z_]+: ", "", message.strip().splitlines()[0] if message.strip() else "compile error")
+        text = re.sub(
+            r"^[A-Z_]+: ", "", message.strip().splitlines()[0] if message.strip() else "compile error"
+        )
         problems.append((1, 1, re.sub(r"\s*\[[A-Z_]+\]$", "", text)))
     return problems
 

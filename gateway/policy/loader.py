@@ -119,7 +119,9 @@ def read_policy_dir(directory: str | Path) -> dict[str, bytes]:
     try:
         names = policy_file_names(root)
     except OSError as exc:
-        raise PolicyLoadError([Diagnostic(str(root), 1, 1, f"cannot list policy directory: {exc.strerror}")]) from exc
+        raise PolicyLoadError(
+            [Diagnostic(str(root), 1, 1, f"cannot list policy directory: {exc.strerror}")]
+        ) from exc
     for name in names:
         path = root / name
         try:
@@ -211,7 +213,9 @@ def _parse_manifest(source: SourceFile, parsed: _Parsed) -> None:
         return
     for key, key_node, value in mapping_items(root, "policy.yaml"):
         if key not in _MANIFEST_KEYS:
-            raise Located(key_node, f"unknown key '{key}' in policy.yaml (expected: {', '.join(_MANIFEST_KEYS)})")
+            raise Located(
+                key_node, f"unknown key '{key}' in policy.yaml (expected: {', '.join(_MANIFEST_KEYS)})"
+            )
         if key == "label":
             parsed.label = scalar_text(value, "label").strip()
 
@@ -219,7 +223,9 @@ def _parse_manifest(source: SourceFile, parsed: _Parsed) -> None:
 def _parse_file(source: SourceFile, parsed: _Parsed) -> None:
     root = source.compose()
     if root is None or is_null(root):
-        raise Located(None, "policy file is empty (a half-written file?): expected 'rules' and/or 'variables'")
+        raise Located(
+            None, "policy file is empty (a half-written file?): expected 'rules' and/or 'variables'"
+        )
     rules_node: Node | None = None
     for key, key_node, value in mapping_items(root, "a policy file"):
         if key not in _FILE_KEYS:
@@ -230,7 +236,9 @@ def _parse_file(source: SourceFile, parsed: _Parsed) -> None:
                     if not VARIABLE_NAME.match(name):
                         raise Located(name_node, f"variable name '{name}' must match {VARIABLE_NAME.pattern}")
                     parsed.variables.append(
-                        _RawVariable(name, expression_node(expression, f"variable '{name}'"), source, name_node)
+                        _RawVariable(
+                            name, expression_node(expression, f"variable '{name}'"), source, name_node
+                        )
                     )
                 except Located as problem:
                     parsed.diagnostics.append(source.diagnostic(problem.node, problem.message))
@@ -272,17 +280,25 @@ def _parse_rule(source: SourceFile, node: Node) -> _RawRule:
     _parse_action(rule, values["action"])
     if rule.action_kind not in STAGE_ACTIONS[stage]:
         allowed = ", ".join(sorted(str(a) for a in STAGE_ACTIONS[stage]))
-        raise Located(values["action"], f"action '{rule.action_kind}' is not valid in stage '{stage}' (allowed: {allowed})")
+        raise Located(
+            values["action"],
+            f"action '{rule.action_kind}' is not valid in stage '{stage}' (allowed: {allowed})",
+        )
     if "message" in values:
         if rule.action_kind is not ActionKind.DENY:
-            raise Located(values["message"], "message is the caller-facing reason of a deny; this rule does not deny")
+            raise Located(
+                values["message"], "message is the caller-facing reason of a deny; this rule does not deny"
+            )
         rule.message = expression_node(values["message"], "message")
     if "mode" in values:
         rule.mode = RuleMode(_choice(values["mode"], "mode", tuple(str(m) for m in RuleMode)))
     if "on_error" in values:
         on_error = OnError(_choice(values["on_error"], "on_error", tuple(str(o) for o in OnError)))
         if stage not in ON_ERROR_STAGES and not (stage is Stage.PRIVACY and on_error is OnError.DENY):
-            raise Located(values["on_error"], f"on_error is not configurable in stage '{stage}': {ON_ERROR_FIXED[stage]}")
+            raise Located(
+                values["on_error"],
+                f"on_error is not configurable in stage '{stage}': {ON_ERROR_FIXED[stage]}",
+            )
         rule.on_error = on_error
     if "description" in values and not is_null(values["description"]):
         rule.description = scalar_text(values["description"], "description")
@@ -296,15 +312,20 @@ def _parse_action(rule: _RawRule, node: Node) -> None:
         if kind is ActionKind.DENY:
             raise Located(node, "deny needs a status, e.g. action: {deny: {status: PERMISSION_DENIED}}")
         if kind is ActionKind.LIMIT:
-            raise Located(node, "limit needs a value, e.g. action: {limit: {max_output_tokens: tenant.max_output_tokens}}")
+            raise Located(
+                node,
+                "limit needs a value, e.g. action: {limit: {max_output_tokens: tenant.max_output_tokens}}",
+            )
         if kind is ActionKind.ANNOTATE:
-            raise Located(node, "annotate needs key/value pairs, e.g. action: {annotate: {isolation: dedicated}}")
+            raise Located(
+                node, "annotate needs key/value pairs, e.g. action: {annotate: {isolation: dedicated}}"
+            )
         rule.action_kind = kind
         return
     items = list(mapping_items(node, "action"))
     if len(items) != 1:
         raise Located(node, f"action must name exactly one of: {', '.join(names)}")
-    key, key_node, params = items[0]
+    _, key_node, params = items[0]
     kind = ActionKind(_choice(key_node, "action", names))
     rule.action_kind = kind
     if kind is ActionKind.DENY:
@@ -379,12 +400,16 @@ class _Compiler:
             return None, analysis
         result_type = compiled.result_type if compiled.result_type != schema.DYN else analysis.result_type
         if expected is not None and result_type not in (expected, schema.DYN):
-            self.report(source, node, 1, 1, f"{what} must be a CEL {expected} expression; this one is {result_type}")
+            self.report(
+                source, node, 1, 1, f"{what} must be a CEL {expected} expression; this one is {result_type}"
+            )
             return None, analysis
         return compiled, analysis
 
 
-def _topological(variables: list[_RawVariable], uses: Mapping[str, frozenset[str]]) -> tuple[list[str], list[str]]:
+def _topological(
+    variables: list[_RawVariable], uses: Mapping[str, frozenset[str]]
+) -> tuple[list[str], list[str]]:
     """Dependency order of variables, and the cycles found (as 'a -> b -> a')."""
     order: list[str] = []
     cycles: list[str] = []
@@ -430,7 +455,12 @@ def compile_policies(
         data = raw[name]
         if len(data) > MAX_FILE_BYTES:
             parsed.diagnostics.append(
-                Diagnostic(display, 1, 1, f"policy file is {len(data):,} bytes; the limit is {MAX_FILE_BYTES:,} (MAX_FILE_BYTES)")
+                Diagnostic(
+                    display,
+                    1,
+                    1,
+                    f"policy file is {len(data):,} bytes; the limit is {MAX_FILE_BYTES:,} (MAX_FILE_BYTES)",
+                )
             )
             continue
         try:
@@ -464,10 +494,10 @@ def compile_policies(
         first = seen_variables.get(variable.name)
         if first is not None:
             mark = first.name_node.start_mark
+            where = f"{first.source.path}:{mark.line + 1}:{mark.column + 1}"
             diagnostics.append(
                 variable.source.diagnostic(
-                    variable.name_node,
-                    f"duplicate variable '{variable.name}' (first declared at {first.source.path}:{mark.line + 1}:{mark.column + 1})",
+                    variable.name_node, f"duplicate variable '{variable.name}' (first declared at {where})"
                 )
             )
             continue
@@ -479,10 +509,10 @@ def compile_policies(
         first_rule = seen_rules.get(rule.id)
         if first_rule is not None:
             mark = first_rule.id_node.start_mark
+            where = f"{first_rule.source.path}:{mark.line + 1}:{mark.column + 1}"
             diagnostics.append(
                 rule.source.diagnostic(
-                    rule.id_node,
-                    f"duplicate rule id '{rule.id}' (first defined at {first_rule.source.path}:{mark.line + 1}:{mark.column + 1})",
+                    rule.id_node, f"duplicate rule id '{rule.id}' (first defined at {where})"
                 )
             )
             continue
@@ -496,13 +526,19 @@ def compile_policies(
     by_name = {v.name: v for v in variables}
     for cycle in cycles:
         start = by_name[cycle.split(" -> ")[0]]
-        diagnostics.append(start.source.diagnostic(start.node, f"variables depend on each other in a cycle: {cycle}"))
+        diagnostics.append(
+            start.source.diagnostic(start.node, f"variables depend on each other in a cycle: {cycle}")
+        )
     compiled_variables: list[Variable] = []
     if not cycles:
         for name in order:
             variable = by_name[name]
-            scope = Scope(variable_types=dict(compiler.variable_types), variable_origins=dict(compiler.variable_origins))
-            compiled, analysis = compiler.expression(variable.source, variable.node, scope, None, f"variable '{name}'")
+            scope = Scope(
+                variable_types=dict(compiler.variable_types), variable_origins=dict(compiler.variable_origins)
+            )
+            compiled, analysis = compiler.expression(
+                variable.source, variable.node, scope, None, f"variable '{name}'"
+            )
             if compiled is None:
                 compiler.variable_types[name] = schema.DYN
                 compiler.variable_origins[name] = frozenset({Origin.CALLER})
@@ -534,18 +570,24 @@ def compile_policies(
             variable_origins=dict(compiler.variable_origins),
             allow_backend=rule.stage is Stage.ROUTING,
         )
-        condition, condition_analysis = compiler.expression(rule.source, rule.condition, scope, schema.BOOL, "condition")
+        condition, condition_analysis = compiler.expression(
+            rule.source, rule.condition, scope, schema.BOOL, "condition"
+        )
         analyses = [condition_analysis]
         message: CompiledExpression | None = None
         retry: CompiledExpression | None = None
         max_tokens: CompiledExpression | None = None
         ok = condition is not None
         if rule.message is not None:
-            message, analysis = compiler.expression(rule.source, rule.message, scope, schema.STRING, "message")
+            message, analysis = compiler.expression(
+                rule.source, rule.message, scope, schema.STRING, "message"
+            )
             analyses.append(analysis)
             ok = ok and message is not None
         if rule.retry_after_ms is not None:
-            retry, analysis = compiler.expression(rule.source, rule.retry_after_ms, scope, schema.INT, "retry_after_ms")
+            retry, analysis = compiler.expression(
+                rule.source, rule.retry_after_ms, scope, schema.INT, "retry_after_ms"
+            )
             analyses.append(analysis)
             ok = ok and retry is not None
         if rule.max_output_tokens is not None:

@@ -75,7 +75,9 @@ STAGE_ACTIONS: Mapping[Stage, frozenset[ActionKind]] = {
     Stage.PRIVACY: frozenset({ActionKind.DENY, ActionKind.ANNOTATE}),
     Stage.ADMISSION: frozenset({ActionKind.DENY, ActionKind.LIMIT, ActionKind.ANNOTATE}),
     Stage.QUOTA: frozenset({ActionKind.DENY, ActionKind.LIMIT, ActionKind.ANNOTATE}),
-    Stage.FALLBACK: frozenset({ActionKind.FALLBACK_ELIGIBLE, ActionKind.FALLBACK_INELIGIBLE, ActionKind.ANNOTATE}),
+    Stage.FALLBACK: frozenset(
+        {ActionKind.FALLBACK_ELIGIBLE, ActionKind.FALLBACK_INELIGIBLE, ActionKind.ANNOTATE}
+    ),
     Stage.ROUTING: frozenset({ActionKind.EXCLUDE_BACKEND}),
 }
 

@@ -169,7 +169,13 @@ FIELDS: tuple[Field, ...] = (
     # request: identity and class
     _req("request.request_id", STRING, _G, "gateway-assigned request id", lambda r, c: r.identity.request_id),
     _req("request.tenant", STRING, _K, "tenant from the credential", lambda r, c: r.identity.tenant),
-    _req("request.class", STRING, _C, "request class (hint `orchid.class`)", lambda r, c: r.identity.request_class),
+    _req(
+        "request.class",
+        STRING,
+        _C,
+        "request class (hint `orchid.class`)",
+        lambda r, c: r.identity.request_class,
+    ),
     _req("request.model", STRING, _C, "logical model the caller named", lambda r, c: r.identity.model),
     _req(
         "request.model_version",
@@ -228,8 +234,20 @@ FIELDS: tuple[Field, ...] = (
     _req("shape.bucket", STRING, _G, "shape bucket (batching compatibility)", lambda r, c: r.shape.bucket),
     _req("shape.input_bytes", INT, _C, "input tensor bytes", lambda r, c: int(r.shape.input_bytes)),
     # demand
-    _req("demand.prefill_ms", DOUBLE, _G, "predicted prefill accelerator-ms", lambda r, c: float(r.demand.prefill_ms)),
-    _req("demand.decode_ms", DOUBLE, _G, "predicted decode accelerator-ms", lambda r, c: float(r.demand.decode_ms)),
+    _req(
+        "demand.prefill_ms",
+        DOUBLE,
+        _G,
+        "predicted prefill accelerator-ms",
+        lambda r, c: float(r.demand.prefill_ms),
+    ),
+    _req(
+        "demand.decode_ms",
+        DOUBLE,
+        _G,
+        "predicted decode accelerator-ms",
+        lambda r, c: float(r.demand.decode_ms),
+    ),
     _req(
         "demand.accelerator_ms",
         DOUBLE,
@@ -252,9 +270,17 @@ FIELDS: tuple[Field, ...] = (
         "predicted live-token-ms (sequence memory lifetime)",
         lambda r, c: float(r.demand.live_token_ms),
     ),
-    _req("demand.transfer_bytes", INT, _G, "predicted transfer bytes", lambda r, c: int(r.demand.transfer_bytes)),
+    _req(
+        "demand.transfer_bytes",
+        INT,
+        _G,
+        "predicted transfer bytes",
+        lambda r, c: int(r.demand.transfer_bytes),
+    ),
     # budget
-    _req("budget.deadline_ms", DOUBLE, _C, "D: end-to-end deadline", lambda r, c: float(r.budget.deadline_ms)),
+    _req(
+        "budget.deadline_ms", DOUBLE, _C, "D: end-to-end deadline", lambda r, c: float(r.budget.deadline_ms)
+    ),
     _req("budget.elapsed_ms", DOUBLE, _G, "E: already spent", lambda r, c: float(r.budget.elapsed_ms)),
     _req(
         "budget.reserve_upstream_ms",
@@ -353,7 +379,13 @@ FIELDS: tuple[Field, ...] = (
     ),
     # route
     _req("route.model", STRING, _F, "primary model of the route", lambda r, c: c.route.model),
-    _req("route.fallback_model", STRING, _F, 'declared fallback, "" for none', lambda r, c: c.route.fallback_model),
+    _req(
+        "route.fallback_model",
+        STRING,
+        _F,
+        'declared fallback, "" for none',
+        lambda r, c: c.route.fallback_model,
+    ),
     _req(
         "route.fallback_classes",
         LIST_STRING,
@@ -368,7 +400,9 @@ FIELDS: tuple[Field, ...] = (
         "fallback has warm validated capacity",
         lambda r, c: bool(c.route.fallback_warm),
     ),
-    _req("route.fallback_cell", STRING, _F, "privacy cell of the fallback", lambda r, c: c.route.fallback_cell),
+    _req(
+        "route.fallback_cell", STRING, _F, "privacy cell of the fallback", lambda r, c: c.route.fallback_cell
+    ),
     _req(
         "route.quality.score",
         DOUBLE,
@@ -415,7 +449,13 @@ FIELDS: tuple[Field, ...] = (
     ),
     # backend (routing stage only)
     Field("backend.name", STRING, _F, "backend name (routing stage only)", read_backend=lambda b: b.name),
-    Field("backend.model", STRING, _F, "model the backend serves (routing stage only)", read_backend=lambda b: b.model),
+    Field(
+        "backend.model",
+        STRING,
+        _F,
+        "model the backend serves (routing stage only)",
+        read_backend=lambda b: b.model,
+    ),
     Field(
         "backend.labels",
         MAP_STRING_STRING,

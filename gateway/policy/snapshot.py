@@ -255,9 +255,11 @@ class PolicySnapshot:
             stage: tuple(rule for rule in self._rules if rule.stage is stage) for stage in Stage
         }
         reads: set[str] = set()
-        for item in (*self._rules, *self._variables):
-            reads.update(path for path in item.reads if not schema.FIELDS_BY_PATH[path].per_backend)
-        self._readers = tuple((f.path, f.read) for f in schema.FIELDS if f.path in reads and f.read is not None)
+        for paths in (*(r.reads for r in self._rules), *(v.reads for v in self._variables)):
+            reads.update(path for path in paths if not schema.FIELDS_BY_PATH[path].per_backend)
+        self._readers = tuple(
+            (f.path, f.read) for f in schema.FIELDS if f.path in reads and f.read is not None
+        )
         self._variable_keys = tuple(
             (var, (*var.reads, *(f"variables.{name}" for name in var.uses))) for var in self._variables
         )
@@ -269,9 +271,13 @@ class PolicySnapshot:
             routing_keys.update(f"variables.{name}" for name in rule.uses)
         self._routing_keys = tuple(sorted(routing_keys))
         self._backend_readers = tuple(
-            (f.path, f.read_backend) for f in schema.FIELDS if f.path in backend_reads and f.read_backend is not None
+            (f.path, f.read_backend)
+            for f in schema.FIELDS
+            if f.path in backend_reads and f.read_backend is not None
         )
-        self._plan_backend_readers = tuple((path.split(".", 1)[1], read) for path, read in self._backend_readers)
+        self._plan_backend_readers = tuple(
+            (path.split(".", 1)[1], read) for path, read in self._backend_readers
+        )
 
     # -- identity ------------------------------------------------------------
 
@@ -343,7 +349,9 @@ class PolicySnapshot:
         if not isinstance(out, list) or len(out) != 3:
             return None
         values, conditions, routing = out
-        if not isinstance(values, dict) or not _bools(conditions, len(self._rules) - len(self._stages[Stage.ROUTING])):
+        if not isinstance(values, dict) or not _bools(
+            conditions, len(self._rules) - len(self._stages[Stage.ROUTING])
+        ):
             return None
         if not isinstance(routing, list) or len(routing) != len(context.backends):
             return None
@@ -427,7 +435,9 @@ class PolicySnapshot:
                         effect = f"deny {denial.status}"
                     elif kind is ActionKind.LIMIT:
                         try:
-                            value = _int_result(rule.action.max_output_tokens, bindings.get(), "max_output_tokens")
+                            value = _int_result(
+                                rule.action.max_output_tokens, bindings.get(), "max_output_tokens"
+                            )
                             if value < 0:
                                 raise EvaluationError(f"max_output_tokens must be >= 0, got {value}")
                         except EvaluationError as exc:
@@ -437,7 +447,9 @@ class PolicySnapshot:
                                 fail_open.append(FailOpen(rule.id, error))
                                 effect = "fail open: on_error allow"
                             else:
-                                denial = _Denial(FAIL_CLOSED_STATUS, rule.id, _fail_closed_message(rule.id), None)
+                                denial = _Denial(
+                                    FAIL_CLOSED_STATUS, rule.id, _fail_closed_message(rule.id), None
+                                )
                                 effect = f"fail closed: deny {FAIL_CLOSED_STATUS}"
                         else:
                             rules_fired.append(rule.id)
@@ -511,7 +523,9 @@ class PolicySnapshot:
             eval_us=eval_us,
         )
 
-    def _variables_one_by_one(self, inputs: dict[str, Any], variable_errors: dict[str, str], trace: _Trace | None) -> None:
+    def _variables_one_by_one(
+        self, inputs: dict[str, Any], variable_errors: dict[str, str], trace: _Trace | None
+    ) -> None:
         engine = self._engine
         for variable, keys in self._variable_keys:
             failed = next((name for name in variable.uses if name in variable_errors), None)
@@ -633,7 +647,9 @@ class PolicySnapshot:
                         error = str(exc)
                 effect = ""
                 if error:
-                    errors.append(RuleError(rule.id, Stage.ROUTING, error, backend=backend.name, shadow=rule.shadow))
+                    errors.append(
+                        RuleError(rule.id, Stage.ROUTING, error, backend=backend.name, shadow=rule.shadow)
+                    )
                     if rule.shadow:
                         effect = "shadow: error ignored"
                     else:
@@ -657,10 +673,7 @@ class PolicySnapshot:
 def _bools(values: Any, width: int) -> bool:
     if not isinstance(values, list) or len(values) != width:
         return False
-    for value in values:
-        if value is not True and value is not False:
-            return False
-    return True
+    return all(value is True or value is False for value in values)
 
 
 def _condition(rule: Rule, bindings: Any, variable_errors: Mapping[str, str]) -> bool:

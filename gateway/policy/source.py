@@ -89,6 +89,9 @@ class SourceFile:
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             problem = exc.problem or exc.context or "invalid YAML"
+            if exc.problem and exc.context and exc.context_mark is not None:
+                started = exc.context_mark
+                problem += f" ({exc.context} at line {started.line + 1}, column {started.column + 1})"
             line, column = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
             raise YamlSyntaxError(self.diagnostic_at(line, column, f"YAML syntax error: {problem}")) from exc
         except yaml.YAMLError as exc:  # reader errors: bad bytes, control characters

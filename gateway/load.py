@@ -1,0 +1,85 @@
+"""Per-pool load evidence and the ladder that reads it.
+
+One ``PoolLoad`` per dispatch pool (backend x backend model) holds the sliding
+windows the overload ladder reads (offered demand priced on the requested
+model, observed queue dwell) and the pool's ``OverloadLadder``. ``gather``
+turns them, the dispatch queue and the backend's health into ``LoadEvidence``
+and steps the ladder; the gateway calls it periodically. The state machine
+and its rules live in ``overload``; this module only feeds it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from gateway.overload import (
+    DEFAULT_PROTECTED_UTILIZATION,
+    DemandWindow,
+    DwellWindow,
+    LadderConfig,
+    LadderState,
+    LoadEvidence,
+    OverloadLadder,
+    drain_ms,
+    protected_capacity_ms_per_s,
+    retry_after_ms,
+)
+from gateway.scheduler import DispatchQueue
+
+log = logging.getLogger("orchid.overload")
+
+
+@dataclass
+class PoolLoad:
+    name: str
+    devices: int
+    dwell_budget_ms: float
+    config: LadderConfig
+    protected_utilization: float = DEFAULT_PROTECTED_UTILIZATION
+    demand: DemandWindow = field(default_factory=DemandWindow)
+    dwell: DwellWindow = field(default_factory=DwellWindow)
+    ladder: OverloadLadder | None = None
+    evidence: LoadEvidence | None = None
+
+    def __post_init__(self) -> None:
+        self.ladder = OverloadLadder(self.config)
+
+    @property
+    def step(self) -> int:
+        assert self.ladder is not None
+        return int(self.ladder.step)
+
+    def gather(self, now: float, queue: DispatchQueue, *, healthy: bool, evidence_at: float) -> LadderState:
+        assert self.ladder is not None
+        healthy_devices = self.devices if healthy else 0
+        self.evidence = LoadEvidence(
+            now=now,
+            evidence_at=evidence_at,
+            offered_ms_per_s=self.demand.rate_ms_per_s(now),
+            protected_capacity_ms_per_s=protected_capacity_ms_per_s(
+                healthy_devices, self.protected_utilization
+            ),
+            healthy_devices=healthy_devices,
+            configured_devices=self.devices,
+            queue_dwell_p95_ms=self.dwell.p95_ms(now),
+            dwell_budget_ms=self.dwell_budget_ms,
+            mean_request_ms=self.demand.mean_ms(now),
+            queued_accelerator_ms=queue.queued_ms + queue.inflight_remaining_ms(now),
+            window_s=self.demand.window_s,
+        )
+        state = self.ladder.update(self.evidence)
+        if state.changed:
+            log.warning("pool %s ladder step -> %d: %s", self.name, state.step, state.reason)
+        return state
+
+    def drain_ms(self) -> float:
+        return drain_ms(self.evidence) if self.evidence is not None else 0.0
+
+    def utilization(self) -> float:
+        return self.evidence.utilization if self.evidence is not None else 0.0
+
+    def retry_after_ms(self) -> int:
+        if self.evidence is None:
+            return self.config.retry_after_min_ms
+        return int(retry_after_ms(self.evidence, self.config).ms)
