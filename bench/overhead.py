@@ -13,6 +13,12 @@ What it measures
 
     Triton runs the example repository's capacity emulator with time factor 0 by
     default, so the model itself returns at once and the proxies' own cost dominates.
+    The gateway is told so: its backend entry gets ``time_scale`` = the time factor
+    (0.001 for factor 0, the smallest sensible value), otherwise it would price each
+    call at the full profile (~30 accelerator-ms for 256 tokens, ~130 req/s for 4
+    devices) and, correctly, climb its overload ladder (fallback, then rejection):
+    that would measure overload policy, not overhead. ``--gateway-time-scale 1``
+    shows exactly that.
 
 How
     One ``ModelInferRequest`` (model ``full-v18``, ``INPUT_IDS`` INT32 ``[1, N]`` in
@@ -29,14 +35,21 @@ How
     descendants) before and after the measured run, divided by the requests that
     succeeded. Triton's CPU (server plus its Python-backend stubs, i.e. its whole
     session) and the h2load client's CPU are reported the same way, for context:
-    on a small machine all three compete for the same cores.
+    on a small machine all three compete for the same cores. ``other load`` is the
+    machine's busy CPU (``/proc/stat``) not accounted for by those three, in cores:
+    other users of a shared machine. Throughput is only comparable between runs
+    whose other load is near 0; CPU per request is much less sensitive to it.
 
     gRPC status: h2load only sees HTTP status, and gRPC errors arrive as HTTP 200
-    with ``grpc-status`` in trailers. Each target is therefore checked with one real
-    gRPC call before measuring (must be status OK with the expected output), and
-    after each run the DATA bytes h2load received are compared with what that many
-    OK responses would carry: error responses carry no message, so a shortfall
-    means gRPC-level failures, reported in the ``grpc err`` column.
+    with ``grpc-status`` in trailers and no message. So each target is first checked
+    with real gRPC calls (status OK, the expected output), the smallest OK answer is
+    noted (again after each warm-up), and after each run the DATA bytes h2load
+    received are compared with what its "succeeded" answers would carry: a shortfall
+    of more than 2 % is counted as gRPC errors (an estimate, shown in the
+    succeeded/failed column; ``B/resp (OK)`` shows mean DATA bytes per answer and the
+    OK answer's size). Whenever the mean differs from the OK answer by more than 2 %,
+    the script calls the target for real at the same concurrency and prints the
+    status codes (and, for OK, the answering model), e.g. a gateway fallback.
 
 Run (defaults sized for a 2-core machine, well under two minutes)::
 
@@ -231,6 +244,13 @@ def tree_cpu_s(root: int) -> float:
     return total / CLK_TCK
 
 
+def machine_busy_s() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, wall seconds) from /proc/stat and a clock."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / CLK_TCK, time.monotonic()
+
+
 def session_cpu_s(sid: int) -> float:
     """utime+stime of every live process in session ``sid`` (Triton and its backend stubs)."""
     total = 0
@@ -332,6 +352,7 @@ class Run:
     proxy_cpu_s: float | None
     triton_cpu_s: float
     client_cpu_s: float
+    other_cores: float  # machine CPU not spent by the target, Triton or h2load, in cores
     raw: str = field(repr=False, default="")
 
     @property
@@ -419,7 +440,9 @@ def run_h2load(
     proxy_before = tree_cpu_s(proxy_pid) if proxy_pid else 0.0
     triton_before = session_cpu_s(triton_sid)
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy_before, wall_before = machine_busy_s()
     out = subprocess.run(full, capture_output=True, text=True, check=False)
+    busy_after, wall_after = machine_busy_s()
     client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     triton_after = session_cpu_s(triton_sid)
     proxy_after = tree_cpu_s(proxy_pid) if proxy_pid else 0.0
@@ -438,6 +461,8 @@ def run_h2load(
     client_cpu = (client_after.ru_utime + client_after.ru_stime) - (
         client_before.ru_utime + client_before.ru_stime
     )
+    ours = (proxy_after - proxy_before) + (triton_after - triton_before) + client_cpu
+    other_cores = max(0.0, (busy_after - busy_before) - ours) / max(wall_after - wall_before, 1e-9)
     return Run(
         target=target,
         requests=total,
@@ -452,6 +477,7 @@ def run_h2load(
         proxy_cpu_s=proxy_after - proxy_before if proxy_pid else None,
         triton_cpu_s=triton_after - triton_before,
         client_cpu_s=client_cpu,
+        other_cores=other_cores,
         raw=text,
     )
 
@@ -472,6 +498,7 @@ class Row:
     failed: int
     data_per_response: float
     ok_frame: int
+    other_cores: float
 
     @classmethod
     def of(cls, runs: list[Run]) -> Row:
@@ -492,6 +519,7 @@ class Row:
             failed=sum(r.failed for r in runs),
             data_per_response=med([r.data_per_response for r in runs]),
             ok_frame=min(r.ok_frame for r in runs),
+            other_cores=max(r.other_cores for r in runs),
         )
 
 
@@ -502,7 +530,7 @@ def render(rows: list[Row]) -> str:
     header = (
         f"{'target':<12} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} "
         f"{'proxy CPU-us/req':>17} {'triton CPU-us/req':>18} {'h2load CPU-us/req':>18} "
-        f"{'succeeded/failed':>17} {'B/resp (OK)':>12}"
+        f"{'succeeded/failed':>17} {'B/resp (OK)':>12} {'other load':>10}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -511,6 +539,7 @@ def render(rows: list[Row]) -> str:
             f"{r.target:<12} {r.req_per_s:>8.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.mean_ms:>8.2f} "
             f"{proxy:>17} {r.triton_cpu_us:>18.0f} {r.client_cpu_us:>18.0f} "
             f"{f'{r.succeeded}/{r.failed}':>17} {f'{r.data_per_response:.0f} ({r.ok_frame})':>12}"
+            f" {r.other_cores:>10.2f}"
         )
     by = {r.target: r for r in rows}
     gw = by.get("gateway")
@@ -713,7 +742,7 @@ def bench(
             runs[target].append(run)
             print(
                 f"round {round_no} {target}: {run.req_per_s:.0f} req/s, p50 {run.p50_ms:.2f} ms, "
-                f"{run.succeeded}/{run.failed} ok/failed",
+                f"{run.succeeded}/{run.failed} ok/failed, other load {run.other_cores:.2f} cores",
                 flush=True,
             )
             if run.failed or run.answers_differ:
@@ -743,7 +772,11 @@ def bench(
     print()
     print("load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.rounds > 1:
-        print(f"medians over {args.rounds} rounds; succeeded/failed summed")
+        print(f"medians over {args.rounds} rounds; succeeded/failed summed; other load: the worst round")
+    print(
+        "other load: cores busy with anything but this target, Triton and h2load during the run "
+        "(other users of the machine); above ~0.2 the throughput figures are contaminated"
+    )
     print(render(rows))
     return 1 if any(r.failed for r in rows) else 0
 

@@ -26,6 +26,7 @@ class Tenant:
 
 class TenantDirectory:
     def __init__(self, tenants: TenantsFile) -> None:
+        self.settings = tenants
         self._by_digest = {
             digest: Tenant(name, config)
             for name, config in tenants.tenants.items()

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.errors import ConfigError
 from gateway.overload import LadderConfig
 from gateway.profile import DemandProfile
+from gateway.quota import QuotaSettings
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -141,6 +142,7 @@ class TenantConfig(_Strict):
 
 class TenantsFile(_Strict):
     tenants: dict[str, TenantConfig]
+    quotas: QuotaSettings = QuotaSettings()
 
     @model_validator(mode="after")
     def _unique_keys(self) -> TenantsFile:
@@ -311,6 +313,9 @@ def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteT
             raise ConfigError(
                 str(config.tenants_file), f"tenants.{name}.default_cell", "must be one of the tenant's cells"
             )
+    for name in tenants.quotas.tenants:
+        if name not in tenants.tenants:
+            raise ConfigError(str(config.tenants_file), f"quotas.tenants.{name}", "unknown tenant")
     for name, route in routes.models.items():
         for backend in route.backends:
             if backend not in backend_names:

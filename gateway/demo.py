@@ -176,14 +176,14 @@ def build_scenarios(time_factor: float) -> tuple[Scenario, ...]:
             expect="UNAUTHENTICATED",
         ),
         Scenario(
-            "output over cap",
+            "output over route cap",
             "lumen",
             "interactive",
             "full-v18",
             256,
             "sync",
             0.03,
-            max_output_tokens=512,
+            max_output_tokens=2000,
             expect="INVALID_ARGUMENT",
         ),
     )

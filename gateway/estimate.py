@@ -23,8 +23,10 @@ rather than trusting callers"):
   admitted, queued and quota-reserved — by what it really uses. It never lowers
   a prediction: callers are not trusted to be cheap.
 
-Both factors are bounded to [``MIN_FACTOR``, ``MAX_FACTOR``] so one absurd
-observation (a stalled backend) cannot poison admission.
+Both factors are bounded to [``MIN_FACTOR``, ``MAX_FACTOR``], and one
+observation may move an estimate by at most 2x (a robust, Huber-like step), so
+one absurd observation (a stalled backend, a cold start) cannot poison
+admission; a real change still converges, a factor of 2 per observation.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ MAX_FACTOR = 10.0
 _K = TypeVar("_K")
 # Weight of the profile's own prediction against observed history (1 per observation).
 _PRIOR_WEIGHT = 0.05
+# How far (log space) one observation may pull an estimate: at most 2x per observation.
+_MAX_STEP = math.log(2.0)
 
 
 def predict(
@@ -136,6 +140,10 @@ class Estimator:
 
     def _update(self, table: dict[_K, _Ewma], key: _K, log_ratio: float, now: float) -> None:
         entry = table.get(key)
+        # Robust step: one observation may pull the estimate at most MAX_STEP (in log space)
+        # away from where it is, so a cold-start or a stall cannot swing it to the bounds.
+        current = self._aged(entry, now)
+        log_ratio = min(current + _MAX_STEP, max(current - _MAX_STEP, log_ratio))
         if entry is None:
             table[key] = _Ewma(log_ratio, 1.0, now, 1)
             return

@@ -214,7 +214,9 @@ class DemandWindow:
         # A young window divides by its age, but never by less than MIN_COVERED_S: one burst
         # in the first 100 ms of a gateway's life is not ten times its rate.
         floor = min(self.buckets, max(1, math.ceil(MIN_COVERED_S / self._width_s)))
-        covered = self.buckets if self._first is None else max(floor, min(self.buckets, bucket - self._first + 1))
+        covered = (
+            self.buckets if self._first is None else max(floor, min(self.buckets, bucket - self._first + 1))
+        )
         return total, count, covered
 
     def total_ms(self, now: float) -> float:

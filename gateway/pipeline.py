@@ -42,6 +42,7 @@ from gateway.overload import effects as overload_effects
 from gateway.policy.schema import LoadFacts, PolicyContext, QualityEvidence, RouteFacts, TenantFacts
 from gateway.policy.snapshot import PolicyResult
 from gateway.policy.store import PolicyStore
+from gateway.quota import QuotaLedger, QuotaView, Reservation
 from gateway.record import Budget, Decision, Identity, Mode, Outcome, RequestRecord, Shape, Verdict
 from gateway.scheduler import DispatchQueue, Slot
 from gateway.shape import extract_shape, payload_bytes, read_hints, validate_tensors
@@ -100,6 +101,7 @@ class Admitted:
     backend_request: service_pb2.ModelInferRequest
     deadline_at: float
     correction_key: CorrectionKey
+    reservation: Reservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,7 @@ class Gateway:
         self.routes = routes
         self.backends = backends
         self.policy = policy
+        self.quotas = QuotaLedger(tenants.settings.quotas)
         self.listener: GatewayListener = listener or GatewayListener()
         self.loads: dict[str, PoolLoad] = {}
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
@@ -258,13 +261,14 @@ class Gateway:
             operation_id=hints.operation_id,
         )
         load = self.pool_load(queue, request_class)
+        quota = self.quotas.available(tenant.name, class_name, now=now)
         priced = self._price(
             identity, route, shape, handle, queue, call, deadline_ms, request_class, load.step, now
         )
         # Offered demand is priced on the model asked for, before any ladder action.
         load.demand.add(now, priced.record.demand.accelerator_ms)
         policy = self.policy.current()
-        context = self._policy_context(tenant, route, cell, load)
+        context = self._policy_context(tenant, route, cell, load, quota)
         primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context))
         effects = overload_effects(load.step)
         fallback: admission.Candidate | None = None
@@ -313,6 +317,8 @@ class Gateway:
             rule = decision.rules[0] if decision.rules else None
             raise error_type(decision.message, rule=rule, retry_after_ms=decision.retry_after_ms)
         chosen = fallback_priced if decision.verdict is Verdict.FALLBACK and fallback_priced else priced
+        # Reserve the predicted demand of what will run; settled with the observed charge.
+        reservation = self.quotas.reserve_record(chosen.record, now=now)
         max_output = decision.max_output_tokens or chosen.record.shape.max_output_tokens
         backend_request = self._backend_request(request, chosen.route, max_output, mode)
         return Admitted(
@@ -324,6 +330,7 @@ class Gateway:
             backend_request=backend_request,
             deadline_at=call.received_at + deadline_ms / 1000.0,
             correction_key=chosen.correction_key,
+            reservation=reservation,
         )
 
     def _price(
@@ -370,7 +377,9 @@ class Gateway:
             return None
         return (handle, spec, queue) if handle.client.is_warm(route.backend_model) else None
 
-    def _policy_context(self, tenant: Tenant, route: RouteConfig, cell: str, load: PoolLoad) -> PolicyContext:
+    def _policy_context(
+        self, tenant: Tenant, route: RouteConfig, cell: str, load: PoolLoad, quota: QuotaView
+    ) -> PolicyContext:
         config = tenant.config
         fallback = self.routes.models.get(route.fallback) if route.fallback else None
         fallback_warm = False
@@ -397,6 +406,8 @@ class Gateway:
                 weight=config.weight,
                 allow_fallback=config.allow_fallback,
                 max_output_tokens=config.max_output_tokens,
+                accelerator_ms_per_s=quota.refill_ms_per_s or 0.0,
+                available_accelerator_ms=quota.available_accelerator_ms,
             ),
             route=RouteFacts(
                 model=route.backend_model,
@@ -467,11 +478,15 @@ class Gateway:
         tenant = self.tenants.authenticate(call.metadata)
         request = parse_infer_request(raw)
         admitted = await self.admit(request, tenant, call, operation="ModelInfer", mode=Mode.ONLINE)
-        slot = await admitted.queue.acquire(
-            deadline_at=admitted.deadline_at,
-            latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
-            cost_ms=admitted.record.demand.accelerator_ms,
-        )
+        try:
+            slot = await admitted.queue.acquire(
+                deadline_at=admitted.deadline_at,
+                latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
+                cost_ms=admitted.record.demand.accelerator_ms,
+            )
+        except BaseException:  # never ran (queue full, too late, caller gone): refund all
+            self.quotas.release(admitted.reservation, now=time.monotonic())
+            raise
         started = time.monotonic()
         self._dispatched(admitted, dwell_ms=(started - call.received_at) * 1000.0, now=started)
         try:
@@ -481,6 +496,9 @@ class Gateway:
             response = await admitted.backend.infer(
                 admitted.backend_request, timeout_s=timeout_s, logical=admitted.record.identity.model
             )
+        except BaseException:  # it ran, at least partly: charge what it held
+            self.abandon(admitted, started=started, now=time.monotonic())
+            raise
         finally:
             slot.release()
         finished = time.monotonic()
@@ -514,6 +532,12 @@ class Gateway:
             demand.accelerator_ms / demand.correction if demand.correction > 0 else demand.accelerator_ms
         )
         if learn:
+            self.quotas.settle(
+                admitted.reservation,
+                charged_ms=observed_ms,
+                charged_live_token_ms=charged_live_token_ms(demand, observed_ms),
+                now=finished,
+            )
             self.estimator.observe(
                 admitted.correction_key,
                 record.identity.tenant,
@@ -535,7 +559,15 @@ class Gateway:
         )
         return Settled(record, admitted.decision, outcome)
 
+    def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:
+        """A request that failed or was cancelled: settle quota by what it held, or refund."""
+        if started is None:
+            self.quotas.release(admitted.reservation, now=now)
+        else:
+            self.quotas.settle(admitted.reservation, charged_ms=(now - started) * 1000.0, now=now)
+
     def _dispatched(self, admitted: Admitted, *, dwell_ms: float, now: float) -> None:
+        self.quotas.start(admitted.reservation, now=now)
         load = self.loads.get(admitted.queue.name)
         if load is not None:
             load.dwell.add(now, dwell_ms)
@@ -666,8 +698,10 @@ class _StreamSession:
             for task in (*self.pumps, *self.dispatches):
                 task.cancel()
             await asyncio.gather(reader, *self.pumps, *self.dispatches, return_exceptions=True)
+            now = time.monotonic()
             for entry in self.pending.values():
                 entry.release()
+                self.gateway.abandon(entry.admitted, started=entry.started, now=now)
             self.pending.clear()
 
     async def _read(self, requests: AsyncIterator[bytes]) -> None:
@@ -717,9 +751,12 @@ class _StreamSession:
                 latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
                 cost_ms=admitted.record.demand.accelerator_ms,
             )
-        except GatewayError as error:
-            await self.out.put(stream_error(error, entry.client_id))
-            return
+        except BaseException as error:
+            self.gateway.abandon(admitted, started=None, now=time.monotonic())
+            if isinstance(error, GatewayError):
+                await self.out.put(stream_error(error, entry.client_id))
+                return
+            raise
         entry.started = time.monotonic()
         self.gateway._dispatched(
             admitted, dwell_ms=(entry.started - entry.arrived) * 1000.0, now=entry.started
@@ -755,6 +792,7 @@ class _StreamSession:
                 if entry.admitted.backend is backend:
                     del self.pending[internal_id]
                     entry.release()
+                    self.gateway.abandon(entry.admitted, started=entry.started, now=time.monotonic())
                     await self.out.put(stream_error(error, entry.client_id))
         finally:
             call.cancel()
@@ -768,6 +806,7 @@ class _StreamSession:
         if reply.error_message:
             del self.pending[response.id]
             entry.release()
+            self.gateway.abandon(admitted, started=entry.started, now=time.monotonic())
             error = InvalidArgument(f"model {admitted.record.identity.model!r}: {reply.error_message}")
             await self.out.put(stream_error(error, entry.client_id))
             return

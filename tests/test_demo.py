@@ -225,7 +225,7 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert "NOTE deliberately bad" not in out, out
     for status in ("UNAUTHENTICATED", "NOT_FOUND", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED"):
         assert status in out, out
-    assert "rule admission.infeasible_deadline" in out, out
+    assert "rule deadline-infeasible" in out, out
     for model in ("full-v18", "compact-v11", "full-v18-stream"):
         assert f"  {model} (" in out, out
     assert "orchid.request_id" in out

@@ -10,10 +10,17 @@ import pytest
 
 from gateway.cli import main
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _in_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # the commands below use repository-relative paths, as an author would
+
 
 def copy_policies(tmp_path: Path) -> Path:
     target = tmp_path / "policies"
-    shutil.copytree("policies", target)
+    shutil.copytree(ROOT / "policies", target)
     return target
 
 

@@ -6,11 +6,15 @@ import io
 import json
 import logging
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from gateway.policy import DecisionLog, compile_policies, load_policies
 from gateway.policy.suites import build_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ROOT / "policies"
 
 FIELDS = {
     "decision_id",
@@ -34,7 +38,7 @@ FIELDS = {
 
 
 def test_a_line_holds_exactly_the_whitelisted_fields() -> None:
-    snapshot = load_policies("policies")
+    snapshot = load_policies(POLICIES)
     record, context = build_inputs({"shape": {"input_tokens": 4096}, "load": {"ladder_step": 2}})
     result = snapshot.evaluate(record, context)
     stream = io.StringIO()

@@ -9,6 +9,7 @@ and which rules erred or failed open (error texts differ by engine).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,10 @@ import pytest
 from gateway.policy import PolicyResult, PolicySnapshot, load_policies
 from gateway.policy.suites import PolicyCase, build_inputs, load_suites
 
-CASES = load_suites("policies/tests")
+ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ROOT / "policies"
+
+CASES = load_suites(POLICIES / "tests")
 
 
 def decision(result: PolicyResult) -> dict[str, Any]:
@@ -40,7 +44,7 @@ def decision(result: PolicyResult) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engines() -> tuple[PolicySnapshot, PolicySnapshot]:
-    return load_policies("policies", engine="cel-expr"), load_policies("policies", engine="cel-python")
+    return load_policies(POLICIES, engine="cel-expr"), load_policies(POLICIES, engine="cel-python")
 
 
 def test_the_corpus_is_not_trivial() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,9 @@ from gateway.policy import PolicyContext, PolicySnapshot, compile_policies, load
 from gateway.policy.schema import BackendFacts, activation
 from gateway.policy.suites import build_inputs, load_suites
 from gateway.record import RequestRecord
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ROOT / "policies"
 
 ENGINES = ("cel-expr", "cel-python")
 
@@ -252,7 +256,7 @@ def test_a_failing_variable_poisons_only_the_rules_that_read_it(engine: str) -> 
 
 
 def test_deny_carries_message_retry_after_and_maps_to_the_domain_error() -> None:
-    snapshot = load_policies("policies")
+    snapshot = load_policies(POLICIES)
     record, context = inputs(budget={"elapsed_ms": 150.0})
     result = snapshot.evaluate(record, context)
     error = result.to_error()
@@ -268,8 +272,8 @@ def test_deny_carries_message_retry_after_and_maps_to_the_domain_error() -> None
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_explain_agrees_with_evaluate_on_the_whole_corpus(engine: str) -> None:
-    snapshot = load_policies("policies", engine=engine)
-    for case in load_suites("policies/tests"):
+    snapshot = load_policies(POLICIES, engine=engine)
+    for case in load_suites(POLICIES / "tests"):
         record, context = build_inputs(case.given)
         fast = snapshot.evaluate(record, context)
         explained = snapshot.explain(record, context)
@@ -313,7 +317,7 @@ def test_fast_path_and_rule_by_rule_agree_when_a_rule_errs() -> None:
 
 
 def test_explain_reports_inputs_results_and_skips() -> None:
-    snapshot = load_policies("policies")
+    snapshot = load_policies(POLICIES)
     record, context = inputs(request={"privacy_cell": "us-general"})
     explanation = snapshot.explain(record, context)
     first = explanation.rules[0]
@@ -348,6 +352,6 @@ def test_activation_keeps_ints_and_doubles_apart() -> None:
 
 
 def test_eval_time_is_measured() -> None:
-    result = load_policies("policies").evaluate(*inputs())
+    result = load_policies(POLICIES).evaluate(*inputs())
     assert 0.0 < result.eval_us < 1_000_000.0
     assert result.policy_version.startswith("sha256:")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,9 @@ from gateway.errors import ConfigError
 from gateway.policy import analysis
 from gateway.policy.diagnostics import Diagnostic, PolicyLoadError
 from gateway.policy.loader import compile_policies, content_hash, load_policies
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ROOT / "policies"
 
 ENGINES = ("cel-expr", "cel-python")
 
@@ -48,7 +52,7 @@ def rule(
 
 def test_default_policy_set_compiles_on_both_engines() -> None:
     for engine in ENGINES:
-        snapshot = load_policies("policies", engine=engine)
+        snapshot = load_policies(POLICIES, engine=engine)
         assert snapshot.version.startswith("sha256:") and len(snapshot.version) == len("sha256:") + 12
         assert snapshot.label == "orchid-default-2"
         assert len(snapshot.rules) >= 10

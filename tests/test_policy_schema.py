@@ -50,5 +50,7 @@ def test_docs_table_is_generated_from_the_schema() -> None:
     table = schema.render_schema_markdown()
     for field in schema.FIELDS:
         assert f"| `{field.path}` | `{field.cel_type}` | {field.origin} |" in table
-    docs = Path("docs/policy-authors.md").read_text()
-    assert table in docs, "docs/policy-authors.md is stale: paste `python -m gateway.policy.schema`"
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "policy-authors.md").read_text()
+    assert table in docs, (
+        "docs/policy-authors.md is stale: paste gateway.policy.schema.render_schema_markdown()"
+    )

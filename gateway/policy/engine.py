@@ -9,7 +9,7 @@ the seam between them and the rest of the package:
   *returned* as a value of type ``ERROR`` whose ``value()`` is the message,
   not raised. ``CelExprEngine`` detects that explicitly and raises
   ``EvaluationError`` - an ERROR value must never reach a rule as a result.
-- ``cel-python``: ``celpy``, pure Python, about 25-50x slower, with no type
+- ``cel-python``: ``celpy``, pure Python, about 50-100x slower, with no type
   checker. The engine-independent checks in ``analysis`` (names, bounded
   evaluation, int vs double) run for both, so lint behaves the same; the
   result types that only a checker would prove are verified at runtime here.
@@ -51,9 +51,17 @@ class CompiledExpression(Protocol):
         """Evaluate against ``Engine.bind`` output; raises ``EvaluationError``."""
         ...
 
+    def evaluate_inputs(self, inputs: Mapping[str, Any]) -> Any:
+        """Bind and evaluate once (cheaper than ``bind`` + ``evaluate`` for a single use)."""
+        ...
+
 
 class Engine(Protocol):
     name: str
+    # Whether one whole-set expression (``snapshot.Plan``) beats one evaluation per rule.
+    # True for cel-cpp (per-call overhead dominates); false for celpy, where the plan
+    # evaluates every rule even after a deny and costs twice as much.
+    prefers_plan: bool
 
     def compile(self, text: str, declarations: Mapping[str, str]) -> CompiledExpression:
         """Compile ``text`` with variables ``{dotted name: CEL type}``; raises ``CompileProblem``."""
@@ -108,8 +116,13 @@ class _CelExprExpression:
         self._py: type | None = {"bool": bool, "int": int, "double": float}.get(result_type)
         self._plain = result_type.startswith(("list(", "map(")) or result_type == schema.DYN
 
+    def evaluate_inputs(self, inputs: Mapping[str, Any]) -> Any:
+        return self._result(self._expr.eval(data=inputs))
+
     def evaluate(self, bindings: Any) -> Any:
-        value = self._expr.eval(bindings)
+        return self._result(self._expr.eval(bindings))
+
+    def _result(self, value: Any) -> Any:
         if self._plain:  # lists, maps, dyn: one conversion to plain Python values
             if value.type() == self._error_type:
                 raise EvaluationError(str(value.value()))
@@ -130,6 +143,7 @@ class CelExprEngine:
     """The default engine: cel-expr-python (cel-cpp), type-checked at compile."""
 
     name = "cel-expr"
+    prefers_plan = True
 
     def __init__(self) -> None:
         from cel_expr_python import cel
@@ -217,6 +231,9 @@ class _CelPythonExpression:
         self._program = program
         self.result_type = result_type
 
+    def evaluate_inputs(self, inputs: Mapping[str, Any]) -> Any:
+        return self.evaluate({name: _to_celpy(value) for name, value in schema.nest(inputs).items()})
+
     def evaluate(self, bindings: Any) -> Any:
         try:
             result = self._program.evaluate(bindings)
@@ -256,6 +273,7 @@ class CelPythonEngine:
     """The pure-Python engine (celpy): no type checker, runtime result checks instead."""
 
     name = "cel-python"
+    prefers_plan = False
 
     def __init__(self) -> None:
         import celpy

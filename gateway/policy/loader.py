@@ -619,6 +619,7 @@ def compile_policies(
                 source=SourceRef(rule.source.path, mark.line + 1, mark.column + 1),
                 reads=tuple(sorted(set().union(*(a.reads for a in analyses)))),
                 uses=tuple(sorted(set().union(*(a.variables for a in analyses)))),
+                condition_reads=tuple(sorted(condition_analysis.reads)),
             )
         )
 
@@ -639,7 +640,7 @@ def compile_policies(
 
 def _plan(engine: Engine, rules: list[Rule], variables: list[Variable]) -> Plan | None:
     """The one-expression fast path over already-checked texts (see ``snapshot.Plan``)."""
-    if any(v.uses for v in variables):
+    if not engine.prefers_plan or any(v.uses for v in variables):
         return None
 
     def item(text: str) -> str:

@@ -146,6 +146,7 @@ class Rule:
     source: SourceRef
     reads: tuple[str, ...]  # schema paths read by any of the rule's expressions
     uses: tuple[str, ...]  # variables read by any of the rule's expressions
+    condition_reads: tuple[str, ...] = ()  # schema paths the condition alone reads
 
     @property
     def shadow(self) -> bool:

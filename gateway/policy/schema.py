@@ -160,7 +160,7 @@ def _req(path: str, cel_type: str, origin: Origin, doc: str, read: RequestReader
 
 
 def _strings(values: tuple[str, ...]) -> list[str]:
-    return [str(v) for v in values]
+    return list(values)  # typed tuple[str, ...]; CEL wants a list
 
 
 _C, _K, _G, _F = Origin.CALLER, Origin.CREDENTIAL, Origin.GATEWAY, Origin.CONFIG
@@ -543,7 +543,3 @@ def render_schema_markdown() -> str:
             if f.namespace == namespace:
                 lines.append(f"| `{f.path}` | `{f.cel_type}` | {f.origin} | {f.doc} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":  # pragma: no cover - docs helper
-    print(render_schema_markdown(), end="")

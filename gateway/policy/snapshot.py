@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from gateway.policy.engine import CompiledExpression, Engine, EvaluationError
 from gateway.policy.model import (
     FAIL_CLOSED_STATUS,
     PRIVACY_FAIL_CLOSED_STATUS,
+    STAGE_ORDER,
     ActionKind,
     OnError,
     Rule,
@@ -188,7 +189,8 @@ class Plan:
       expression evaluated alone; if anything errs the whole plan errs, and
       evaluation falls back to one expression at a time, which attributes the
       error to its rule. ``explain`` always goes one at a time. Only built when
-      no variable reads another variable.
+      no variable reads another variable and the engine ``prefers_plan``
+      (cel-expr: yes; cel-python: no, the plan costs it twice as much).
     """
 
     expression: CompiledExpression
@@ -197,19 +199,41 @@ class Plan:
 
 
 class _Bindings:
-    """The engine activation over ``inputs``, built on first use (the plan usually needs none)."""
+    """Activations over ``inputs``, built only when needed.
 
-    __slots__ = ("_bound", "_engine", "_inputs")
+    ``full`` binds every input (rule-by-rule evaluation). ``for_rule`` binds
+    just what one rule reads, for the message / retry-after / limit of a rule
+    that fired after the plan: a few entries instead of all of them. Once a
+    full activation exists it is reused.
+    """
 
-    def __init__(self, engine: Engine, inputs: dict[str, Any]) -> None:
+    __slots__ = ("_complete", "_engine", "_full", "_inputs", "_rule_keys")
+
+    def __init__(
+        self,
+        engine: Engine,
+        inputs: dict[str, Any],
+        rule_keys: Mapping[str, tuple[str, ...]],
+        complete: Callable[[], None],
+    ) -> None:
         self._engine = engine
         self._inputs = inputs
-        self._bound: Any = None
+        self._rule_keys = rule_keys
+        self._complete = complete  # reads the fields only messages/limits use into ``inputs``
+        self._full: Any = None
 
-    def get(self) -> Any:
-        if self._bound is None:
-            self._bound = self._engine.bind(self._inputs)
-        return self._bound
+    def full(self) -> Any:
+        if self._full is None:
+            self._complete()
+            self._full = self._engine.bind(self._inputs)
+        return self._full
+
+    def for_rule(self, rule: Rule) -> Any:
+        if self._full is not None:
+            return self._full
+        self._complete()
+        inputs = self._inputs
+        return self._engine.bind({key: inputs[key] for key in self._rule_keys[rule.id] if key in inputs})
 
 
 class PolicySnapshot:
@@ -221,10 +245,13 @@ class PolicySnapshot:
         "_engine",
         "_files",
         "_label",
+        "_late_readers",
+        "_main_rules",
         "_plan",
         "_plan_backend_readers",
         "_readers",
         "_routing_keys",
+        "_rule_keys",
         "_rules",
         "_stages",
         "_variable_keys",
@@ -254,11 +281,32 @@ class PolicySnapshot:
         self._stages: dict[Stage, tuple[Rule, ...]] = {
             stage: tuple(rule for rule in self._rules if rule.stage is stage) for stage in Stage
         }
+        # Every rule but routing, in evaluation order (the plan's condition list has this order).
+        self._main_rules = tuple(
+            rule for stage in STAGE_ORDER if stage is not Stage.ROUTING for rule in self._stages[stage]
+        )
+        self._rule_keys = {
+            rule.id: (
+                *(path for path in rule.reads if not schema.FIELDS_BY_PATH[path].per_backend),
+                *(f"variables.{name}" for name in rule.uses),
+            )
+            for rule in self._rules
+        }
+        # What conditions and variables read is read up front; what only messages,
+        # retry-after and limits read is read when one of those is evaluated.
         reads: set[str] = set()
-        for paths in (*(r.reads for r in self._rules), *(v.reads for v in self._variables)):
-            reads.update(path for path in paths if not schema.FIELDS_BY_PATH[path].per_backend)
+        decides: set[str] = set()
+        for rule in self._rules:
+            reads.update(rule.reads)
+            decides.update(rule.condition_reads)
+        for variable in self._variables:
+            reads.update(variable.reads)
+            decides.update(variable.reads)
         self._readers = tuple(
-            (f.path, f.read) for f in schema.FIELDS if f.path in reads and f.read is not None
+            (f.path, f.read) for f in schema.FIELDS if f.path in decides and f.read is not None
+        )
+        self._late_readers = tuple(
+            (f.path, f.read) for f in schema.FIELDS if f.path in reads - decides and f.read is not None
         )
         self._variable_keys = tuple(
             (var, (*var.reads, *(f"variables.{name}" for name in var.uses))) for var in self._variables
@@ -341,7 +389,7 @@ class PolicySnapshot:
         readers = self._plan_backend_readers
         inputs[BACKENDS_VARIABLE] = [{key: read(b) for key, read in readers} for b in context.backends]
         try:
-            out = plan.expression.evaluate(self._engine.bind(inputs))
+            out = plan.expression.evaluate_inputs(inputs)
         except EvaluationError:
             return None
         finally:
@@ -367,7 +415,6 @@ class PolicySnapshot:
 
     def _run(self, record: RequestRecord, context: PolicyContext, trace: _Trace | None) -> PolicyResult:
         started = time.perf_counter_ns()
-        engine = self._engine
         inputs: dict[str, Any] = {path: read(record, context) for path, read in self._readers}
 
         conditions: list[bool] | None = None
@@ -379,9 +426,17 @@ class PolicySnapshot:
                 conditions, routing_conditions = planned
         if conditions is None:
             self._variables_one_by_one(inputs, variable_errors, trace)
+        late = self._late_readers
 
-        bindings = _Bindings(engine, inputs)
-        position = 0
+        def complete() -> None:
+            if late and late[0][0] not in inputs:
+                for path, read in late:
+                    inputs[path] = read(record, context)
+
+        if trace is not None:
+            complete()  # explain shows every value a rule reads
+        bindings = _Bindings(self._engine, inputs, self._rule_keys, complete)
+
         rules_fired: list[str] = []
         shadow_fired: list[str] = []
         errors: list[RuleError] = []
@@ -389,93 +444,94 @@ class PolicySnapshot:
         annotations: dict[str, str] = {}
         limit: int | None = None
         denial: _Denial | None = None
+        eligible = False
+        vetoed = False
 
-        for stage in (Stage.PRIVACY, Stage.ADMISSION, Stage.QUOTA):
-            for rule in self._stages[stage]:
-                if denial is not None:
-                    if trace is not None:
-                        trace.rules.append(_skipped(rule, denial.rule))
-                    continue
-                error = ""
-                fired = False
-                if conditions is not None:
-                    fired = conditions[position]
+        # With the plan's results only the rules that fired need any work: a rule whose
+        # condition is false (and did not err) has no effect. Without them, every rule.
+        rules = self._main_rules
+        order = range(len(rules)) if conditions is None else [i for i, hit in enumerate(conditions) if hit]
+        for index in order:
+            rule = rules[index]
+            if denial is not None:
+                if trace is not None:
+                    trace.rules.append(_skipped(rule, denial.rule))
+                continue
+            stage = rule.stage
+            error = ""
+            fired = True
+            if conditions is None:
+                try:
+                    fired = _condition(rule, bindings.full(), variable_errors)
+                except EvaluationError as exc:
+                    error = str(exc)
+            effect = ""
+            if error:
+                errors.append(RuleError(rule.id, stage, error, shadow=rule.shadow))
+                if rule.shadow:
+                    effect = "shadow: error ignored"
+                elif stage is Stage.FALLBACK:
+                    vetoed = True
+                    effect = "error: not eligible"
+                elif stage is Stage.PRIVACY or rule.on_error is OnError.DENY:
+                    status = (
+                        rule.action.status
+                        if rule.action.kind is ActionKind.DENY
+                        else PRIVACY_FAIL_CLOSED_STATUS
+                        if stage is Stage.PRIVACY
+                        else FAIL_CLOSED_STATUS
+                    )
+                    denial = _Denial(status, rule.id, _fail_closed_message(rule.id), None)
+                    effect = f"fail closed: deny {status}"
                 else:
+                    fail_open.append(FailOpen(rule.id, error))
+                    effect = "fail open: on_error allow"
+            elif fired and rule.shadow:
+                shadow_fired.append(rule.id)
+                effect = f"shadow: would {rule.action.describe()}"
+            elif fired:
+                kind = rule.action.kind
+                if kind is ActionKind.DENY:
+                    rules_fired.append(rule.id)
+                    denial = self._deny(rule, bindings.for_rule(rule), errors)
+                    effect = f"deny {denial.status}"
+                elif kind is ActionKind.LIMIT:
                     try:
-                        fired = _condition(rule, bindings.get(), variable_errors)
+                        value = _int_result(
+                            rule.action.max_output_tokens, bindings.for_rule(rule), "max_output_tokens"
+                        )
+                        if value < 0:
+                            raise EvaluationError(f"max_output_tokens must be >= 0, got {value}")
                     except EvaluationError as exc:
                         error = str(exc)
-                position += 1
-                effect = ""
-                if error:
-                    errors.append(RuleError(rule.id, stage, error, shadow=rule.shadow))
-                    if rule.shadow:
-                        effect = "shadow: error ignored"
-                    elif stage is Stage.PRIVACY or rule.on_error is OnError.DENY:
-                        status = (
-                            rule.action.status
-                            if rule.action.kind is ActionKind.DENY
-                            else PRIVACY_FAIL_CLOSED_STATUS
-                            if stage is Stage.PRIVACY
-                            else FAIL_CLOSED_STATUS
-                        )
-                        denial = _Denial(status, rule.id, _fail_closed_message(rule.id), None)
-                        effect = f"fail closed: deny {status}"
-                    else:
-                        fail_open.append(FailOpen(rule.id, error))
-                        effect = "fail open: on_error allow"
-                elif fired and rule.shadow:
-                    shadow_fired.append(rule.id)
-                    effect = f"shadow: would {rule.action.describe()}"
-                elif fired:
-                    kind = rule.action.kind
-                    if kind is ActionKind.DENY:
-                        rules_fired.append(rule.id)
-                        denial = self._deny(rule, bindings.get(), errors)
-                        effect = f"deny {denial.status}"
-                    elif kind is ActionKind.LIMIT:
-                        try:
-                            value = _int_result(
-                                rule.action.max_output_tokens, bindings.get(), "max_output_tokens"
-                            )
-                            if value < 0:
-                                raise EvaluationError(f"max_output_tokens must be >= 0, got {value}")
-                        except EvaluationError as exc:
-                            error = str(exc)
-                            errors.append(RuleError(rule.id, stage, error))
-                            if rule.on_error is OnError.ALLOW:
-                                fail_open.append(FailOpen(rule.id, error))
-                                effect = "fail open: on_error allow"
-                            else:
-                                denial = _Denial(
-                                    FAIL_CLOSED_STATUS, rule.id, _fail_closed_message(rule.id), None
-                                )
-                                effect = f"fail closed: deny {FAIL_CLOSED_STATUS}"
+                        errors.append(RuleError(rule.id, stage, error))
+                        if rule.on_error is OnError.ALLOW:
+                            fail_open.append(FailOpen(rule.id, error))
+                            effect = "fail open: on_error allow"
                         else:
-                            rules_fired.append(rule.id)
-                            limit = value if limit is None else min(limit, value)
-                            effect = f"limit max_output_tokens={value}"
+                            denial = _Denial(FAIL_CLOSED_STATUS, rule.id, _fail_closed_message(rule.id), None)
+                            effect = f"fail closed: deny {FAIL_CLOSED_STATUS}"
                     else:
                         rules_fired.append(rule.id)
-                        annotations.update(rule.action.annotations)
-                        effect = rule.action.describe()
-                if trace is not None:
-                    trace.rules.append(_traced(rule, inputs, fired, error, effect))
+                        limit = value if limit is None else min(limit, value)
+                        effect = f"limit max_output_tokens={value}"
+                elif kind is ActionKind.FALLBACK_ELIGIBLE:
+                    rules_fired.append(rule.id)
+                    eligible = True
+                    effect = "eligible"
+                elif kind is ActionKind.FALLBACK_INELIGIBLE:
+                    rules_fired.append(rule.id)
+                    vetoed = True
+                    effect = "not eligible"
+                else:
+                    rules_fired.append(rule.id)
+                    annotations.update(rule.action.annotations)
+                    effect = rule.action.describe()
+            if trace is not None:
+                trace.rules.append(_traced(rule, inputs, fired, error, effect))
 
-        fallback_eligible = False
         excluded: list[str] = []
         if denial is None:
-            fallback_eligible = self._fallback(
-                bindings,
-                inputs,
-                variable_errors,
-                conditions[position:] if conditions is not None else None,
-                rules_fired,
-                shadow_fired,
-                errors,
-                annotations,
-                trace,
-            )
             if self._stages[Stage.ROUTING]:
                 self._routing(
                     context,
@@ -489,8 +545,7 @@ class PolicySnapshot:
                     trace,
                 )
         elif trace is not None:
-            for stage in (Stage.FALLBACK, Stage.ROUTING):
-                trace.rules.extend(_skipped(rule, denial.rule) for rule in self._stages[stage])
+            trace.rules.extend(_skipped(rule, denial.rule) for rule in self._stages[Stage.ROUTING])
 
         eval_us = (time.perf_counter_ns() - started) / 1000.0
         if denial is not None:
@@ -514,7 +569,7 @@ class PolicySnapshot:
             allowed=True,
             rules_fired=tuple(rules_fired),
             shadow_fired=tuple(shadow_fired),
-            fallback_eligible=fallback_eligible,
+            fallback_eligible=eligible and not vetoed,
             excluded_backends=tuple(excluded),
             max_output_tokens=limit,
             annotations=tuple(annotations.items()),
@@ -561,57 +616,6 @@ class PolicySnapshot:
                 errors.append(RuleError(rule.id, rule.stage, f"retry_after_ms: {exc}"))
         return _Denial(rule.action.status, rule.id, message, retry_after_ms)
 
-    def _fallback(
-        self,
-        bindings: _Bindings,
-        inputs: Mapping[str, Any],
-        variable_errors: Mapping[str, str],
-        conditions: list[bool] | None,
-        rules_fired: list[str],
-        shadow_fired: list[str],
-        errors: list[RuleError],
-        annotations: dict[str, str],
-        trace: _Trace | None,
-    ) -> bool:
-        eligible = False
-        vetoed = False
-        for index, rule in enumerate(self._stages[Stage.FALLBACK]):
-            error = ""
-            fired = False
-            if conditions is not None:
-                fired = conditions[index]
-            else:
-                try:
-                    fired = _condition(rule, bindings.get(), variable_errors)
-                except EvaluationError as exc:
-                    error = str(exc)
-            effect = ""
-            if error:
-                errors.append(RuleError(rule.id, Stage.FALLBACK, error, shadow=rule.shadow))
-                if not rule.shadow:
-                    vetoed = True
-                    effect = "error: not eligible"
-                else:
-                    effect = "shadow: error ignored"
-            elif fired and rule.shadow:
-                shadow_fired.append(rule.id)
-                effect = f"shadow: would {rule.action.describe()}"
-            elif fired:
-                rules_fired.append(rule.id)
-                kind = rule.action.kind
-                if kind is ActionKind.FALLBACK_ELIGIBLE:
-                    eligible = True
-                    effect = "eligible"
-                elif kind is ActionKind.FALLBACK_INELIGIBLE:
-                    vetoed = True
-                    effect = "not eligible"
-                else:
-                    annotations.update(rule.action.annotations)
-                    effect = rule.action.describe()
-            if trace is not None:
-                trace.rules.append(_traced(rule, inputs, fired, error, effect))
-        return eligible and not vetoed
-
     def _routing(
         self,
         context: PolicyContext,
@@ -625,22 +629,25 @@ class PolicySnapshot:
         trace: _Trace | None,
     ) -> None:
         engine = self._engine
+        rules = self._stages[Stage.ROUTING]
         base = {key: inputs[key] for key in self._routing_keys if key in inputs}
         for number, backend in enumerate(context.backends):
             backend_inputs: dict[str, Any] = {}
             bindings: Any = None
-            if planned is None or trace is not None:
+            if planned is None:
                 backend_inputs = dict(base)
                 for path, read in self._backend_readers:
                     backend_inputs[path] = read(backend)
                 bindings = engine.bind(backend_inputs)
+                order: Sequence[int] = range(len(rules))
+            else:
+                order = [i for i, hit in enumerate(planned[number]) if hit]
             exclude = False
-            for index, rule in enumerate(self._stages[Stage.ROUTING]):
+            for index in order:
+                rule = rules[index]
                 error = ""
-                fired = False
-                if planned is not None:
-                    fired = planned[number][index]
-                else:
+                fired = True
+                if planned is None:
                     try:
                         fired = _condition(rule, bindings, variable_errors)
                     except EvaluationError as exc:
@@ -671,9 +678,10 @@ class PolicySnapshot:
 
 
 def _bools(values: Any, width: int) -> bool:
+    """A list of exactly ``width`` bools (a dyn-typed condition could yield anything)."""
     if not isinstance(values, list) or len(values) != width:
         return False
-    return all(value is True or value is False for value in values)
+    return not values or set(map(type, values)) == {bool}
 
 
 def _condition(rule: Rule, bindings: Any, variable_errors: Mapping[str, str]) -> bool:
