@@ -43,14 +43,14 @@ TARGET_P50_US = 50.0
 TARGET_P99_US = 200.0
 
 REQUESTS: dict[str, dict[str, Any]] = {
-    "teaching request, admitted": {
+    "teaching request": {
         "backends": [
             {"name": "triton-eu-1", "model": "full-v18", "labels": {"cell": "eu-restricted"}},
             {"name": "triton-us-1", "model": "full-v18", "labels": {"cell": "us-general"}},
         ]
     },
-    "late: negative slack": {"budget": {"elapsed_ms": 150.0}},
-    "long input at ladder 2": {
+    "late, slack < 0": {"budget": {"elapsed_ms": 150.0}},
+    "long input, ladder 2": {
         "shape": {"input_tokens": 4096, "max_output_tokens": 8192},
         "demand": {"prefill_ms": 200.0, "decode_ms": 267.6},
         "budget": {"deadline_ms": 2000.0},
@@ -165,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
                 best(rotation(snapshot, inputs, True), explain_n, 5),
             )
         )
+
+    snapshot = load_policies(args.policies, engine="cel-expr")
+    for name, (record, context) in zip(REQUESTS, inputs, strict=True):
+        outcome = snapshot.evaluate(record, context)
+        label = f"  {name} ({outcome.outcome})"
+
+        def single(record: RequestRecord = record, context: PolicyContext = context) -> object:
+            return snapshot.evaluate(record, context)
+
+        print(row(label[:34], args.n // 5, best(single, args.n // 5, 20)))
 
     record, context = inputs[0]
     declarations = {f.path: f.cel_type for f in FIELDS}

@@ -82,6 +82,15 @@ class LimitsConfig(_Strict):
     max_queued_per_backend: int = Field(default=256, ge=1)
 
 
+class TelemetryConfig(_Strict):
+    metrics_listen: str | None = Field(
+        default=None, description="host:port for the Prometheus scrape endpoint"
+    )
+    decision_log: str | None = Field(default=None, description="file for JSON-lines decisions; None: logger")
+    trace_sample_ratio: float = Field(default=0.0, ge=0, le=1)
+    tenant_labels: bool = Field(default=False, description="label metrics with tenant ids")
+
+
 class GatewayConfig(_Strict):
     listen: str = "127.0.0.1:8001"
     tenants_file: Path
@@ -97,6 +106,7 @@ class GatewayConfig(_Strict):
     policy_watch_s: float = Field(default=1.0, gt=0, description="how often the policy directory is checked")
     protected_utilization: float = Field(default=0.70, gt=0, le=1)
     ladder: LadderConfig = LadderConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:

@@ -59,14 +59,35 @@ _STATUS_ERRORS: dict[str, type[GatewayError]] = {
 
 
 class GatewayListener:
-    """Typed events out of the request path (decided, settled); telemetry subscribes.
-    The base class ignores them."""
+    """Typed events out of the request path; telemetry subscribes. The base class ignores them.
+
+    decided  every admission decision (admit, fallback, reject) with its policy result
+    settled  every completed request with observed work and stage times
+    failed   every call answered with an error status (``rule``: the deciding rule, or "")
+    ladder   a pool's ladder step, after each update
+    """
 
     def decided(self, record: RequestRecord, decision: Decision, policy: PolicyResult) -> None:
         return None
 
     def settled(self, settled: Settled) -> None:
         return None
+
+    def failed(self, status: str, rule: str) -> None:
+        return None
+
+    def ladder(self, pool: str, step: int) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Monotonic timestamps of one request's stages (telemetry builds spans from them)."""
+
+    received_at: float
+    admitted_at: float
+    dispatched_at: float
+    finished_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +123,8 @@ class Admitted:
     deadline_at: float
     correction_key: CorrectionKey
     reservation: Reservation
+    received_at: float
+    admitted_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +141,7 @@ class Settled:
     record: RequestRecord
     decision: Decision
     outcome: Outcome
+    stages: StageTimes | None = None
 
 
 class Gateway:
@@ -164,7 +188,8 @@ class Gateway:
         config = self.config.classes.get(name)
         if config is None:
             known = ", ".join(sorted(self.config.classes))
-            raise InvalidArgument(f"unknown request class {name!r} (known: {known})")
+            # The value is not echoed: parameters may carry user data (see docs/security.md).
+            raise InvalidArgument(f"unknown request class in orchid.class (known: {known})")
         return name, config
 
     def candidate_backends(self, route: RouteConfig, cell: str) -> list[str]:
@@ -331,6 +356,8 @@ class Gateway:
             deadline_at=call.received_at + deadline_ms / 1000.0,
             correction_key=chosen.correction_key,
             reservation=reservation,
+            received_at=call.received_at,
+            admitted_at=time.monotonic(),
         )
 
     def _price(
@@ -441,7 +468,8 @@ class Gateway:
             if load is None or handle is None:
                 continue
             evidence_at = now if handle.client.healthy else handle.client.healthy_at
-            load.gather(now, queue, healthy=handle.client.healthy, evidence_at=evidence_at)
+            state = load.gather(now, queue, healthy=handle.client.healthy, evidence_at=evidence_at)
+            self.listener.ladder(queue.name, int(state.step))
 
     def _deadline_ms(self, call: CallContext, request_class: RequestClassConfig) -> float:
         if call.time_remaining_s is None:
@@ -557,7 +585,8 @@ class Gateway:
             charged_live_token_ms=charged_live_token_ms(demand, observed_ms),
             output_tokens=output_tokens,
         )
-        return Settled(record, admitted.decision, outcome)
+        stages = StageTimes(admitted.received_at, admitted.admitted_at, started, finished)
+        return Settled(record, admitted.decision, outcome, stages)
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:
         """A request that failed or was cancelled: settle quota by what it held, or refund."""
@@ -734,7 +763,7 @@ class _StreamSession:
                 request, self.tenant, call, operation="ModelStreamInfer", mode=Mode.STREAMING
             )
         except GatewayError as error:
-            await self.out.put(stream_error(error, client_id))
+            await self._fail(error, client_id)
             return
         entry = _StreamRequest(
             admitted, client_id, arrived, _flag(request, "triton_enable_empty_final_response")
@@ -742,6 +771,10 @@ class _StreamSession:
         task = asyncio.get_running_loop().create_task(self._dispatch(entry))
         self.dispatches.add(task)
         task.add_done_callback(self.dispatches.discard)
+
+    async def _fail(self, error: GatewayError, client_id: str) -> None:
+        self.gateway.listener.failed(error.status.name, error.rule or "")
+        await self.out.put(stream_error(error, client_id))
 
     async def _dispatch(self, entry: _StreamRequest) -> None:
         admitted = entry.admitted
@@ -754,7 +787,7 @@ class _StreamSession:
         except BaseException as error:
             self.gateway.abandon(admitted, started=None, now=time.monotonic())
             if isinstance(error, GatewayError):
-                await self.out.put(stream_error(error, entry.client_id))
+                await self._fail(error, entry.client_id)
                 return
             raise
         entry.started = time.monotonic()
@@ -793,7 +826,7 @@ class _StreamSession:
                     del self.pending[internal_id]
                     entry.release()
                     self.gateway.abandon(entry.admitted, started=entry.started, now=time.monotonic())
-                    await self.out.put(stream_error(error, entry.client_id))
+                    await self._fail(error, entry.client_id)
         finally:
             call.cancel()
 
@@ -808,7 +841,7 @@ class _StreamSession:
             entry.release()
             self.gateway.abandon(admitted, started=entry.started, now=time.monotonic())
             error = InvalidArgument(f"model {admitted.record.identity.model!r}: {reply.error_message}")
-            await self.out.put(stream_error(error, entry.client_id))
+            await self._fail(error, entry.client_id)
             return
         final = _flag_response(response, "triton_final_response")
         has_output = len(response.outputs) > 0

@@ -21,7 +21,7 @@ from tritonclient.grpc import service_pb2
 from gateway import __version__
 from gateway.auth import Tenant
 from gateway.errors import GatewayError, Internal, InvalidArgument, NotFound, PermissionDenied, Unavailable
-from gateway.pipeline import CallContext, Gateway
+from gateway.pipeline import CallContext, Gateway, GatewayListener
 
 log = logging.getLogger(__name__)
 
@@ -37,25 +37,27 @@ def _call_context(context: grpc.aio.ServicerContext) -> CallContext:
     )
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: GatewayError) -> None:
+async def _abort(context: grpc.aio.ServicerContext, error: GatewayError, listener: GatewayListener) -> None:
+    listener.failed(error.status.name, error.rule or "")
     context.set_trailing_metadata(error.trailing_metadata())
     await context.abort(error.status, error.message)
 
 
 def _unary(
     handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    listener: GatewayListener,
 ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await handler(request, context)
         except GatewayError as error:
-            await _abort(context, error)
+            await _abort(context, error, listener)
         except grpc.aio.AioRpcError as error:  # a backend call we did not translate
             log.warning("backend error on %s: %s", handler.__name__, error.code())
-            await _abort(context, Unavailable("backend unavailable"))
+            await _abort(context, Unavailable("backend unavailable"), listener)
         except Exception:
             log.exception("internal error in %s", handler.__name__)
-            await _abort(context, Internal("internal gateway error"))
+            await _abort(context, Internal("internal gateway error"), listener)
         return None  # unreachable: abort raises
 
     wrapped.__name__ = handler.__name__
@@ -150,7 +152,7 @@ class InferenceServicer:
             async for reply in self.gateway.stream(requests, _call_context(context)):
                 yield reply
         except GatewayError as error:
-            await _abort(context, error)
+            await _abort(context, error, self.gateway.listener)
 
     # ------------------------------------------------------------ admin-only
 
@@ -216,14 +218,16 @@ def method_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHand
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for name, request_type in _UNARY.items():
         fn = servicer._admin_only if name in _ADMIN_ONLY else getattr(servicer, name)
-        wrapped = _unary(fn)
+        wrapped = _unary(fn, servicer.gateway.listener)
         wrapped.__name__ = name
         handlers[name] = grpc.unary_unary_rpc_method_handler(
             wrapped, request_deserializer=request_type.FromString, response_serializer=_serialize
         )
     # Raw bytes in: the pipeline parses, so malformed input is INVALID_ARGUMENT, not INTERNAL.
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-        _unary(servicer.ModelInfer), request_deserializer=None, response_serializer=_serialize
+        _unary(servicer.ModelInfer, servicer.gateway.listener),
+        request_deserializer=None,
+        response_serializer=_serialize,
     )
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
         servicer.ModelStreamInfer, request_deserializer=None, response_serializer=_serialize

@@ -19,10 +19,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, TextIO
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from gateway.auth import TenantDirectory
 from gateway.backends.local import LocalTriton, TritonStartError
@@ -37,9 +39,11 @@ from gateway.config import (
 )
 from gateway.errors import ConfigError
 from gateway.pipeline import BackendHandle, Gateway
+from gateway.policy.decision_log import DecisionLog
 from gateway.policy.diagnostics import PolicyLoadError
 from gateway.policy.store import PolicyStore
 from gateway.protocol import SERVICE, InferenceServicer, add_to_server
+from gateway.telemetry import Telemetry
 
 log = logging.getLogger("orchid.gateway")
 
@@ -59,6 +63,8 @@ class GatewayServer:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.port = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._decision_file: TextIO | None = None
+        self._metrics_server: Any = None
 
     async def _update_ladders(self, interval_s: float = 0.1) -> None:
         while True:
@@ -71,6 +77,13 @@ class GatewayServer:
             await asyncio.sleep(interval_s)
             if self.gateway is not None:
                 await self.gateway.sample_statistics()
+
+    def _decision_log(self) -> DecisionLog:
+        path = self.config.telemetry.decision_log
+        if path is None:
+            return DecisionLog(logging.getLogger("orchid.decisions"))
+        self._decision_file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed in stop()
+        return DecisionLog(self._decision_file)
 
     def backend_configs(self) -> list[BackendConfig]:
         backends = list(self.config.backends)
@@ -125,7 +138,15 @@ class GatewayServer:
         for route in routes.models.values():
             for handle in clients.values():
                 handle.client.watched_models.add(route.backend_model)
-        self.gateway = Gateway(config, TenantDirectory(tenants), routes, clients, self.policy)
+        self.telemetry = Telemetry(config.telemetry, decision_log=self._decision_log())
+        if config.telemetry.metrics_listen:
+            host, _, port = config.telemetry.metrics_listen.rpartition(":")
+            self._metrics_server, _ = start_http_server(
+                int(port), addr=host or "127.0.0.1", registry=self.telemetry.metrics.registry
+            )
+        self.gateway = Gateway(
+            config, TenantDirectory(tenants), routes, clients, self.policy, listener=self.telemetry
+        )
         limit = config.limits.max_message_bytes
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -184,6 +205,10 @@ class GatewayServer:
             await asyncio.to_thread(self.local_triton.stop)
         if self._workdir is not None:
             self._workdir.cleanup()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        if self._decision_file is not None:
+            self._decision_file.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

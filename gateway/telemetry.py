@@ -1,0 +1,222 @@
+"""Telemetry: metrics, traces and the decision log, fed by the request path's typed events.
+
+The pipeline emits ``decided`` (every admission decision) and ``settled``
+(every completed request, with observed work) to a ``GatewayListener``;
+``Telemetry`` is the listener that turns them into
+
+* Prometheus metrics (scraped from ``telemetry.metrics_listen``, the
+  ecosystem's convention): decisions by outcome and rule, queue dwell,
+  completion latency, deadline misses, predicted vs observed demand, charged
+  accelerator-ms, the ladder step per pool;
+* OpenTelemetry spans, one trace per request with a span per stage
+  (``admission`` = authenticate + shape + estimate + policy, ``queue``,
+  ``backend``), built after the fact from stage timestamps so the request path
+  carries no tracing calls; sampled (``trace_sample_ratio``);
+* decision-log lines (``gateway.policy.decision_log``: whitelisted fields only).
+
+What never leaves through here: tensors, outputs, prompts, request parameter
+values, metadata values. Labels carry model, class, rule, outcome; a tenant id
+only when ``tenant_labels`` is configured (cardinality and privacy).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.config import TelemetryConfig
+from gateway.pipeline import GatewayListener, Settled, StageTimes
+from gateway.policy.decision_log import DecisionLog
+from gateway.policy.snapshot import PolicyResult
+from gateway.record import Decision, RequestRecord, Verdict
+
+log = logging.getLogger("orchid.telemetry")
+
+# Latency buckets (seconds) around the seed's 200 ms interactive objective.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 30.0)
+_RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
+
+
+class Metrics:
+    """The gateway's Prometheus metrics, in their own registry (tests create many)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.decisions = Counter(
+            "orchid_decisions",
+            "Admission decisions by outcome and deciding rule",
+            ["model", "request_class", "outcome", "rule", "tenant"],
+            registry=registry,
+        )
+        self.failures = Counter(
+            "orchid_failed_responses",
+            "Calls answered with an error status (rejections included), by status and rule",
+            ["status", "rule"],
+            registry=registry,
+        )
+        self.queue_dwell = Histogram(
+            "orchid_queue_dwell_seconds",
+            "Time from arrival to dispatch",
+            ["request_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.completion = Histogram(
+            "orchid_completion_seconds",
+            "Time from arrival to the last result",
+            ["request_class", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.deadline_misses = Counter(
+            "orchid_deadline_misses",
+            "Admitted requests that completed after their deadline",
+            ["request_class", "model"],
+            registry=registry,
+        )
+        self.predicted_ms = Counter(
+            "orchid_predicted_accelerator_ms",
+            "Predicted accelerator-ms of completed work",
+            ["model"],
+            registry=registry,
+        )
+        self.charged_ms = Counter(
+            "orchid_charged_accelerator_ms",
+            "Observed (charged) accelerator-ms of completed work",
+            ["model", "tenant"],
+            registry=registry,
+        )
+        self.prediction_ratio = Histogram(
+            "orchid_observed_over_predicted",
+            "Observed / predicted accelerator-ms per request (1.0 = exact)",
+            ["model", "bucket"],
+            buckets=_RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.useful_tokens = Counter(
+            "orchid_input_tokens", "Useful input tokens of completed work", ["model"], registry=registry
+        )
+        self.successes = Counter(
+            "orchid_validated_successes",
+            "Completed responses delivered within deadline (denominator of cost per validated success)",
+            ["model"],
+            registry=registry,
+        )
+        self.ladder_step = Gauge(
+            "orchid_ladder_step", "Overload ladder step (0-6)", ["pool"], registry=registry
+        )
+
+
+class Telemetry(GatewayListener):
+    def __init__(
+        self,
+        config: TelemetryConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        span_exporter: SpanExporter | None = None,
+        decision_log: DecisionLog | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = Metrics(registry or CollectorRegistry())
+        self.decision_log = decision_log or DecisionLog(logging.getLogger("orchid.decisions"))
+        provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(config.trace_sample_ratio)))
+        if span_exporter is not None:
+            provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+        self.provider = provider
+        self.tracer = provider.get_tracer("orchid-gateway")
+        # Monotonic -> wall clock, for span timestamps (OTel wants epoch nanoseconds).
+        self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+
+    def _tenant(self, tenant: str) -> str:
+        return tenant if self.config.tenant_labels else "-"
+
+    # ------------------------------------------------------------ events
+
+    def decided(self, record: RequestRecord, decision: Decision, policy: PolicyResult) -> None:
+        identity = record.identity
+        rule = decision.rules[0] if decision.verdict is Verdict.REJECT and decision.rules else ""
+        self.metrics.decisions.labels(
+            identity.model, identity.request_class, str(decision.verdict), rule, self._tenant(identity.tenant)
+        ).inc()
+        self.decision_log.record(
+            decision_id=identity.request_id,
+            at_unix_s=time.time(),
+            record=record,
+            result=policy,
+            outcome=f"{decision.verdict}:{decision.route_reason}"
+            if decision.rules or policy.allowed
+            else None,
+        )
+
+    def failed(self, status: str, rule: str) -> None:
+        self.metrics.failures.labels(status, rule).inc()
+
+    def settled(self, settled: Settled) -> None:
+        record, decision, outcome = settled.record, settled.decision, settled.outcome
+        identity = record.identity
+        model = decision.target_model
+        m = self.metrics
+        m.queue_dwell.labels(identity.request_class).observe(outcome.queue_ms / 1000.0)
+        total_s = (outcome.queue_ms + outcome.completion_ms) / 1000.0
+        m.completion.labels(identity.request_class, model).observe(total_s)
+        late = total_s * 1000.0 > record.budget.deadline_ms
+        if late:
+            m.deadline_misses.labels(identity.request_class, model).inc()
+        else:
+            m.successes.labels(model).inc()
+        m.predicted_ms.labels(model).inc(record.demand.accelerator_ms)
+        m.charged_ms.labels(model, self._tenant(identity.tenant)).inc(outcome.charged_accelerator_ms)
+        if record.demand.accelerator_ms > 0:
+            m.prediction_ratio.labels(model, record.shape.bucket).observe(
+                outcome.observed_accelerator_ms / record.demand.accelerator_ms
+            )
+        m.useful_tokens.labels(model).inc(record.shape.input_tokens * record.shape.items)
+        if settled.stages is not None:
+            self._spans(settled, settled.stages)
+
+    def ladder(self, pool: str, step: int) -> None:
+        self.metrics.ladder_step.labels(pool).set(step)
+
+    # ------------------------------------------------------------ traces
+
+    def _ns(self, monotonic_s: float) -> int:
+        return int(monotonic_s * 1e9) + self._epoch_offset_ns
+
+    def _spans(self, settled: Settled, stages: StageTimes) -> None:
+        record, decision = settled.record, settled.decision
+        attributes: dict[str, str | int | float] = {
+            "orchid.request_id": record.identity.request_id,
+            "orchid.model": decision.target_model,
+            "orchid.class": record.identity.request_class,
+            "orchid.bucket": record.shape.bucket,
+            "orchid.route_reason": decision.route_reason,
+            "orchid.ladder_step": record.ladder_step,
+            "orchid.policy_version": decision.policy_version,
+            "orchid.predicted_accelerator_ms": record.demand.accelerator_ms,
+            "orchid.charged_accelerator_ms": settled.outcome.charged_accelerator_ms,
+        }
+        root = self.tracer.start_span(
+            "orchid.request", start_time=self._ns(stages.received_at), attributes=attributes
+        )
+        if not root.is_recording():
+            return
+        context = trace.set_span_in_context(root)
+        for name, start, end in (
+            ("admission", stages.received_at, stages.admitted_at),
+            ("queue", stages.admitted_at, stages.dispatched_at),
+            ("backend", stages.dispatched_at, stages.finished_at),
+        ):
+            span = self.tracer.start_span(
+                name,
+                context=context,
+                start_time=self._ns(start),
+                attributes={"orchid.request_id": record.identity.request_id},
+            )
+            span.end(end_time=self._ns(end))
+        root.end(end_time=self._ns(stages.finished_at))

@@ -1,0 +1,144 @@
+"""Telemetry carries no payloads: a canary secret planted in every tensor, request parameter
+and metadata header never reaches logs, the decision log, traces, metrics or error messages."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import generate_latest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from gateway.backends.local import LocalTriton
+from gateway.config import TelemetryConfig
+from tests.conftest import ORCHID_KEY, ThreadedGateway, gateway_config
+
+CANARY = "CANARY-d41d8cd98f00b204"
+# The canary as the int32 words a tensor would carry it in, too.
+CANARY_WORDS = np.frombuffer(CANARY.encode()[:20], dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def observed(
+    triton: LocalTriton, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ThreadedGateway, Path]]:
+    directory = tmp_path_factory.mktemp("telemetry")
+    decisions = directory / "decisions.jsonl"
+    config = gateway_config(
+        triton.address,
+        telemetry=TelemetryConfig(decision_log=str(decisions), trace_sample_ratio=1.0, tenant_labels=True),
+    )
+    running = ThreadedGateway(config)
+    running.start()
+    try:
+        yield running, decisions
+    finally:
+        running.stop()
+
+
+def planted(n: int = 24, **overrides: str) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="full-v18", id=CANARY)
+    tensor = request.inputs.add(name="INPUT_IDS", datatype="INT32")
+    tensor.shape.extend([1, n])
+    data = np.zeros(n, dtype=np.int32)
+    data[: len(CANARY_WORDS)] = CANARY_WORDS
+    request.raw_input_contents.append(data.tobytes())
+    request.parameters["orchid.operation_id"].string_param = CANARY
+    request.parameters["user_note"].string_param = CANARY
+    for key, value in overrides.items():
+        request.parameters[key].string_param = value
+    return request
+
+
+def test_canary_reaches_no_sink(
+    observed: tuple[ThreadedGateway, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    running, decisions = observed
+    telemetry = running.server.telemetry
+    exporter = InMemorySpanExporter()
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    telemetry.provider.add_span_processor(SimpleSpanProcessor(exporter))
+    caplog.set_level(logging.DEBUG)
+    metadata = (("authorization", f"Bearer {ORCHID_KEY}"), ("x-user", CANARY), ("x-trace-note", CANARY))
+    errors: list[str] = []
+    with grpc.insecure_channel(running.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(3):
+            reply = stub.ModelInfer(planted(), metadata=metadata, timeout=10)
+            assert reply.model_name == "full-v18"
+        # Error paths: bad class value, bad credential value, wrong model, bad dtype, infeasible.
+        bad_calls: list[tuple[service_pb2.ModelInferRequest, tuple[tuple[str, str], ...]]] = [
+            (planted(**{"orchid.class": CANARY}), metadata),
+            (planted(), (("authorization", f"Bearer {CANARY}"), ("x-user", CANARY))),
+            (planted(), (("authorization", CANARY),)),
+            (planted(n=5000), metadata),
+        ]
+        wrong_dtype = planted()
+        wrong_dtype.inputs[0].datatype = "FP32"
+        bad_calls.append((wrong_dtype, metadata))
+        for request, call_metadata in bad_calls:
+            with pytest.raises(grpc.RpcError) as failure:
+                stub.ModelInfer(request, metadata=call_metadata, timeout=0.05)
+            errors.append(f"{failure.value.details()} {failure.value.trailing_metadata()}")
+    sinks = {
+        "error messages": "\n".join(errors),
+        "logs": "\n".join(record.getMessage() for record in caplog.records),
+        "decision log": decisions.read_text(),
+        "traces": "\n".join(span.to_json() for span in exporter.get_finished_spans()),
+        "metrics": generate_latest(telemetry.metrics.registry).decode(),
+    }
+    assert sinks["decision log"].count("\n") >= 3  # the sinks were really written
+    assert exporter.get_finished_spans()
+    assert "orchid_charged_accelerator_ms_total" in sinks["metrics"]
+    for name, text in sinks.items():
+        assert CANARY not in text, f"canary leaked into {name}"
+        assert CANARY[:12] not in text, f"canary prefix leaked into {name}"
+
+
+def test_spans_per_stage_share_the_request_id(observed: tuple[ThreadedGateway, Path]) -> None:
+    running, _ = observed
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    exporter = InMemorySpanExporter()
+    running.server.telemetry.provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with grpc.insecure_channel(running.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        reply = stub.ModelInfer(planted(), metadata=(("authorization", f"Bearer {ORCHID_KEY}"),), timeout=10)
+    request_id = reply.parameters["orchid.request_id"].string_param
+    spans = [s for s in exporter.get_finished_spans() if s.attributes.get("orchid.request_id") == request_id]
+    names = sorted(s.name for s in spans)
+    assert names == ["admission", "backend", "orchid.request", "queue"]
+    root = next(s for s in spans if s.name == "orchid.request")
+    assert all(
+        s.parent is not None and s.parent.span_id == root.context.span_id for s in spans if s is not root
+    )
+    assert all(s.start_time <= s.end_time for s in spans)
+
+
+def test_metrics_and_decision_log_describe_decisions(observed: tuple[ThreadedGateway, Path]) -> None:
+    running, decisions = observed
+    metrics = generate_latest(running.server.telemetry.metrics.registry).decode()
+    assert 'orchid_decisions_total{model="full-v18",outcome="admit"' in metrics
+    assert "orchid_queue_dwell_seconds_bucket" in metrics
+    assert "orchid_observed_over_predicted_bucket" in metrics
+    assert "orchid_ladder_step" in metrics
+    assert 'orchid_failed_responses_total{rule="",status="UNAUTHENTICATED"}' in metrics
+    import json
+
+    lines = [json.loads(line) for line in decisions.read_text().splitlines()]
+    assert {
+        "decision_id",
+        "tenant",
+        "class",
+        "policy_version",
+        "rules_fired",
+        "shadow_fired",
+        "eval_us",
+    } <= set(lines[0])
+    assert all(line["policy_version"].startswith("sha256:") for line in lines)
