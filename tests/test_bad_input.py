@@ -134,7 +134,12 @@ def test_class_not_allowed(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> N
     request.parameters["orchid.class"].string_param = "control"
     expect(stub, request, grpc.StatusCode.PERMISSION_DENIED, "request class control is not enabled")
     request.parameters["orchid.class"].string_param = "platinum"
-    expect(stub, request, grpc.StatusCode.INVALID_ARGUMENT, "unknown request class in orchid.class (known: batch, control, interactive)")
+    expect(
+        stub,
+        request,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown request class in orchid.class (known: batch, control, interactive)",
+    )
 
 
 def test_message_over_size_limit(gateway: ThreadedGateway) -> None:

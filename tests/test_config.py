@@ -11,6 +11,8 @@ from gateway.config import load_gateway_config, load_routes, load_tenants
 from gateway.errors import ConfigError
 from tests.conftest import EXAMPLE_CONFIG, ROOT
 
+HEAD = "tenants_file: t.yaml\nroutes_dir: r\npolicies_dir: p\n"
+
 
 def test_shipped_configuration_loads() -> None:
     config = load_gateway_config(EXAMPLE_CONFIG)
@@ -27,19 +29,18 @@ def test_shipped_configuration_loads() -> None:
         ("listen: 1\n", "listen", "valid string"),
         ("listen: 'a:1'\n", "tenants_file", "Field required"),
         (
-            "tenants_file: t.yaml\nroutes_dir: r\npolicies_dir: p\nclasses: {interactive: {default_deadline_ms: -1}}\n"
-            "local_triton: {model_repository: m}\n",
+            HEAD + "classes: {interactive: {default_deadline_ms: -1}}\nlocal_triton: {model_repository: m}\n",
             "classes.interactive.default_deadline_ms",
             "greater than 0",
         ),
         (
-            "tenants_file: t.yaml\nroutes_dir: r\npolicies_dir: p\nclasses: {interactive: {default_deadline_ms: 5}}\n"
+            HEAD + "classes: {interactive: {default_deadline_ms: 5}}\n"
             "backends: [{name: a, address: 'x:1', labels: {cell: c}, devices: 1}]\n",
             "backends.0.labels",
             "device_group",
         ),
         (
-            "tenants_file: t.yaml\nroutes_dir: r\npolicies_dir: p\nclasses: {interactive: {default_deadline_ms: 5}}\n",
+            HEAD + "classes: {interactive: {default_deadline_ms: 5}}\n",
             "",
             "configure at least one backend",
         ),
@@ -57,9 +58,7 @@ def test_bad_gateway_config_names_file_and_key(tmp_path: Path, text: str, key: s
 
 def test_serve_exits_2_with_readable_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "gateway.yaml"
-    path.write_text(
-        "tenants_file: t.yaml\nroutes_dir: r\npolicies_dir: p\nclasses: {interactive: {default_deadline_ms: 0}}\n"
-    )
+    path.write_text(HEAD + "classes: {interactive: {default_deadline_ms: 0}}\n")
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}: classes.interactive.default_deadline_ms" in err

@@ -7,7 +7,6 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
