@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from gateway import admin
 from gateway.auth import TenantDirectory
 from gateway.backends.local import LocalTriton, TritonStartError
 from gateway.backends.triton import TritonBackend
@@ -152,9 +153,15 @@ class GatewayServer:
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         )
         add_to_server(InferenceServicer(self.gateway, ready=self.ready), self.server)
+        admin.add_to_server(self.gateway, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (
+                SERVICE,
+                admin.SERVICE,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             self.server,
         )
         self.port = self.server.add_insecure_port(self.listen)

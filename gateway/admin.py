@@ -1,0 +1,97 @@
+"""``orchid.admin.v1.GatewayAdmin``: the gateway's own admin service (policy reload, status).
+
+The service is defined in ``proto/orchid/admin/v1/admin.proto`` and compiled
+when this module is imported (grpcio-tools' ``protos_and_services``), so the
+checked-in ``.proto`` is the only source of truth and nothing generated is
+committed. Every call needs an admin credential; a failed reload answers
+FAILED_PRECONDITION with the ``file:line:col`` diagnostics while the last good
+policy keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gateway.errors import PermissionDenied
+from gateway.pipeline import Gateway
+
+PROTO_ROOT = Path(__file__).resolve().parent.parent / "proto"
+PROTO_FILE = "orchid/admin/v1/admin.proto"
+SERVICE = "orchid.admin.v1.GatewayAdmin"
+
+
+def _load() -> tuple[Any, Any]:
+    if str(PROTO_ROOT) not in sys.path:
+        sys.path.append(str(PROTO_ROOT))
+    return grpc.protos_and_services(PROTO_FILE)  # type: ignore[no-any-return]
+
+
+admin_pb2, admin_pb2_grpc = _load()
+
+
+class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):  # type: ignore[misc,name-defined]
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            tenant = self.gateway.tenants.authenticate(tuple(context.invocation_metadata() or ()))
+            if not tenant.config.admin:
+                raise PermissionDenied("this operation needs an admin credential")
+        except (PermissionDenied, Exception) as error:
+            status = getattr(error, "status", grpc.StatusCode.PERMISSION_DENIED)
+            await context.abort(status, getattr(error, "message", "not allowed"))
+
+    async def ReloadPolicies(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._authorize(context)
+        result = await asyncio.to_thread(self.gateway.policy.reload)
+        reply = admin_pb2.ReloadPoliciesResponse(
+            ok=result.ok,
+            version=result.version,
+            previous_version=result.previous_version,
+            diagnostics=[d.render() for d in result.diagnostics],
+        )
+        if not result.ok:
+            context.set_code(grpc.StatusCode.FAILED_PRECONDITION)
+            context.set_details(
+                f"policy rejected, still serving {result.version or 'nothing'}: "
+                f"{len(result.diagnostics)} problem(s); first: {result.diagnostics[0].headline()}"
+                if result.diagnostics
+                else f"policy rejected, still serving {result.version or 'nothing'}"
+            )
+        return reply
+
+    async def PolicyStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._authorize(context)
+        store = self.gateway.policy
+        return admin_pb2.PolicyStatusResponse(
+            version=store.version,
+            ready=store.ready,
+            failed_reloads=store.failures,
+            last_diagnostics=[d.render() for d in store.last_diagnostics],
+        )
+
+    async def LadderStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._authorize(context)
+        pools = []
+        for name, load in sorted(self.gateway.loads.items()):
+            state = load.ladder.state if load.ladder is not None else None
+            pools.append(
+                admin_pb2.PoolLadder(
+                    pool=name,
+                    step=load.step,
+                    reason=state.reason if state is not None else "",
+                    utilization=load.utilization(),
+                    stale=bool(state.stale) if state is not None else False,
+                )
+            )
+        return admin_pb2.LadderStatusResponse(pools=pools)
+
+
+def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
+    admin_pb2_grpc.add_GatewayAdminServicer_to_server(AdminServicer(gateway), server)
