@@ -73,6 +73,7 @@ class RequestClassConfig(_Strict):
     reserve_upstream_ms: float = Field(default=0.0, ge=0)
     reserve_fail_ms: float = Field(default=0.0, ge=0)
     max_dwell_ms: float = Field(default=20.0, ge=0)
+    weight: float = Field(default=1.0, gt=0, description="the class's share of a pool under contention")
     max_deadline_ms: float = Field(default=600_000.0, gt=0, description="longer deadlines are refused")
 
 
@@ -80,6 +81,9 @@ class LimitsConfig(_Strict):
     max_message_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     drain_timeout_s: float = Field(default=10.0, ge=0)
     max_queued_per_backend: int = Field(default=256, ge=1)
+    reserved_control_slots: int = Field(
+        default=1, ge=0, description="slots per pool only control work may use"
+    )
 
 
 class TelemetryConfig(_Strict):

@@ -206,6 +206,7 @@ class Gateway:
                 devices=spec.instances,
                 slots=spec.instances * handle.max_inflight_per_device,
                 max_queued=self.config.limits.max_queued_per_backend,
+                reserved_control=self.config.limits.reserved_control_slots,
             )
             self._queues[key] = queue
         return queue
@@ -507,11 +508,7 @@ class Gateway:
         request = parse_infer_request(raw)
         admitted = await self.admit(request, tenant, call, operation="ModelInfer", mode=Mode.ONLINE)
         try:
-            slot = await admitted.queue.acquire(
-                deadline_at=admitted.deadline_at,
-                latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
-                cost_ms=admitted.record.demand.accelerator_ms,
-            )
+            slot = await self.acquire(admitted)
         except BaseException:  # never ran (queue full, too late, caller gone): refund all
             self.quotas.release(admitted.reservation, now=time.monotonic())
             raise
@@ -587,6 +584,21 @@ class Gateway:
         )
         stages = StageTimes(admitted.received_at, admitted.admitted_at, started, finished)
         return Settled(record, admitted.decision, outcome, stages)
+
+    async def acquire(self, admitted: Admitted) -> Slot:
+        """Wait for a dispatch slot in the admitted request's pool, in its class's and tenant's share."""
+        identity = admitted.record.identity
+        tenant = self.tenants.tenants.get(identity.tenant)
+        request_class = self.config.classes.get(identity.request_class)
+        return await admitted.queue.acquire(
+            deadline_at=admitted.deadline_at,
+            latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
+            cost_ms=admitted.record.demand.accelerator_ms,
+            request_class=identity.request_class,
+            tenant=identity.tenant,
+            weight=tenant.config.weight if tenant else 1.0,
+            class_weight=request_class.weight if request_class else 1.0,
+        )
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:
         """A request that failed or was cancelled: settle quota by what it held, or refund."""
@@ -779,11 +791,7 @@ class _StreamSession:
     async def _dispatch(self, entry: _StreamRequest) -> None:
         admitted = entry.admitted
         try:
-            entry.slot = await admitted.queue.acquire(
-                deadline_at=admitted.deadline_at,
-                latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
-                cost_ms=admitted.record.demand.accelerator_ms,
-            )
+            entry.slot = await self.gateway.acquire(admitted)
         except BaseException as error:
             self.gateway.abandon(admitted, started=None, now=time.monotonic())
             if isinstance(error, GatewayError):

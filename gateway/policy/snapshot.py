@@ -7,15 +7,20 @@ pure: no I/O, no metrics, no logging; the only clock read is the
 
 Theory of operation (the stage table is in ``model``):
 
-1. Read only the schema fields some rule or variable uses, as plain values.
-2. Evaluate the policy set's variables once, in dependency order. A variable
-   that errs poisons every rule that reads it (that rule errs).
-3. privacy -> admission -> quota, rules in file order. The first enforce deny
+1. Read only the schema fields conditions and variables use, as plain values
+   (fields only messages, retry-afters and limits use are read when needed).
+2. Fast path (cel-expr): evaluate the ``Plan`` - every variable and condition
+   in one CEL evaluation - and act on the rules that fired. If the plan errs,
+   or when explaining, go one expression at a time, as below; the outcome is
+   the same, only the error attribution needs the slow path.
+3. Variables once, in dependency order. A variable that errs poisons every
+   rule that reads it (that rule errs).
+4. privacy -> admission -> quota, rules in file order. The first enforce deny
    that fires (or a fail-closed error) stops everything after it. Shadow rules
    that fire are reported in ``shadow_fired`` and change nothing.
-4. fallback: eligible iff at least one enforce ``fallback_eligible`` fired, no
+5. fallback: eligible iff at least one enforce ``fallback_eligible`` fired, no
    enforce ``fallback_ineligible`` fired, and no enforce fallback rule erred.
-5. routing: every rule once per ``context.backends`` entry, with ``backend.*``
+6. routing: every rule once per ``context.backends`` entry, with ``backend.*``
    bound to it; a firing or erring enforce rule excludes that backend.
 
 Every error lands in ``errors``; every error that let a request through an
