@@ -1222,6 +1222,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="max_queue_size of the tuned Triton baseline (default 8: one full batch; see docs/benchmarks-surge.md)",
     )
     parser.add_argument("--base-port", type=int, default=16100, help="ports BASE+1..BASE+8 are used")
+    parser.add_argument("--keep", action="store_true", help="keep Triton and gateway logs (prints where)")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "surge.png")
     parser.add_argument(
         "--gateway-pythonpath",
@@ -1260,6 +1261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = list(args.targets) + ([KILL_TARGET] if kill_at > 0 else [])
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="orchid-surge-") as tmp:
+        if args.keep:
+            tmp = tempfile.mkdtemp(prefix="orchid-surge-keep-")
+            print(f"work directory (kept): {tmp}", file=sys.stderr)
         opts = Options(
             scenario=scenario,
             arrivals=arrivals,
