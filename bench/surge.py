@@ -156,7 +156,7 @@ PROTECTED_UTILIZATION = 0.70
 TARGETS = ("triton-fifo", "triton-tuned", "gateway")
 KILL_TARGET = "gateway-kill"
 LADDER_LINE = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ orchid\.overload: pool (\S+) ladder step -> (\d+)"
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ orchid\.overload: pool (\S+) ladder step -> (\d+): (.*)$"
 )
 # Gateway rules that refuse a request after it waited in the dispatch queue.
 LATE_RULES = frozenset({"queue.latest_start"})
@@ -435,6 +435,7 @@ class Outcome:
     approximation: str = ""
     model: str = ""
     ladder_step: int = -1
+    predicted_ms: float = 0.0  # gateway provenance: orchid.predicted_accelerator_ms
 
     @property
     def latency_ms(self) -> float:
@@ -457,9 +458,14 @@ class RunResult:
     outcomes: list[Outcome]
     snapshots: list[StatsSnapshot]
     lags_ms: list[float]
-    ladder: list[tuple[float, int]] = field(default_factory=list)  # (t, step) transitions, full-v18 pool
+    ladder_log: list[tuple[float, int, str]] = field(default_factory=list)  # full-v18 pool transitions
     events: dict[str, float] = field(default_factory=dict)  # kill / restart times
     wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ladder(self) -> list[tuple[float, int]]:
+        return [(t, step) for t, step, _ in self.ladder_log]
 
 
 def stats_snapshot(response: service_pb2.ModelStatisticsResponse, t: float, epoch: int) -> StatsSnapshot:
@@ -513,6 +519,7 @@ async def drive(
                     outcome.approximation = params["orchid.approximation"].string_param
                     outcome.model = params["orchid.model"].string_param
                     outcome.ladder_step = int(params["orchid.ladder_step"].int64_param)
+                    outcome.predicted_ms = float(params["orchid.predicted_accelerator_ms"].double_param)
                 else:
                     outcome.model = PRIMARY
             except grpc.aio.AioRpcError as error:
@@ -570,15 +577,15 @@ async def warm_instances(address: str, scenario: Scenario) -> None:
                     await asyncio.gather(*(call(raw, timeout=10.0) for _ in range(instances)))
 
 
-def parse_ladder(log_path: Path, wall_t0: float) -> list[tuple[float, int]]:
-    """(seconds after the run's start, step) of every full-v18 pool transition in the gateway log."""
-    changes: list[tuple[float, int]] = []
+def parse_ladder(log_path: Path, wall_t0: float) -> list[tuple[float, int, str]]:
+    """(seconds after the run's start, step, reason) of every full-v18 pool transition in the log."""
+    changes: list[tuple[float, int, str]] = []
     with contextlib.suppress(OSError):
         for line in log_path.read_text(errors="replace").splitlines():
             match = LADDER_LINE.match(line)
             if match and match.group(2).endswith("/" + PRIMARY):
                 stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                changes.append((stamp - wall_t0, int(match.group(3))))
+                changes.append((stamp - wall_t0, int(match.group(3)), match.group(4)))
     return changes
 
 
@@ -671,6 +678,11 @@ async def run_target(target: str, opts: Options) -> RunResult:
         await snapshot(scenario.duration_s)
         ladder = parse_ladder(work / "gateway.log", wall_t0) if gateway else []
         result = RunResult(target, outcomes, sorted(snapshots, key=lambda s: s.t), lags, ladder, events)
+
+        if not triton.running():
+            result.notes.append(f"Triton was not running at the end of the run; its log:\n{triton.log_tail(15)}")
+        if gateway is not None and gateway.process is not None and gateway.process.poll() is not None:
+            result.notes.append(f"the gateway exited during the run; its log:\n{gateway.log_tail(15)}")
     finally:
         if gateway is not None:
             await asyncio.to_thread(gateway.stop)
@@ -680,6 +692,15 @@ async def run_target(target: str, opts: Options) -> RunResult:
 
 
 # --------------------------------------------------------------------------- analysis
+
+
+def reason(outcome: Outcome) -> str:
+    """Short label of a non-OK outcome: the gateway's rule, else the status (and message start)."""
+    if outcome.rule:
+        return outcome.rule
+    if outcome.code == "DEADLINE_EXCEEDED" or not outcome.detail:
+        return outcome.code
+    return f"{outcome.code}({outcome.detail.removeprefix('[request id: <id_unknown>] ')[:28]})"
 
 
 def kind(outcome: Outcome) -> str:
@@ -740,7 +761,7 @@ def tabulate(
             row.fallback += fallback
             row.useful_ms += scenario.device_ms(FALLBACK if fallback else PRIMARY, o.cls)
             continue
-        row.rules[o.rule or o.code] += 1
+        row.rules[reason(o)] += 1
         if k in ("entry", "late"):
             setattr(row, k, getattr(row, k) + 1)
             row.reject_ms.append(o.latency_ms)
@@ -970,6 +991,28 @@ def print_arithmetic(
             print(line)
 
 
+def print_estimates(results: dict[str, RunResult], scenario: Scenario) -> None:
+    """The gateway's predictions on its responses over its batch-of-one prices: its learned correction."""
+    print("\n== gateway predictions / profile price (orchid.predicted_accelerator_ms on responses) ==")
+    for name, result in results.items():
+        if not name.startswith("gateway"):
+            continue
+        for phase in scenario.phases:
+            cells = []
+            for cls in CLASSES:
+                for model in (PRIMARY, FALLBACK):
+                    ratios = [
+                        o.predicted_ms / scenario.device_ms(model, cls)
+                        for o in result.outcomes
+                        if o.code == "OK" and o.cls == cls and o.model == model and phase.start_s <= o.t_sched < phase.end_s
+                    ]
+                    if ratios:
+                        cells.append(
+                            f"{cls}@{model} x{statistics.median(ratios):.2f} (max x{max(ratios):.2f}, n={len(ratios)})"
+                        )
+            print(f"{name:<13} {phase.name:<8}: " + ("; ".join(cells) or "no responses"))
+
+
 def print_targets(scenario: Scenario, reports: dict[str, list[PhaseReport]]) -> None:
     if "gateway" not in reports:
         return
@@ -1040,7 +1083,7 @@ def print_kill(result: RunResult, scenario: Scenario) -> None:
             o.code == "DEADLINE_EXCEEDED" and not o.rule and o.latency_ms >= scenario.deadline_ms(o.cls) - 1.0
             for o in window
         )
-        reasons = Counter(o.rule or o.code for o in window if o.code != "OK")
+        reasons = Counter(reason(o) for o in window if o.code != "OK")
         top = ", ".join(f"{k} {v}" for k, v in reasons.most_common(3))
         print(
             f"{second:6d} {len(window):5d} {counts['ok']:4d} {fallback:6d} {counts['entry']:5d} {counts['late']:4d} "
@@ -1087,9 +1130,13 @@ def print_client(results: dict[str, RunResult]) -> None:
             f"{name:<13} requests {len(result.outcomes):5d}  send lag p99 {p99:5.1f} ms max {lags[-1] if lags else 0:6.1f} ms"
             f"  wall {result.wall_s:5.1f} s"
         )
+        for note in result.notes:
+            print(f"{'':<13} NOTE: {note}")
         if name.startswith("gateway"):
             print(f"{'':<13} ladder (full-v18 pool, from the log): {ladder}")
             print(f"{'':<13} orchid.ladder_step on responses: {dict(sorted(steps.items()))}")
+            for t, step, why in result.ladder_log:
+                print(f"{'':<13}   {t:6.1f} s -> {step}: {why[:150]}")
 
 
 # --------------------------------------------------------------------------- plot
@@ -1197,7 +1244,7 @@ def plot(results: dict[str, RunResult], scenario: Scenario, path: Path) -> bool:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--time-factor", type=float, default=0.25, help="ORCHID_TIME_FACTOR (default 0.25)")
+    parser.add_argument("--time-factor", type=float, default=0.5, help="ORCHID_TIME_FACTOR (default 0.5)")
     parser.add_argument("--normal-s", type=float, default=20.0)
     parser.add_argument("--surge-s", type=float, default=30.0)
     parser.add_argument("--recover-s", type=float, default=10.0)
@@ -1286,6 +1333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_phase_tables({k: v for k, v in results.items() if k != KILL_TARGET}, main_reports)
     print_ratios(main_reports)
     print_arithmetic(scenario, scaled_worksheet(scenario), main_reports)
+    print_estimates(results, scenario)
     print_targets(scenario, main_reports)
     if KILL_TARGET in results:
         print_phase_tables({KILL_TARGET: results[KILL_TARGET]}, {KILL_TARGET: reports[KILL_TARGET]})

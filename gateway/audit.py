@@ -628,6 +628,26 @@ class _AccessBuilder:
     via: list[str] = dataclasses.field(default_factory=list)
 
 
+def _note(
+    accesses: dict[tuple[str, str], dict[str, _AccessBuilder]],
+    key: tuple[str, str],
+    tenant: str,
+    *,
+    direct: bool,
+    active: bool,
+    via: str,
+) -> None:
+    """Record that ``tenant`` reaches the (backend, backend model) ``key``, and how."""
+    entry = accesses.setdefault(key, {}).setdefault(tenant, _AccessBuilder())
+    if active and direct:
+        entry.direct_active = True
+    elif active:
+        entry.fallback_active = True
+    else:
+        entry.latent = True
+    entry.via.append(via)
+
+
 def audit_isolation(path: Path) -> Audit:
     """Load what ``serve`` would serve from ``path`` and audit it; raises ``ConfigError``."""
     return audit_served(load_served(path))
@@ -666,16 +686,6 @@ def audit_served(served: Served) -> Audit:
         model_reaches: list[ModelReach] = []
         tenant_backends[name] = set()
 
-        def note(key: tuple[str, str], tenant_name: str, *, direct: bool, active: bool, via: str) -> None:
-            entry = accesses.setdefault(key, {}).setdefault(tenant_name, _AccessBuilder())
-            if active and direct:
-                entry.direct_active = True
-            elif active:
-                entry.fallback_active = True
-            else:
-                entry.latent = True
-            entry.via.append(via)
-
         for model in tenant.models:
             route = served.routes.models[model]
             hops: list[Hop] = []
@@ -693,7 +703,8 @@ def audit_served(served: Served) -> Audit:
                     hops.append(Hop(backend_name, ref.cell, ref.device_group, routed=cell == home))
             for hop in hops:
                 tenant_backends[name].add(hop.backend)
-                note(
+                _note(
+                    accesses,
                     (hop.backend, route.backend_model),
                     name,
                     direct=True,
@@ -709,7 +720,8 @@ def audit_served(served: Served) -> Audit:
                         continue
                     active = hop.routed and fallback_path.policy_allows
                     tenant_backends[name].add(hop.backend)
-                    note(
+                    _note(
+                        accesses,
                         (hop.backend, fallback_path.backend_model),
                         name,
                         direct=False,

@@ -39,13 +39,27 @@ from gateway.errors import (
 from gateway.estimate import CorrectionKey, Estimator, charged_live_token_ms, predict
 from gateway.load import PoolLoad
 from gateway.overload import effects as overload_effects
-from gateway.policy.schema import LoadFacts, PolicyContext, QualityEvidence, RouteFacts, TenantFacts
+from gateway.policy.schema import (
+    BackendFacts,
+    LoadFacts,
+    PolicyContext,
+    QualityEvidence,
+    RouteFacts,
+    TenantFacts,
+)
 from gateway.policy.snapshot import PolicyResult
 from gateway.policy.store import PolicyStore
 from gateway.quota import QuotaLedger, QuotaView, Reservation
 from gateway.record import Budget, Decision, Identity, Mode, Outcome, RequestRecord, Shape, Verdict
 from gateway.scheduler import DispatchQueue, Slot
-from gateway.shape import extract_shape, payload_bytes, read_hints, validate_tensors
+from gateway.shape import (
+    GATEWAY_OWNED_PARAMETERS,
+    check_backend_controls,
+    extract_shape,
+    payload_bytes,
+    read_hints,
+    validate_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +274,7 @@ class Gateway:
         if request.model_version and route.version and request.model_version != route.version:
             raise NotFound(f"unknown version {request.model_version!r} of model {logical!r}")
         hints = read_hints(request)
+        check_backend_controls(request)
         class_name, request_class = self.request_class(hints.request_class)
         cell = tenant.config.home_cell
         handle, spec, queue = await self.bind_pool(route, cell, logical)
@@ -343,6 +358,15 @@ class Gateway:
             rule = decision.rules[0] if decision.rules else None
             raise error_type(decision.message, rule=rule, retry_after_ms=decision.retry_after_ms)
         chosen = fallback_priced if decision.verdict is Verdict.FALLBACK and fallback_priced else priced
+        chosen_policy = (
+            fallback.policy if fallback is not None and chosen is fallback_priced else primary.policy
+        )
+        if chosen.handle.client.name in chosen_policy.excluded_backends:
+            # Routing already keeps to the cell; a routing rule that still excludes the chosen
+            # backend is a second, independent guard (defence in depth), never overridden.
+            raise Unavailable(
+                f"no backend allowed by policy serves model {logical!r}", rule="routing.excluded_backend"
+            )
         # Reserve the predicted demand of what will run; settled with the observed charge.
         reservation = self.quotas.reserve_record(chosen.record, now=now)
         max_output = decision.max_output_tokens or chosen.record.shape.max_output_tokens
@@ -446,6 +470,12 @@ class Gateway:
                 quality=quality,
             ),
             load=LoadFacts(utilization=load.utilization(), drain_ms=load.drain_ms()),
+            # Routing-stage rules judge every backend configured for the route, in any cell.
+            backends=tuple(
+                BackendFacts(name=name, model=route.backend_model, labels=self.backends[name].labels)
+                for name in (route.backends or tuple(self.backends))
+                if name in self.backends
+            ),
         )
 
     def pool_load(self, queue: DispatchQueue, request_class: RequestClassConfig) -> PoolLoad:
@@ -493,8 +523,9 @@ class Gateway:
         out.CopyFrom(request)
         out.model_name = route.backend_model
         out.model_version = route.version
-        for name in [n for n in out.parameters if n.startswith("orchid.")]:
-            del out.parameters[name]  # hints are the gateway's; the backend never sees them
+        owned = [n for n in out.parameters if n.startswith("orchid.") or n in GATEWAY_OWNED_PARAMETERS]
+        for name in owned:
+            del out.parameters[name]  # the gateway's own; the backend never sees the caller's
         if route.shape.output_limit_parameter:
             out.parameters[route.shape.output_limit_parameter].int64_param = max_output_tokens
         if mode is Mode.STREAMING:
@@ -848,7 +879,9 @@ class _StreamSession:
             del self.pending[response.id]
             entry.release()
             self.gateway.abandon(admitted, started=entry.started, now=time.monotonic())
-            error = InvalidArgument(f"model {admitted.record.identity.model!r}: {reply.error_message}")
+            logical = admitted.record.identity.model
+            detail = reply.error_message.replace(admitted.route.backend_model, logical)
+            error = InvalidArgument(f"model {logical!r}: {detail}")
             await self._fail(error, entry.client_id)
             return
         final = _flag_response(response, "triton_final_response")

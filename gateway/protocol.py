@@ -123,7 +123,11 @@ class InferenceServicer:
             raise NotFound(f"unknown version {version!r} of model {name!r}")
 
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        # Triton's statistics are totals over every tenant sharing the model: another tenant's
+        # request counts and timings. Only admins may read them (tenants: see the metrics).
         tenant = self._tenant(context)
+        if not tenant.config.admin:
+            raise PermissionDenied("model statistics need an admin credential")
         names = [request.name] if request.name else list(tenant.config.models)
         reply = service_pb2.ModelStatisticsResponse()
         for name in names:

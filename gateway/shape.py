@@ -121,6 +121,27 @@ _KNOWN_HINTS = frozenset(
     {"orchid.class", "orchid.max_output_tokens", "orchid.allow_fallback", "orchid.operation_id"}
 )
 
+# Triton request parameters that steer the backend on the caller's behalf. Through a shared
+# gateway they would let one tenant join another's sequence or read a registered
+# shared-memory region, so they are refused (sequence, shared memory) or owned by the
+# gateway (priority, timeout: it sets deadlines and order itself).
+REFUSED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
+GATEWAY_OWNED_PARAMETERS = frozenset({"priority", "timeout"})
+_SHARED_MEMORY_PREFIX = "shared_memory_"
+
+
+def check_backend_controls(request: service_pb2.ModelInferRequest) -> None:
+    """Refuse parameters that would let a caller steer Triton past the gateway."""
+    for name in request.parameters:
+        if name in REFUSED_PARAMETERS:
+            raise InvalidArgument(f"parameter {name!r} is not available through the gateway")
+    for tensor in [*request.inputs, *request.outputs]:
+        if any(name.startswith(_SHARED_MEMORY_PREFIX) for name in tensor.parameters):
+            raise InvalidArgument(
+                f"tensor {tensor.name!r}: shared memory is not available through the gateway; "
+                "send the data inline"
+            )
+
 
 def _element_count(name: str, shape: tuple[int, ...]) -> int:
     count = 1

@@ -15,6 +15,7 @@ from gateway.backends.local import LocalTriton
 from tests.conftest import (
     MODEL_REPOSITORY,
     ORCHID_KEY,
+    ROOT,
     TIME_FACTOR,
     ThreadedGateway,
     gateway_config,
@@ -129,6 +130,25 @@ def test_parameters_of_wrong_type(stub: service_pb2_grpc.GRPCInferenceServiceStu
     expect(stub, request, grpc.StatusCode.INVALID_ARGUMENT, "unknown parameter 'orchid.klass'")
 
 
+def test_backend_controls_are_refused_or_owned_by_the_gateway(
+    stub: service_pb2_grpc.GRPCInferenceServiceStub,
+) -> None:
+    request = good_request()
+    request.parameters["sequence_id"].int64_param = 42
+    expect(stub, request, grpc.StatusCode.INVALID_ARGUMENT, "parameter 'sequence_id' is not available")
+    request = good_request()
+    request.inputs[0].parameters["shared_memory_region"].string_param = "someone-elses-region"
+    expect(stub, request, grpc.StatusCode.INVALID_ARGUMENT, "shared memory is not available")
+    request = good_request()
+    request.outputs.add(name="OUTPUT_IDS").parameters["shared_memory_region"].string_param = "r"
+    expect(stub, request, grpc.StatusCode.INVALID_ARGUMENT, "shared memory is not available")
+    # priority and timeout are the gateway's: a caller's values are dropped, the call succeeds.
+    request = good_request()
+    request.parameters["priority"].int64_param = 1
+    request.parameters["timeout"].int64_param = 1
+    assert stub.ModelInfer(request, metadata=AUTH, timeout=10).model_name == "full-v18"
+
+
 def test_class_not_allowed(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
     request = good_request()
     request.parameters["orchid.class"].string_param = "control"
@@ -213,3 +233,27 @@ def test_backend_down_then_recovery_without_gateway_restart(tmp_path: Path) -> N
     finally:
         running.stop()
         triton.stop()
+
+
+def test_routing_rules_are_enforced_at_serve_time(triton: LocalTriton, tmp_path: Path) -> None:
+    """A routing-stage rule that excludes the backend the request would use stops it, even
+    when cell routing alone would have let it through (defence in depth)."""
+    import shutil
+
+    policies = tmp_path / "policies"
+    shutil.copytree(ROOT / "policies", policies)
+    (policies / "50-drain.yaml").write_text(
+        "rules:\n  - id: drain-device-group\n    stage: routing\n"
+        "    condition: \"backend.labels['device_group'] == 'local-a'\"\n    action: exclude_backend\n"
+    )
+    running = ThreadedGateway(gateway_config(triton.address, policies_dir=policies))
+    running.start()
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as failure:
+                stub.ModelInfer(good_request(), metadata=AUTH, timeout=10)
+            assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert dict(failure.value.trailing_metadata())["orchid-rule"] == "routing.excluded_backend"
+    finally:
+        running.stop()
