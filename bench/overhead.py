@@ -732,9 +732,13 @@ def bench(
                 subprocess.run(warm, capture_output=True, check=False)
                 # A warm gateway's OK answers can be smaller than a cold one's (fewer provenance
                 # parameters): keep the smallest OK answer seen as the yardstick for errors.
-                _, smallest = sample_outcomes(addresses[target], message, metadata, 1, waves=5)
+                seen, smallest = sample_outcomes(addresses[target], message, metadata, 1, waves=5)
                 if smallest is not None:
                     frame_sizes[target] = min(frame_sizes[target], smallest)
+                if any(not outcome.startswith(f"OK model={MODEL} ") for outcome in seen):
+                    print(f"{target} after warm-up answers otherwise than when verified:", flush=True)
+                    for outcome, count in seen.most_common():
+                        print(f"  {count:6d}  {outcome}", flush=True)
             cmd = h2load_args(h2load, url, frame, args, args.requests, auth.get(target))
             if round_no == 1:
                 print("  $ " + " ".join(f"'{a}'" if " " in a else a for a in cmd), flush=True)

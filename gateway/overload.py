@@ -152,8 +152,9 @@ def protected_capacity_ms_per_s(
 # --------------------------------------------------------------------------- windows
 
 
-# The shortest time a young window's rate is measured over (see DemandWindow.rate_ms_per_s).
-MIN_COVERED_S = 1.0
+# The shortest time a young window's rate is measured over, as a fraction of the window (see
+# DemandWindow.rate_ms_per_s): half of it, so a start-up burst reads as a burst, not a surge.
+YOUNG_WINDOW_FLOOR = 0.5
 
 
 class DemandWindow:
@@ -211,9 +212,9 @@ class DemandWindow:
             if oldest <= self._epochs[slot] <= bucket:
                 total += self._sums[slot]
                 count += self._counts[slot]
-        # A young window divides by its age, but never by less than MIN_COVERED_S: one burst
-        # in the first 100 ms of a gateway's life is not ten times its rate.
-        floor = min(self.buckets, max(1, math.ceil(MIN_COVERED_S / self._width_s)))
+        # A young window divides by its age, but never by less than half the window: one burst
+        # in the first 100 ms of a gateway's life is not fifty times its rate.
+        floor = max(1, math.ceil(self.buckets * YOUNG_WINDOW_FLOOR))
         covered = (
             self.buckets if self._first is None else max(floor, min(self.buckets, bucket - self._first + 1))
         )

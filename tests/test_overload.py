@@ -413,10 +413,18 @@ def test_demand_window_exact_arithmetic() -> None:
 
 def test_demand_window_young_window_is_not_diluted() -> None:
     window = DemandWindow(window_s=5.0, buckets=50)
-    for i in range(10):  # 1 s of 1,000 ms/s
+    for i in range(30):  # 3 s of 1,000 ms/s
         window.add(50.0 + i * 0.1, 100.0)
-    # Measured over the second it has existed, not over 5 s (which would read 200 ms/s: fail open).
-    assert window.rate_ms_per_s(50.95) == pytest.approx(1000.0)
+    # Measured over the 3 s it has existed, not over 5 s (which would read 600 ms/s: fail open).
+    assert window.rate_ms_per_s(52.95) == pytest.approx(1000.0)
+
+
+def test_demand_window_damps_a_start_up_burst() -> None:
+    window = DemandWindow(window_s=5.0, buckets=50)
+    for i in range(5):  # a burst of 500 ms in the first half second
+        window.add(50.0 + i * 0.1, 100.0)
+    # Never measured over less than half the window: 500 ms / 2.5 s, not 500 ms / 0.5 s.
+    assert window.rate_ms_per_s(50.45) == pytest.approx(200.0)
 
 
 def test_demand_window_memory_is_bounded() -> None:
