@@ -73,6 +73,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import statistics
 import struct
 import subprocess
@@ -263,8 +264,6 @@ def session_cpu_s(sid: int) -> float:
 
 
 def port_free(port: int) -> bool:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -400,7 +399,13 @@ def _to_ms(value: str, unit: str) -> float:
 
 
 def h2load_args(
-    h2load: str, url: str, frame_file: Path, args: argparse.Namespace, n: int, auth: str | None
+    h2load: str,
+    url: str,
+    frame_file: Path,
+    args: argparse.Namespace,
+    n: int,
+    auth: str | None,
+    log_file: Path | None = None,
 ) -> list[str]:
     cmd = [
         h2load,
@@ -419,6 +424,8 @@ def h2load_args(
     ]
     if auth:
         cmd += ["--header", f"authorization: Bearer {auth}"]
+    if log_file is not None:
+        cmd += ["--log-file", str(log_file)]
     return [*cmd, "-d", str(frame_file), url]
 
 
@@ -438,12 +445,11 @@ def run_h2load(
     proxy_pid: int | None,
     triton_sid: int,
 ) -> Run:
-    full = [*cmd[:-1], "--log-file", str(log_file), cmd[-1]]
     proxy_before = tree_cpu_s(proxy_pid) if proxy_pid else 0.0
     triton_before = session_cpu_s(triton_sid)
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy_before, wall_before = machine_busy_s()
-    out = subprocess.run(full, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     busy_after, wall_after = machine_busy_s()
     client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     triton_after = session_cpu_s(triton_sid)
@@ -739,11 +745,11 @@ def bench(
                     print(f"{target} after warm-up answers otherwise than when verified:", flush=True)
                     for outcome, count in seen.most_common():
                         print(f"  {count:6d}  {outcome}", flush=True)
-            cmd = h2load_args(h2load, url, frame, args, args.requests, auth.get(target))
+            log_file = work / f"h2load-{target}-{round_no}.log"
+            cmd = h2load_args(h2load, url, frame, args, args.requests, auth.get(target), log_file)
             if round_no == 1:
                 print("  $ " + " ".join(f"'{a}'" if " " in a else a for a in cmd), flush=True)
             proxy_pid = proxies[target].pid if target in proxies else None
-            log_file = work / f"h2load-{target}-{round_no}.log"
             run = run_h2load(target, cmd, log_file, frame_sizes[target], proxy_pid, triton_sid)
             runs[target].append(run)
             print(

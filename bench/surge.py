@@ -573,8 +573,8 @@ async def warm_instances(address: str, scenario: Scenario) -> None:
                 )
                 request.model_name = model
                 raw = request.SerializeToString()
-                for _ in range(2):
-                    await asyncio.gather(*(call(raw, timeout=10.0) for _ in range(instances)))
+                for _ in range(2):  # a small tuned queue may refuse some: that is fine here
+                    await asyncio.gather(*(call(raw, timeout=10.0) for _ in range(instances)), return_exceptions=True)
 
 
 def parse_ladder(log_path: Path, wall_t0: float) -> list[tuple[float, int, str]]:

@@ -688,6 +688,9 @@ def audit_served(served: Served) -> Audit:
 
         for model in tenant.models:
             route = served.routes.models[model]
+            # Dedicated tenants run on the route's dedicated instances (RouteConfig.for_tenant).
+            own_route = route.for_tenant(model, tenant)
+            own_backend_model = own_route.backend_model if own_route else route.backend_model
             hops: list[Hop] = []
             for cell in cells:
                 for backend_name in _candidates(view, route, cell):
@@ -705,14 +708,17 @@ def audit_served(served: Served) -> Audit:
                 tenant_backends[name].add(hop.backend)
                 _note(
                     accesses,
-                    (hop.backend, route.backend_model),
+                    (hop.backend, own_backend_model),
                     name,
                     direct=True,
                     active=hop.routed,
                     via=f"calls {model}" + ("" if hop.routed else f" in cell {hop.cell} (latent)"),
                 )
             fallback_path = None
-            if route.fallback is not None:
+            if (
+                route.fallback is not None
+                and served.routes.models[route.fallback].for_tenant(route.fallback, tenant) is not None
+            ):
                 fallback_path = _fallback_path(served, view, by_name, name, tenant, model, route, hops)
                 for hop in fallback_path.hops:
                     reachable = fallback_path.policy_allows or fallback_path.config_allows
@@ -731,7 +737,7 @@ def audit_served(served: Served) -> Audit:
                 _fallback_findings(findings, name, tenant, model, fallback_path)
             model_reaches.append(
                 ModelReach(
-                    model, route.backend_model, route.version, route.streaming, tuple(hops), fallback_path
+                    model, own_backend_model, route.version, route.streaming, tuple(hops), fallback_path
                 )
             )
             if not any(h.routed for h in hops):
@@ -839,6 +845,11 @@ def audit_served(served: Served) -> Audit:
     )
 
 
+def _own_backend_model(route: RouteConfig, model: str, tenant: TenantConfig) -> str:
+    own = route.for_tenant(model, tenant)
+    return own.backend_model if own is not None else route.backend_model
+
+
 def _fallback_path(
     served: Served,
     view: _RoutingView,
@@ -875,7 +886,7 @@ def _fallback_path(
         status = f"never: {why}; policy: {reason}"
     return FallbackPath(
         model=route.fallback,
-        backend_model=fallback.backend_model,
+        backend_model=_own_backend_model(fallback, route.fallback, tenant),
         version=fallback.version,
         hops=tuple(fb_hops),
         outside_cell=outside,

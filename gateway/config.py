@@ -138,6 +138,9 @@ class TenantConfig(_Strict):
     max_output_tokens: int = Field(default=4096, ge=1)
     weight: float = Field(default=1.0, gt=0)
     dedicated: bool = False
+    dedicated_models: dict[str, str] = Field(
+        default_factory=dict, description="logical model -> backend model reserved for this tenant"
+    )
     allow_fallback: bool = True
     admin: bool = False
 
@@ -214,6 +217,14 @@ class RouteConfig(_Strict):
     quality: QualityEvidence | None = None
     quality_floor: float | None = Field(default=None, ge=0, le=1)
     backends: tuple[str, ...] = Field(default=(), description="backend names serving it; empty = all")
+
+    def for_tenant(self, model: str, tenant: TenantConfig) -> RouteConfig | None:
+        """This route as ``tenant`` runs it. A dedicated tenant runs only on the backend model
+        reserved for it (``dedicated_models``), never on the shared one; ``None``: it has none."""
+        if not tenant.dedicated:
+            return self
+        own = tenant.dedicated_models.get(model)
+        return None if own is None else self.model_copy(update={"backend_model": own})
 
 
 class RoutesFile(_Strict):
@@ -309,6 +320,31 @@ def load_routes(directory: Path) -> RouteTable:
     return RouteTable(profiles=profiles, models=models)
 
 
+def check_dedicated(config: GatewayConfig, tenants: TenantsFile, routes: RouteTable) -> None:
+    """Dedicated tenants have a reserved backend model for every model they may call, and a
+    reserved backend model belongs to one tenant and to no shared route. ``serve`` refuses a
+    configuration that breaks this; ``audit isolation`` reports it as a finding instead."""
+    shared = {route.backend_model for route in routes.models.values()}
+    owners: dict[str, str] = {}
+    for name, tenant in tenants.tenants.items():
+        for model in tenant.models:
+            if tenant.dedicated and model not in tenant.dedicated_models:
+                raise ConfigError(
+                    str(config.tenants_file),
+                    f"tenants.{name}.dedicated_models",
+                    f"tenant is dedicated but has no reserved backend model for {model!r}",
+                )
+        for backend_model in tenant.dedicated_models.values():
+            if backend_model in shared or backend_model in owners:
+                other = owners.get(backend_model, "a shared route")
+                raise ConfigError(
+                    str(config.tenants_file),
+                    f"tenants.{name}.dedicated_models",
+                    f"backend model {backend_model!r} is already used by {other}",
+                )
+            owners[backend_model] = f"tenant {name!r}"
+
+
 def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteTable) -> None:
     """Cross-file checks: tenants name real models and classes; routes name real backends."""
     backend_names = {b.name for b in config.backends} | ({"local"} if config.local_triton else set())
@@ -323,6 +359,7 @@ def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteT
                 raise ConfigError(
                     str(config.tenants_file), f"tenants.{name}.classes", f"unknown class {cls!r}"
                 )
+
         if tenant.default_cell is not None and tenant.default_cell not in tenant.cells:
             raise ConfigError(
                 str(config.tenants_file), f"tenants.{name}.default_cell", "must be one of the tenant's cells"

@@ -65,6 +65,7 @@ DEMO_KEYS: dict[str, str] = {
     "orchid": "orchid-demo-key-orchid",
     "lumen": "orchid-demo-key-lumen",
     "ops": "orchid-demo-key-ops",
+    "kestrel": "orchid-demo-key-kestrel",
 }
 UNKNOWN_TENANT = "(unknown)"
 UNKNOWN_KEY = "orchid-demo-key-nobody"
@@ -142,7 +143,8 @@ def build_scenarios(time_factor: float) -> tuple[Scenario, ...]:
             batched=False,
         ),
         Scenario("batch 1024 tok", "orchid", "batch", "full-v18", 1024, "aio", 0.08, max_output_tokens=128),
-        Scenario("short 256 tok", "lumen", "interactive", "full-v18", 256, "sync", 0.25),
+        Scenario("short 256 tok", "lumen", "interactive", "full-v18", 256, "sync", 0.20),
+        Scenario("dedicated 256 tok", "kestrel", "interactive", "full-v18", 256, "sync", 0.05),
         # Wrong on purpose: each names the status a correct gateway answers.
         Scenario(
             "compact (not allowed)",

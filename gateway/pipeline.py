@@ -194,7 +194,10 @@ class Gateway:
         route = self.routes.models.get(model)
         if route is None or not tenant.may_call(model):
             raise NotFound(f"unknown model {model!r}")
-        return route
+        own = route.for_tenant(model, tenant.config)
+        if own is None:  # config checks rule this out at load; never fall back to shared instances
+            raise PermissionDenied(f"model {model!r} has no dedicated capacity for this credential")
+        return own
 
     def request_class(self, requested: str | None) -> tuple[str, RequestClassConfig]:
         """The class's reserves. Whether this tenant may use it is policy's call (class-allowed)."""
@@ -314,7 +317,13 @@ class Gateway:
         effects = overload_effects(load.step)
         fallback: admission.Candidate | None = None
         fallback_priced: _Priced | None = None
-        fallback_route = self.routes.models.get(route.fallback) if route.fallback else None
+        shared_fallback = self.routes.models.get(route.fallback) if route.fallback else None
+        # A dedicated tenant's fallback must be dedicated too; otherwise it has none.
+        fallback_route = (
+            shared_fallback.for_tenant(route.fallback, tenant.config)
+            if shared_fallback and route.fallback
+            else None
+        )
         fallback_pool = await self._warm_fallback(fallback_route, cell, logical) if fallback_route else None
         if fallback_route is not None and admission.wants_fallback_pass(
             primary.policy, effects, fallback_pool is not None

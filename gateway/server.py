@@ -33,6 +33,7 @@ from gateway.backends.triton import TritonBackend
 from gateway.config import (
     BackendConfig,
     GatewayConfig,
+    check_dedicated,
     check_references,
     load_gateway_config,
     load_routes,
@@ -108,6 +109,7 @@ class GatewayServer:
         tenants = load_tenants(config.tenants_file)
         routes = load_routes(config.routes_dir)
         check_references(config, tenants, routes)
+        check_dedicated(config, tenants, routes)
         if config.local_triton is not None:
             local = config.local_triton
             self._workdir = tempfile.TemporaryDirectory(prefix="orchid-triton-")

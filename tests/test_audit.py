@@ -72,9 +72,14 @@ def test_example_reachability() -> None:
 def test_example_matrix_everyone_shares_full_v18() -> None:
     audit = audit_isolation(EXAMPLE_CONFIG)
     names = ("orchid", "lumen", "ops")
-    assert audit.matrix == {a: {b: "instance" for b in names if b != a} for a in names}
+    # The dedicated kestrel shares the Triton server with everyone, never an instance.
+    assert audit.matrix == {
+        **{a: {**{b: "instance" for b in names if b != a}, "kestrel": "backend"} for a in names},
+        "kestrel": dict.fromkeys(names, "backend"),
+    }
     shared = {f"{i.backend}/{i.backend_model}": {a.tenant for a in i.access} for i in audit.instances}
     assert shared["local/full-v18"] == {"orchid", "lumen", "ops"}
+    assert shared["local/full-v18-kestrel"] == {"kestrel"}
     assert shared["local/full-v18-stream"] == {"orchid", "ops"}
     compact = next(i for i in audit.instances if i.backend_model == "compact-v11")
     lumen_access = next(a for a in compact.access if a.tenant == "lumen")
@@ -90,7 +95,8 @@ def test_example_findings_and_rules() -> None:
     audit = audit_isolation(EXAMPLE_CONFIG)
     assert audit.exit_code == 0
     assert _codes(audit, Severity.SEVERE) == set()
-    assert _codes(audit, Severity.WARN) == set()
+    # The dedicated tenant's own instances sit on the shared Triton server: said, not severe.
+    assert _codes(audit, Severity.WARN) == {"dedicated-shares-backend"}
     assert _codes(audit, Severity.INFO) == {"admin-tenant", "demo-keys", "fallback-policy-gated"}
     admin = next(f for f in audit.findings if f.code == "admin-tenant")
     assert "ops" in admin.message and "orchid" not in admin.message
@@ -112,9 +118,9 @@ def test_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(["audit", "isolation", "--config", str(EXAMPLE_CONFIG), "--json"], capsys)
     assert code == 0
     data = json.loads(out)
-    assert data["summary"] == {"severe": 0, "warn": 0, "info": 3, "exit_code": 0}
-    assert data["matrix"]["lumen"] == {"orchid": "instance", "ops": "instance"}
-    assert [t["name"] for t in data["tenants"]] == ["orchid", "lumen", "ops"]
+    assert data["summary"] == {"severe": 0, "warn": 3, "info": 3, "exit_code": 0}
+    assert data["matrix"]["lumen"] == {"orchid": "instance", "kestrel": "backend", "ops": "instance"}
+    assert [t["name"] for t in data["tenants"]] == ["orchid", "lumen", "kestrel", "ops"]
 
 
 # --------------------------------------------------------------------------- edited copies
@@ -128,6 +134,7 @@ def _copy_example(
     routes: Edit | None = None,
     policies: dict[str, Edit | None] | None = None,
     fresh_keys: bool = True,
+    keep_kestrel: bool = False,
 ) -> Path:
     """Copy the example's YAML into tmp_path, apply the edits, return the gateway.yaml path.
     ``fresh_keys`` replaces the published demo keys (a copy outside examples/ with them is severe).
@@ -140,6 +147,8 @@ def _copy_example(
     config.update(tenants_file="tenants.yaml", routes_dir="routes", policies_dir="policies")
     config["local_triton"]["model_repository"] = str(MODEL_REPOSITORY)
     tenant_data = yaml.safe_load((EXAMPLE_CONFIG.parent / "tenants.yaml").read_text())
+    if not keep_kestrel:  # the scenarios below are about the three shared-instance tenants
+        del tenant_data["tenants"]["kestrel"]
     if fresh_keys:
         for name, tenant in tenant_data["tenants"].items():
             tenant["key_sha256"] = [hash_api_key(f"test-key-{name}")]

@@ -19,7 +19,7 @@ def test_shipped_configuration_loads() -> None:
     tenants = load_tenants(config.tenants_file)
     routes = load_routes(config.routes_dir)
     assert config.local_triton is not None and config.local_triton.model_repository.is_dir()
-    assert set(tenants.tenants) == {"orchid", "lumen", "ops"}
+    assert set(tenants.tenants) == {"orchid", "lumen", "ops", "kestrel"}
     assert routes.models["full-v18"].fallback == "compact-v11"
 
 
@@ -88,3 +88,24 @@ def test_route_with_unknown_fallback(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as error:
         load_routes(tmp_path)
     assert error.value.key == "models.full-v18.fallback"
+
+
+def test_dedicated_tenants_need_reserved_models(tmp_path: Path) -> None:
+    import yaml
+
+    from gateway.config import check_dedicated
+
+    config = load_gateway_config(EXAMPLE_CONFIG)
+    routes = load_routes(config.routes_dir)
+    data = yaml.safe_load(config.tenants_file.read_text())
+    check_dedicated(config, load_tenants(config.tenants_file), routes)  # the example is consistent
+    data["tenants"]["lumen"]["dedicated"] = True
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as error:
+        check_dedicated(config.model_copy(update={"tenants_file": path}), load_tenants(path), routes)
+    assert error.value.key == "tenants.lumen.dedicated_models"
+    data["tenants"]["lumen"]["dedicated_models"] = {"full-v18": "full-v18-kestrel"}  # kestrel's
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="already used by tenant 'kestrel'"):
+        check_dedicated(config.model_copy(update={"tenants_file": path}), load_tenants(path), routes)
