@@ -116,6 +116,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 import re
@@ -574,7 +575,9 @@ async def warm_instances(address: str, scenario: Scenario) -> None:
                 request.model_name = model
                 raw = request.SerializeToString()
                 for _ in range(2):  # a small tuned queue may refuse some: that is fine here
-                    await asyncio.gather(*(call(raw, timeout=10.0) for _ in range(instances)), return_exceptions=True)
+                    await asyncio.gather(
+                        *(call(raw, timeout=10.0) for _ in range(instances)), return_exceptions=True
+                    )
 
 
 def parse_ladder(log_path: Path, wall_t0: float) -> list[tuple[float, int, str]]:
@@ -680,7 +683,9 @@ async def run_target(target: str, opts: Options) -> RunResult:
         result = RunResult(target, outcomes, sorted(snapshots, key=lambda s: s.t), lags, ladder, events)
 
         if not triton.running():
-            result.notes.append(f"Triton was not running at the end of the run; its log:\n{triton.log_tail(15)}")
+            result.notes.append(
+                f"Triton was not running at the end of the run; its log:\n{triton.log_tail(15)}"
+            )
         if gateway is not None and gateway.process is not None and gateway.process.poll() is not None:
             result.notes.append(f"the gateway exited during the run; its log:\n{gateway.log_tail(15)}")
     finally:
@@ -798,7 +803,7 @@ def device_time(
     busy: defaultdict[str, float] = defaultdict(float)
     executed: defaultdict[str, int] = defaultdict(int)
     batches: defaultdict[str, int] = defaultdict(int)
-    for before, after in zip(inside, inside[1:], strict=False):
+    for before, after in itertools.pairwise(inside):
         if before.epoch != after.epoch:
             continue
         for model in (PRIMARY, FALLBACK):
@@ -915,7 +920,8 @@ def print_phase_tables(results: dict[str, RunResult], reports: dict[str, list[Ph
             d = p.duration_s
             protected = PROTECTED_UTILIZATION * 1000.0 * 4
             print(
-                f"{name:<13} {w.busy_ms.get(PRIMARY, 0.0) / d:14.0f} {w.busy_ms.get(FALLBACK, 0.0) / d:12.0f} "
+                f"{name:<13} {w.busy_ms.get(PRIMARY, 0.0) / d:14.0f} "
+                f"{w.busy_ms.get(FALLBACK, 0.0) / d:12.0f} "
                 f"{w.mean_batch(PRIMARY):10.2f} {w.not_on_time:13d} {w.wasted_ms / d:11.1f} "
                 f"{100 * w.wasted_ms / d / protected:11.2f}  {top}"
             )
@@ -948,8 +954,9 @@ def print_arithmetic(
     print("\n== the seed's arithmetic on this fleet (4 x full-v18, time factor f) vs measured ==")
     print(
         f"prices (device-ms, batch of one): short {scenario.device_ms(PRIMARY, 'short'):.1f} on full / "
-        f"{scenario.device_ms(FALLBACK, 'short'):.1f} on compact; long {scenario.device_ms(PRIMARY, 'long'):.1f} / "
-        f"{scenario.device_ms(FALLBACK, 'long'):.1f}  (seed x {f:g})"
+        f"{scenario.device_ms(FALLBACK, 'short'):.1f} on compact; "
+        f"long {scenario.device_ms(PRIMARY, 'long'):.1f} / {scenario.device_ms(FALLBACK, 'long'):.1f}"
+        f"  (seed x {f:g})"
     )
     print(
         f"rates at 1x: short {scenario.rate('short'):.2f}/s, long {scenario.rate('long'):.2f}/s "
@@ -971,7 +978,10 @@ def print_arithmetic(
             offered = (
                 sum(report.rows[c].offered * scenario.device_ms(PRIMARY, c) for c in CLASSES) / p.duration_s
             )
-            line = f"measured {name:<13} {p.name:<8}: offered {offered:7.1f} ms/s = {100 * offered / protected:6.2f} %"
+            line = (
+                f"measured {name:<13} {p.name:<8}: "
+                f"offered {offered:7.1f} ms/s = {100 * offered / protected:6.2f} %"
+            )
             if name.startswith("gateway"):
                 rows = report.rows
                 shares = " / ".join(
@@ -1004,11 +1014,15 @@ def print_estimates(results: dict[str, RunResult], scenario: Scenario) -> None:
                     ratios = [
                         o.predicted_ms / scenario.device_ms(model, cls)
                         for o in result.outcomes
-                        if o.code == "OK" and o.cls == cls and o.model == model and phase.start_s <= o.t_sched < phase.end_s
+                        if o.code == "OK"
+                        and o.cls == cls
+                        and o.model == model
+                        and phase.start_s <= o.t_sched < phase.end_s
                     ]
                     if ratios:
                         cells.append(
-                            f"{cls}@{model} x{statistics.median(ratios):.2f} (max x{max(ratios):.2f}, n={len(ratios)})"
+                            f"{cls}@{model} x{statistics.median(ratios):.2f} "
+                            f"(max x{max(ratios):.2f}, n={len(ratios)})"
                         )
             print(f"{name:<13} {phase.name:<8}: " + ("; ".join(cells) or "no responses"))
 
@@ -1043,7 +1057,8 @@ def print_targets(scenario: Scenario, reports: dict[str, list[PhaseReport]]) -> 
         pct = 100 * sum(wasted) / (scenario.protected_ms_per_s * total_s)
         mark = "met" if pct <= 1.0 else "NOT met"
         print(
-            f"wasted device-ms, whole run: {sum(wasted):.0f} ms = {pct:.2f} % of protected capacity -> <= 1 %: {mark}"
+            f"wasted device-ms, whole run: {sum(wasted):.0f} ms = {pct:.2f} % of protected capacity "
+            f"-> <= 1 %: {mark}"
         )
 
 
@@ -1054,21 +1069,23 @@ def print_kill(result: RunResult, scenario: Scenario) -> None:
         return
     killed, ready = ev["killed"], ev.get("triton_ready", math.nan)
     print(
-        f"\n== {KILL_TARGET}: Triton SIGKILLed at {killed:.1f} s, restart began {ev.get('restarting', math.nan):.1f} s, "
-        f"ready {ready:.1f} s =="
+        f"\n== {KILL_TARGET}: Triton SIGKILLed at {killed:.1f} s, "
+        f"restart began {ev.get('restarting', math.nan):.1f} s, ready {ready:.1f} s =="
     )
     first_ok = min(
         (o.t_end for o in result.outcomes if o.code == "OK" and o.t_sent > ev.get("restarting", killed)),
         default=math.nan,
     )
     print(
-        f"first OK answer after the restart at {first_ok:.2f} s ({first_ok - ready:+.2f} s after Triton ready)"
+        f"first OK answer after the restart at {first_ok:.2f} s "
+        f"({first_ok - ready:+.2f} s after Triton ready)"
     )
     before = [o for o in result.outcomes if killed - 5 <= o.t_sched < killed]
     base = sum(o.code == "OK" for o in before) / 5.0
     print(f"goodput in the 5 s before the kill: {base:.1f}/s")
     print(
-        f"{'second':>6} {'offer':>5} {'ok':>4} {'fallbk':>6} {'entry':>5} {'late':>4} {'missed':>6} {'timeouts':>8} {'step':>4}  non-ok"
+        f"{'second':>6} {'offer':>5} {'ok':>4} {'fallbk':>6} {'entry':>5} {'late':>4} {'missed':>6} "
+        f"{'timeouts':>8} {'step':>4}  non-ok"
     )
     start, end = (
         int(killed) - 3,
@@ -1086,8 +1103,9 @@ def print_kill(result: RunResult, scenario: Scenario) -> None:
         reasons = Counter(reason(o) for o in window if o.code != "OK")
         top = ", ".join(f"{k} {v}" for k, v in reasons.most_common(3))
         print(
-            f"{second:6d} {len(window):5d} {counts['ok']:4d} {fallback:6d} {counts['entry']:5d} {counts['late']:4d} "
-            f"{counts['missed']:6d} {timeouts:8d} {step_at(result.ladder, second + 1):4d}  {top}"
+            f"{second:6d} {len(window):5d} {counts['ok']:4d} {fallback:6d} {counts['entry']:5d} "
+            f"{counts['late']:4d} {counts['missed']:6d} {timeouts:8d} "
+            f"{step_at(result.ladder, second + 1):4d}  {top}"
         )
         if math.isnan(recovered) and not math.isnan(ready) and second >= ready and counts["ok"] >= 0.9 * base:
             recovered = second + 1
@@ -1127,7 +1145,8 @@ def print_client(results: dict[str, RunResult]) -> None:
         steps = Counter(o.ladder_step for o in result.outcomes if o.ladder_step >= 0)
         ladder = " ".join(f"{t:.1f}s->{s}" for t, s in result.ladder) or "-"
         print(
-            f"{name:<13} requests {len(result.outcomes):5d}  send lag p99 {p99:5.1f} ms max {lags[-1] if lags else 0:6.1f} ms"
+            f"{name:<13} requests {len(result.outcomes):5d}  "
+            f"send lag p99 {p99:5.1f} ms max {lags[-1] if lags else 0:6.1f} ms"
             f"  wall {result.wall_s:5.1f} s"
         )
         for note in result.notes:
@@ -1195,9 +1214,11 @@ def plot(results: dict[str, RunResult], scenario: Scenario, path: Path) -> bool:
             if name.startswith("gateway"):
                 fallback = np.zeros(seconds)
                 for o in results[name].outcomes:
-                    if o.code == "OK" and o.approximation == "fallback" and (cls is None or o.cls == cls):
-                        if 0 <= o.t_sched < seconds:
-                            fallback[int(o.t_sched)] += 1
+                    wanted = (
+                        o.code == "OK" and o.approximation == "fallback" and (cls is None or o.cls == cls)
+                    )
+                    if wanted and 0 <= o.t_sched < seconds:
+                        fallback[int(o.t_sched)] += 1
                 ax.fill_between(
                     x, 0, fallback, color=colors[name], alpha=0.18, label=f"{name}: of which fallback"
                 )
@@ -1227,7 +1248,8 @@ def plot(results: dict[str, RunResult], scenario: Scenario, path: Path) -> bool:
             twin.tick_params(axis="y", colors="#2ca02c")
         ax.legend(loc="lower left", fontsize=8, ncol=3, framealpha=0.9)
     axes[-1, 0].set_xlabel(
-        f"seconds (grey: surge x{scenario.surge_factor:g}); bins of 1 s by send time; time factor {scenario.time_factor:g}"
+        f"seconds (grey: surge x{scenario.surge_factor:g}); bins of 1 s by send time; "
+        f"time factor {scenario.time_factor:g}"
     )
     fig.suptitle(
         "orchid-gateway vs Triton direct under a 1.25x surge (seed's Orchid mix, 4 emulated devices)"
@@ -1257,7 +1279,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--kill-at",
         type=float,
         default=-1.0,
-        help="seconds into the run to SIGKILL the gateway's Triton in a 4th run (default: 1/3 into the surge; 0: no kill run)",
+        help="seconds into the run to SIGKILL the gateway's Triton in a 4th run "
+        "(default: 1/3 into the surge; 0: no kill run)",
     )
     parser.add_argument(
         "--kill-for", type=float, default=3.0, help="seconds Triton stays down before its restart"
@@ -1265,8 +1288,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tuned-queue-size",
         type=int,
-        default=8,
-        help="max_queue_size of the tuned Triton baseline (default 8: one full batch; see docs/benchmarks-surge.md)",
+        default=4,
+        help="max_queue_size of the tuned Triton baseline (default 4: best of a sweep, see docs/benchmarks-surge.md)",
     )
     parser.add_argument("--base-port", type=int, default=16100, help="ports BASE+1..BASE+8 are used")
     parser.add_argument("--keep", action="store_true", help="keep Triton and gateway logs (prints where)")
@@ -1324,8 +1347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         results = asyncio.run(run_all(opts, targets))
     print(
-        f"surge benchmark: time factor {scenario.time_factor:g}, seed {args.seed}, {len(arrivals)} requests per "
-        f"target, phases {args.normal_s:g}/{args.surge_s:g}/{args.recover_s:g} s, tuned max_queue_size "
+        f"surge benchmark: time factor {scenario.time_factor:g}, seed {args.seed}, "
+        f"{len(arrivals)} requests per target, phases {args.normal_s:g}/{args.surge_s:g}/{args.recover_s:g} s, tuned max_queue_size "
         f"{args.tuned_queue_size}, total wall {time.monotonic() - started:.0f} s"
     )
     reports = {name: analyse(result, scenario) for name, result in results.items()}

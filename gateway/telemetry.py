@@ -28,7 +28,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.config import TelemetryConfig
 from gateway.pipeline import GatewayListener, Settled, StageTimes
@@ -46,8 +46,12 @@ _RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 class Metrics:
     """The gateway's Prometheus metrics, in their own registry (tests create many)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, include_process_registry: bool = True) -> None:
         self.registry = registry
+        if include_process_registry:
+            # The policy store's metrics (reloads, evaluation latency, rule errors, fail-open)
+            # and the process collectors live in the process-wide registry: scrape them too.
+            registry.register(REGISTRY)
         self.decisions = Counter(
             "orchid_decisions",
             "Admission decisions by outcome and deciding rule",

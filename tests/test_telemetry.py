@@ -128,6 +128,7 @@ def test_metrics_and_decision_log_describe_decisions(observed: tuple[ThreadedGat
     assert "orchid_queue_dwell_seconds_bucket" in metrics
     assert "orchid_observed_over_predicted_bucket" in metrics
     assert "orchid_ladder_step" in metrics
+    assert "orchid_policy_eval_seconds_bucket" in metrics  # policy evaluation time is exported
     assert 'orchid_failed_responses_total{rule="",status="UNAUTHENTICATED"}' in metrics
     import json
 
