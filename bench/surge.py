@@ -1161,7 +1161,7 @@ def print_client(results: dict[str, RunResult]) -> None:
 # --------------------------------------------------------------------------- plot
 
 
-def goodput_series(result: RunResult, cls: str | None, seconds: int) -> np.ndarray:
+def goodput_series(result: RunResult, cls: str | None, seconds: int) -> np.ndarray[Any, np.dtype[np.float64]]:
     series = np.zeros(seconds)
     for o in result.outcomes:
         if o.code == "OK" and (cls is None or o.cls == cls) and 0 <= o.t_sched < seconds:
@@ -1169,7 +1169,7 @@ def goodput_series(result: RunResult, cls: str | None, seconds: int) -> np.ndarr
     return series
 
 
-def offered_series(result: RunResult, cls: str | None, seconds: int) -> np.ndarray:
+def offered_series(result: RunResult, cls: str | None, seconds: int) -> np.ndarray[Any, np.dtype[np.float64]]:
     series = np.zeros(seconds)
     for o in result.outcomes:
         if (cls is None or o.cls == cls) and 0 <= o.t_sched < seconds:
@@ -1289,7 +1289,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--tuned-queue-size",
         type=int,
         default=4,
-        help="max_queue_size of the tuned Triton baseline (default 4: best of a sweep, see docs/benchmarks-surge.md)",
+        help="max_queue_size of the tuned Triton baseline (default 4: the best of a sweep)",
     )
     parser.add_argument("--base-port", type=int, default=16100, help="ports BASE+1..BASE+8 are used")
     parser.add_argument("--keep", action="store_true", help="keep Triton and gateway logs (prints where)")
@@ -1348,8 +1348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = asyncio.run(run_all(opts, targets))
     print(
         f"surge benchmark: time factor {scenario.time_factor:g}, seed {args.seed}, "
-        f"{len(arrivals)} requests per target, phases {args.normal_s:g}/{args.surge_s:g}/{args.recover_s:g} s, tuned max_queue_size "
-        f"{args.tuned_queue_size}, total wall {time.monotonic() - started:.0f} s"
+        f"{len(arrivals)} requests per target, "
+        f"phases {args.normal_s:g}/{args.surge_s:g}/{args.recover_s:g} s, "
+        f"tuned max_queue_size {args.tuned_queue_size}, total wall {time.monotonic() - started:.0f} s"
     )
     reports = {name: analyse(result, scenario) for name, result in results.items()}
     main_reports = {k: v for k, v in reports.items() if k != KILL_TARGET}

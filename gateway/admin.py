@@ -19,6 +19,7 @@ import grpc
 
 from gateway.errors import PermissionDenied
 from gateway.pipeline import Gateway
+from gateway.protocol import peer_subjects
 
 PROTO_ROOT = Path(__file__).resolve().parent.parent / "proto"
 PROTO_FILE = "orchid/admin/v1/admin.proto"
@@ -40,7 +41,9 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):  # type: ignore[misc,n
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         try:
-            tenant = self.gateway.tenants.authenticate(tuple(context.invocation_metadata() or ()))
+            tenant = self.gateway.tenants.authenticate(
+                tuple(context.invocation_metadata() or ()), peer_subjects=peer_subjects(context)
+            )
             if not tenant.config.admin:
                 raise PermissionDenied("this operation needs an admin credential")
         except (PermissionDenied, Exception) as error:

@@ -33,14 +33,29 @@ class TenantDirectory:
             for digest in config.key_sha256
         }
         self.tenants = {name: Tenant(name, config) for name, config in tenants.tenants.items()}
+        self._by_subject = {
+            subject: Tenant(name, config)
+            for name, config in tenants.tenants.items()
+            for subject in config.client_cert_subjects
+        }
 
-    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Tenant:
+    def authenticate(
+        self, metadata: Iterable[tuple[str, str | bytes]], *, peer_subjects: Iterable[str] = ()
+    ) -> Tenant:
+        """A bearer key, or else a verified client certificate's common name (mTLS).
+
+        ``peer_subjects`` come from the TLS handshake (the certificate chain was verified
+        against the configured client CA), never from request metadata."""
         header: str | None = None
         for key, value in metadata:
             if key == "authorization":
                 header = value.decode("latin-1") if isinstance(value, bytes) else value
                 break
         if header is None:
+            for subject in peer_subjects:
+                tenant = self._by_subject.get(subject)
+                if tenant is not None:
+                    return tenant
             raise Unauthenticated("missing credential: send metadata 'authorization: Bearer <api key>'")
         scheme, _, credential = header.partition(" ")
         if scheme.lower() != "bearer" or not credential.strip():

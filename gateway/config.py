@@ -86,6 +86,16 @@ class LimitsConfig(_Strict):
     )
 
 
+class TlsConfig(_Strict):
+    """TLS on the listener; with ``client_ca_file``, mutual TLS (client certificates)."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = Field(
+        default=None, description="CA of client certificates: set, it makes the listener mutual TLS"
+    )
+
+
 class TelemetryConfig(_Strict):
     metrics_listen: str | None = Field(
         default=None, description="host:port for the Prometheus scrape endpoint"
@@ -111,6 +121,7 @@ class GatewayConfig(_Strict):
     protected_utilization: float = Field(default=0.70, gt=0, le=1)
     ladder: LadderConfig = LadderConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    tls: TlsConfig | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:
@@ -130,13 +141,16 @@ class GatewayConfig(_Strict):
 class TenantConfig(_Strict):
     """What one tenant may reach. Keys are stored as SHA-256 hex digests, never in clear."""
 
-    key_sha256: tuple[str, ...] = Field(min_length=1)
+    key_sha256: tuple[str, ...] = Field(default=(), description="bearer keys (or use client_cert_subjects)")
     models: tuple[str, ...]
     classes: tuple[str, ...]
     cells: tuple[str, ...] = Field(min_length=1)
     default_cell: str | None = None
     max_output_tokens: int = Field(default=4096, ge=1)
     weight: float = Field(default=1.0, gt=0)
+    client_cert_subjects: tuple[str, ...] = Field(
+        default=(), description="client-certificate common names (mTLS) that identify this tenant"
+    )
     dedicated: bool = False
     dedicated_models: dict[str, str] = Field(
         default_factory=dict, description="logical model -> backend model reserved for this tenant"
@@ -151,6 +165,12 @@ class TenantConfig(_Strict):
             if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
                 raise ValueError("each key must be a lowercase SHA-256 hex digest (64 chars); see docs")
         return keys
+
+    @model_validator(mode="after")
+    def _some_credential(self) -> TenantConfig:
+        if not self.key_sha256 and not self.client_cert_subjects:
+            raise ValueError("a tenant needs key_sha256 or client_cert_subjects")
+        return self
 
     @property
     def home_cell(self) -> str:
@@ -285,6 +305,19 @@ def load_gateway_config(path: Path) -> GatewayConfig:
             "tenants_file": _resolve(base, config.tenants_file),
             "routes_dir": _resolve(base, config.routes_dir),
             "policies_dir": _resolve(base, config.policies_dir),
+            "tls": (
+                config.tls.model_copy(
+                    update={
+                        "cert_file": _resolve(base, config.tls.cert_file),
+                        "key_file": _resolve(base, config.tls.key_file),
+                        "client_ca_file": _resolve(base, config.tls.client_ca_file)
+                        if config.tls.client_ca_file
+                        else None,
+                    }
+                )
+                if config.tls
+                else None
+            ),
             "local_triton": local,
         }
     )

@@ -122,6 +122,7 @@ class CallContext:
     metadata: tuple[tuple[str, str | bytes], ...]
     time_remaining_s: float | None  # the caller's gRPC deadline, None if it set none
     received_at: float  # time.monotonic() when the call arrived
+    peer_subjects: tuple[str, ...] = ()  # verified client-certificate common names (mTLS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,7 +545,7 @@ class Gateway:
     # ------------------------------------------------------------------ execution
 
     async def infer(self, raw: bytes, call: CallContext) -> service_pb2.ModelInferResponse:
-        tenant = self.tenants.authenticate(call.metadata)
+        tenant = self.tenants.authenticate(call.metadata, peer_subjects=call.peer_subjects)
         request = parse_infer_request(raw)
         admitted = await self.admit(request, tenant, call, operation="ModelInfer", mode=Mode.ONLINE)
         try:
@@ -676,7 +677,7 @@ class Gateway:
         """ModelStreamInfer: each request on the client stream is admitted on its own and
         forwarded over one backend stream; responses carry provenance; a rejected request
         answers with an ``error_message`` and the stream goes on."""
-        tenant = self.tenants.authenticate(call.metadata)
+        tenant = self.tenants.authenticate(call.metadata, peer_subjects=call.peer_subjects)
         session = _StreamSession(self, tenant, call)
         async for response in session.run(requests):
             yield response
@@ -803,8 +804,8 @@ class _StreamSession:
         # stream opened; the stream's own deadline (if any) still bounds it.
         arrived = time.monotonic()
         remaining = self.call.time_remaining_s
-        call = CallContext(
-            metadata=self.call.metadata,
+        call = dataclasses.replace(
+            self.call,
             time_remaining_s=None if remaining is None else remaining - (arrived - self.call.received_at),
             received_at=arrived,
         )

@@ -28,12 +28,20 @@ log = logging.getLogger(__name__)
 SERVICE = "inference.GRPCInferenceService"
 
 
+def peer_subjects(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
+    """Common names of the client certificate, as verified in the TLS handshake (mTLS only:
+    the server requires and verifies client certificates whenever a client CA is set)."""
+    names = context.auth_context().get("x509_common_name", ())
+    return tuple(n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in names)
+
+
 def _call_context(context: grpc.aio.ServicerContext) -> CallContext:
     remaining = context.time_remaining()
     return CallContext(
         metadata=tuple(context.invocation_metadata() or ()),
         time_remaining_s=remaining if remaining is not None else None,
         received_at=time.monotonic(),
+        peer_subjects=peer_subjects(context),
     )
 
 
@@ -88,7 +96,9 @@ class InferenceServicer:
         )
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
-        return self.gateway.tenants.authenticate(tuple(context.invocation_metadata() or ()))
+        return self.gateway.tenants.authenticate(
+            tuple(context.invocation_metadata() or ()), peer_subjects=peer_subjects(context)
+        )
 
     async def _route_backend(self, context: grpc.aio.ServicerContext, name: str) -> tuple[str, Any, Any]:
         tenant = self._tenant(context)

@@ -166,7 +166,7 @@ class GatewayServer:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(self.listen)
+        self.port = self._listen(self.server)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.listen}")
         await self.server.start()
@@ -176,6 +176,19 @@ class GatewayServer:
         self._tasks.append(loop.create_task(self.policy.watch(config.policy_watch_s), name="policy-watch"))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("orchid-gateway listening on %s", self.address)
+
+    def _listen(self, server: grpc.aio.Server) -> int:
+        tls = self.config.tls
+        if tls is None:
+            return int(server.add_insecure_port(self.listen))
+        credentials = grpc.ssl_server_credentials(
+            [(tls.key_file.read_bytes(), tls.cert_file.read_bytes())],
+            root_certificates=tls.client_ca_file.read_bytes() if tls.client_ca_file else None,
+            # A client CA means mutual TLS: certificates are required *and verified*, so a
+            # certificate's common name can be trusted as an identity (client_cert_subjects).
+            require_client_auth=tls.client_ca_file is not None,
+        )
+        return int(server.add_secure_port(self.listen, credentials))
 
     @property
     def address(self) -> str:
