@@ -21,6 +21,7 @@ from gateway.overload import (
     LadderState,
     LoadEvidence,
     OverloadLadder,
+    Shedder,
     drain_ms,
     protected_capacity_ms_per_s,
     retry_after_ms,
@@ -41,6 +42,7 @@ class PoolLoad:
     dwell: DwellWindow = field(default_factory=DwellWindow)
     ladder: OverloadLadder | None = None
     evidence: LoadEvidence | None = None
+    shedder: Shedder = field(default_factory=Shedder)
 
     def __post_init__(self) -> None:
         self.ladder = OverloadLadder(self.config)
@@ -72,6 +74,14 @@ class PoolLoad:
         if state.changed:
             log.warning("pool %s ladder step -> %d: %s", self.name, state.step, state.reason)
         return state
+
+    def shed(self) -> bool:
+        """At step 5+, is the next new online request part of the excess to shed? Step 6
+        protects admitted work harder: it aims at half the protected envelope."""
+        if self.step < 5 or self.evidence is None:
+            return False
+        target = self.evidence.protected_capacity_ms_per_s * (0.5 if self.step >= 6 else 1.0)
+        return not self.shedder.admit(self.evidence.offered_ms_per_s, target)
 
     def drain_ms(self) -> float:
         return drain_ms(self.evidence) if self.evidence is not None else 0.0

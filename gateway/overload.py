@@ -586,6 +586,31 @@ class RetryAfter:
     reason: str
 
 
+class Shedder:
+    """Sheds the excess, not everything: of the work arriving while the ladder is at step 5+,
+    admit the fraction ``target / offered`` (the protected envelope over offered demand) and
+    pick the rest as shed, deterministically with a credit accumulator (no randomness, no
+    bursts of refusals). A 1.25x surge thus sheds about a fifth of new online work; with no
+    capacity everything is shed. Pure: the caller passes the rates in.
+    """
+
+    __slots__ = ("_credit",)
+
+    def __init__(self) -> None:
+        self._credit = 0.0
+
+    def admit(self, offered_ms_per_s: float, target_ms_per_s: float) -> bool:
+        if not (math.isfinite(target_ms_per_s) and target_ms_per_s > 0.0):
+            return False
+        if not (math.isfinite(offered_ms_per_s) and offered_ms_per_s > target_ms_per_s):
+            return True
+        self._credit += target_ms_per_s / offered_ms_per_s
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return True
+        return False
+
+
 def drain_ms(evidence: LoadEvidence) -> float:
     """Milliseconds until the work ahead of a retry drains at protected capacity.
 

@@ -313,7 +313,8 @@ class Gateway:
         # Offered demand is priced on the model asked for, before any ladder action.
         load.demand.add(now, priced.record.demand.accelerator_ms)
         policy = self.policy.current()
-        context = self._policy_context(tenant, route, cell, load, quota)
+        shed = mode is Mode.ONLINE and load.shed()
+        context = self._policy_context(tenant, route, cell, load, quota, shed=shed)
         primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context))
         effects = overload_effects(load.step)
         fallback: admission.Candidate | None = None
@@ -440,7 +441,14 @@ class Gateway:
         return (handle, spec, queue) if handle.client.is_warm(route.backend_model) else None
 
     def _policy_context(
-        self, tenant: Tenant, route: RouteConfig, cell: str, load: PoolLoad, quota: QuotaView
+        self,
+        tenant: Tenant,
+        route: RouteConfig,
+        cell: str,
+        load: PoolLoad,
+        quota: QuotaView,
+        *,
+        shed: bool = False,
     ) -> PolicyContext:
         config = tenant.config
         fallback = self.routes.models.get(route.fallback) if route.fallback else None
@@ -479,7 +487,7 @@ class Gateway:
                 fallback_cell=fallback_cell,
                 quality=quality,
             ),
-            load=LoadFacts(utilization=load.utilization(), drain_ms=load.drain_ms()),
+            load=LoadFacts(utilization=load.utilization(), drain_ms=load.drain_ms(), shed=shed),
             # Routing-stage rules judge every backend configured for the route, in any cell.
             backends=tuple(
                 BackendFacts(name=name, model=route.backend_model, labels=self.backends[name].labels)

@@ -478,3 +478,14 @@ def test_config_rejects_inconsistent_ladders() -> None:
     with pytest.raises(ValidationError):
         DEFAULT_LADDER.hold_s = 0.0
     assert DEFAULT_LADDER.leaves_below(LadderStep.FALLBACK) == pytest.approx(0.92)
+
+
+def test_shedder_sheds_the_excess_not_everything() -> None:
+    from gateway.overload import Shedder
+
+    shedder = Shedder()
+    # The seed's surge: 20,461 ms/s offered on a 16,800 ms/s envelope -> admit 82.1 %.
+    admitted = sum(shedder.admit(20_461.0, 16_800.0) for _ in range(10_000))
+    assert admitted == pytest.approx(8_211, abs=2)
+    assert all(Shedder().admit(10_000.0, 16_800.0) for _ in range(100))  # under the envelope: none shed
+    assert not any(Shedder().admit(5_000.0, 0.0) for _ in range(100))  # no capacity: everything shed

@@ -106,6 +106,7 @@ class LoadFacts:
 
     utilization: float = 0.0  # offered demand / protected capacity
     drain_ms: float = 0.0  # predicted time until queued work drains; basis for retry-after
+    shed: bool = False  # the pool's shedder picked this request as part of the excess
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,6 +447,13 @@ FIELDS: tuple[Field, ...] = (
         _G,
         "predicted time for queued work to drain",
         lambda r, c: float(c.load.drain_ms),
+    ),
+    _req(
+        "load.shed",
+        BOOL,
+        _G,
+        "the pool's shedder picked this request as part of the excess over protected capacity",
+        lambda r, c: bool(c.load.shed),
     ),
     # backend (routing stage only)
     Field("backend.name", STRING, _F, "backend name (routing stage only)", read_backend=lambda b: b.name),

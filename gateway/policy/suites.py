@@ -131,7 +131,7 @@ BASE_GIVEN: Mapping[str, Any] = {
         "fallback_cell": "eu-restricted",
         "quality": {"score": 0.92, "fallback_score": 0.86, "floor": 0.84, "population": "orchid-eval"},
     },
-    "load": {"ladder_step": 0, "utilization": 0.5, "drain_ms": 0.0},
+    "load": {"ladder_step": 0, "utilization": 0.5, "drain_ms": 0.0, "shed": False},
     "backends": [
         {"name": "triton-eu-1", "model": "full-v18", "labels": {"cell": "eu-restricted"}},
         {"name": "compact-eu-1", "model": "compact-v11", "labels": {"cell": "eu-restricted"}},
@@ -321,7 +321,7 @@ def build_inputs(given: Mapping[str, Any]) -> tuple[RequestRecord, PolicyContext
                 population=quality["population"],
             ),
         ),
-        load=LoadFacts(utilization=ld["utilization"], drain_ms=ld["drain_ms"]),
+        load=LoadFacts(utilization=ld["utilization"], drain_ms=ld["drain_ms"], shed=bool(ld["shed"])),
         backends=tuple(
             BackendFacts(name=x["name"], model=x.get("model", ""), labels=dict(x.get("labels", {})))
             for x in g["backends"]
