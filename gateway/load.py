@@ -39,6 +39,9 @@ class PoolLoad:
     config: LadderConfig
     protected_utilization: float = DEFAULT_PROTECTED_UTILIZATION
     demand: DemandWindow = field(default_factory=DemandWindow)
+    # Admitted work, priced as offered (primary) and as it runs (primary or fallback).
+    admitted_offered: DemandWindow = field(default_factory=DemandWindow)
+    admitted_running: DemandWindow = field(default_factory=DemandWindow)
     dwell: DwellWindow = field(default_factory=DwellWindow)
     ladder: OverloadLadder | None = None
     evidence: LoadEvidence | None = None
@@ -69,11 +72,20 @@ class PoolLoad:
             mean_request_ms=self.demand.mean_ms(now),
             queued_accelerator_ms=queue.queued_ms + queue.inflight_remaining_ms(now),
             window_s=self.demand.window_s,
+            relief=self.relief(now),
         )
         state = self.ladder.update(self.evidence)
         if state.changed:
             log.warning("pool %s ladder step -> %d: %s", self.name, state.step, state.reason)
         return state
+
+    def admitted(self, now: float, offered_ms: float, running_ms: float) -> None:
+        self.admitted_offered.add(now, offered_ms)
+        self.admitted_running.add(now, running_ms)
+
+    def relief(self, now: float) -> float:
+        offered = self.admitted_offered.total_ms(now)
+        return min(1.0, self.admitted_running.total_ms(now) / offered) if offered > 0 else 1.0
 
     def shed(self) -> bool:
         """At step 5+, is the next new online request part of the excess to shed? Step 6
@@ -81,7 +93,8 @@ class PoolLoad:
         if self.step < 5 or self.evidence is None:
             return False
         target = self.evidence.protected_capacity_ms_per_s * (0.5 if self.step >= 6 else 1.0)
-        return not self.shedder.admit(self.evidence.offered_ms_per_s, target)
+        effective = self.evidence.offered_ms_per_s * self.evidence.relief
+        return not self.shedder.admit(effective, target)
 
     def drain_ms(self) -> float:
         return drain_ms(self.evidence) if self.evidence is not None else 0.0

@@ -41,6 +41,12 @@ Rules
    class's dwell budget means at least step 3.
 6. Stale evidence fails safe and is visible: evidence older than
    ``stale_after_s`` means at least step 4 and ``LadderState.stale``.
+7. Beyond the fallback, judge what is left: steps 4-6 (defer, reject, protect)
+   follow the *effective* utilization, offered demand times the measured relief
+   (what admitted work really costs per accelerator-ms of its offered price, < 1
+   while the fallback serves part of it). A 1.25x surge that the fallback brings
+   back inside the envelope stays at step 3 and sheds nothing; only what the
+   fallback cannot absorb is deferred or rejected.
 
 Theory of operation
 -------------------
@@ -306,6 +312,9 @@ class LoadEvidence:
     mean_request_ms: float = 0.0  # predicted accelerator-ms per request (DemandWindow.mean_ms)
     queued_accelerator_ms: float = 0.0  # predicted accelerator-ms waiting in the gateway's queues
     window_s: float = DEFAULT_WINDOW_S  # the window offered_ms_per_s was measured over
+    # What admitted work actually costs per accelerator-ms of its offered (primary) price over
+    # the window: < 1 while the fallback serves part of it. 1.0: no relief (or no evidence).
+    relief: float = 1.0
 
     @property
     def utilization(self) -> float:
@@ -316,6 +325,12 @@ class LoadEvidence:
         if not (math.isfinite(offered) and offered >= 0.0):
             return math.inf
         return offered / capacity
+
+    @property
+    def effective_utilization(self) -> float:
+        """Utilization after the fallback's relief: what steps 4-6 are judged by (rule 7)."""
+        relief = self.relief if math.isfinite(self.relief) and 0.0 < self.relief <= 1.0 else 1.0
+        return self.utilization * relief
 
     @property
     def age_s(self) -> float:
@@ -468,13 +483,25 @@ class LadderState:
     calm_since: float | None = None
 
 
+def _judged(step: LadderStep, utilization: float, effective: float) -> float:
+    """The utilization a step is left by: offered for steps 1-3, after relief for 4-6."""
+    return utilization if step <= LadderStep.FALLBACK else effective
+
+
 def next_state(
     previous: LadderState, evidence: LoadEvidence, config: LadderConfig = DEFAULT_LADDER
 ) -> LadderState:
     """The ladder's transition function: the whole state machine, pure."""
     utilization = evidence.utilization
+    effective = evidence.effective_utilization
+    # Rule 7: steps 1-3 follow offered demand; the steps beyond the fallback (4-6) follow
+    # the demand that remains once the fallback serves what it may.
     target = config.step_for(utilization)
+    if target > LadderStep.FALLBACK:
+        target = max(LadderStep.FALLBACK, config.step_for(effective))
     notes = [evidence.describe()]
+    if effective < utilization:
+        notes.append(f"after fallback relief x{evidence.relief:.2f}: {effective * 100:.1f}%")
     if evidence.dwell_over_budget:
         notes.append(
             f"queue dwell p95 {evidence.queue_dwell_p95_ms:.0f} ms over budget "
@@ -494,7 +521,7 @@ def next_state(
     if target > current:
         step = target
         notes.append(f"climb {current} -> {step}")
-    elif target < current and not utilization < config.leaves_below(current):
+    elif target < current and not _judged(current, utilization, effective) < config.leaves_below(current):
         notes.append(f"hold step {current}: leaves below {config.leaves_below(current) * 100:.1f}%")
     elif target < current:
         calm_since = now if previous.calm_since is None else previous.calm_since
@@ -505,7 +532,11 @@ def next_state(
             notes.append(f"descend {current} -> {step}")
             # The calm that earned this step down counts toward the next one only from now:
             # one step per hold period.
-            calm_since = now if target < step and utilization < config.leaves_below(step) else None
+            calm_since = (
+                now
+                if target < step and _judged(step, utilization, effective) < config.leaves_below(step)
+                else None
+            )
     changed = step != current
     return LadderState(
         step=step,

@@ -369,6 +369,7 @@ class Gateway:
             rule = decision.rules[0] if decision.rules else None
             raise error_type(decision.message, rule=rule, retry_after_ms=decision.retry_after_ms)
         chosen = fallback_priced if decision.verdict is Verdict.FALLBACK and fallback_priced else priced
+        load.admitted(now, priced.record.demand.accelerator_ms, chosen.record.demand.accelerator_ms)
         chosen_policy = (
             fallback.policy if fallback is not None and chosen is fallback_priced else primary.policy
         )

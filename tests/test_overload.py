@@ -489,3 +489,29 @@ def test_shedder_sheds_the_excess_not_everything() -> None:
     assert admitted == pytest.approx(8_211, abs=2)
     assert all(Shedder().admit(10_000.0, 16_800.0) for _ in range(100))  # under the envelope: none shed
     assert not any(Shedder().admit(5_000.0, 0.0) for _ in range(100))  # no capacity: everything shed
+
+
+def test_fallback_relief_keeps_a_surge_at_step_3() -> None:
+    """Rule 7: the seed's 1.25x surge (121.8 %) with the fallback relieving 25 % of the price
+    stays at step 3 (91 % effective) instead of climbing to shedding."""
+    ladder = OverloadLadder(DEFAULT_LADDER)
+
+    def evidence(now: float, relief: float) -> LoadEvidence:
+        return LoadEvidence(
+            now=now,
+            evidence_at=now,
+            offered_ms_per_s=20_461.0,
+            protected_capacity_ms_per_s=16_800.0,
+            healthy_devices=24,
+            configured_devices=24,
+            relief=relief,
+        )
+
+    assert ladder.update(evidence(0.0, 1.0)).step == LadderStep.DEFER_BATCH  # no relief yet: 121.8 %
+    state = ladder.state
+    for i in range(1, 40):
+        state = ladder.update(evidence(i * 0.5, 15_287.5 / 20_461.0))  # the seed's modeled saving
+    assert state.step == LadderStep.FALLBACK  # descended to 3 and holds there
+    assert "after fallback relief" in state.reason
+    # Relief that does not suffice still sheds: 121.8 % x 0.95 = 115.7 % -> step 4.
+    assert OverloadLadder(DEFAULT_LADDER).update(evidence(0.0, 0.95)).step == LadderStep.DEFER_BATCH
