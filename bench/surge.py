@@ -14,7 +14,9 @@ What it measures
                         max_queue_size }``); every request also carries Triton's
                         ``timeout`` parameter (microseconds) = its deadline minus its
                         price, i.e. its latest start: the strongest baseline Triton
-                        alone offers (ARCHITECTURE §7);
+                        alone offers (ARCHITECTURE §7). ``max_queue_size``
+                        (``--tuned-queue-size``) defaults to 4, the best surge goodput
+                        of a sweep over 2, 4, 6, 8, 16 and 32;
     * ``gateway``       clients -> ``orchid-gateway serve`` (the repository's tenants,
                         routes and policies) -> Triton on the shipped repository.
 
@@ -25,19 +27,23 @@ What it measures
 
 Scaling (one consistent rule: the seed's world, on 4 devices, with time compressed by f)
     The emulator holds a Triton instance ("device") for the seed's price times
-    ``ORCHID_TIME_FACTOR`` = f (``--time-factor``, default 0.25): a short request
+    ``ORCHID_TIME_FACTOR`` = f (``--time-factor``, default 0.5): a short request
     (256 in / 64 out) occupies 56.8·f device-ms, a long one (4,096 / 128) 467.6·f.
+    0.5, not smaller: the emulator adds ~2.5 ms of fixed IPC per request that does not
+    scale (measured: a short request takes 16.7 ms at f = 0.25 instead of 14.2, 18 %
+    more; at f = 0.5 about 9 %), and half the request rate leaves the two cores to the
+    servers rather than to the client.
 
     * Fleet: full-v18 has 4 instances; the seed's fleet is its arithmetic minimum of 24
       devices (``orchid-gateway capacity examples/orchid/workload.yaml``). Arrival
       rates are the seed's 140 short + 18 long req/s times 4/24 (the fleet share)
-      divided by f (time compression): at f = 0.25, 93.3 short + 12.0 long req/s.
+      divided by f (time compression): at f = 0.5, 46.7 short + 6.0 long req/s.
       Offered demand is then 16,368.8 · (4/24) = 2,728.1 device-ms/s = 97.43 % of the
       protected envelope 4 × 0.70 × 1,000 = 2,800 ms/s, exactly the seed's ratio; the
       surge (x1.25) is 3,410.2 ms/s = 121.8 % (85 % of the devices' raw time).
     * Deadlines scale with f: the seed's teaching deadline 200 ms for short interactive
-      requests (-> 50 ms at f = 0.25, 3.5x the short price); long requests get
-      1,000 ms (-> 250 ms; 2.1x their price: 2 x 467.6 + R_up 12 + R_fail 15 = 962
+      requests (-> 100 ms at f = 0.5, 3.5x the short price); long requests get
+      1,000 ms (-> 500 ms; 2.1x their price: 2 x 467.6 + R_up 12 + R_fail 15 = 962
       rounded up). Both are class ``interactive``: the seed's fallback covers both
       (60 % of short and 50 % of long surge traffic), so both are eligible for it. The
       client's gRPC deadline *is* the request deadline (``client_timeout``): the caller
@@ -107,7 +113,15 @@ Run (about 5 minutes on 2 cores, Triton and gateway startup included)::
     python bench/surge.py --kill-at 0           # without the kill run
     python bench/surge.py --normal-s 5 --surge-s 10 --recover-s 5 --kill-at 0   # quick look
 
-Ports ``--base-port`` (default 16100) to +9. Everything started is stopped on exit.
+Diagnostics (gateway configuration only, never its code)::
+
+    python bench/surge.py --targets gateway --kill-at 0 --gateway-inflight 1
+    python bench/surge.py --targets gateway --kill-at 0 \
+        --gateway-ladder reject_interactive_at=1.5 --gateway-ladder protect_admitted_at=1.6
+    python bench/surge.py --surge-factor 1.8 --kill-at 0   # 1.25x the devices' raw time
+
+Ports ``--base-port`` (default 16100) +1 to +4 (Triton) and +8 (gateway). Everything started
+is stopped on exit.
 Needs matplotlib for the plot (``pip install matplotlib``; without it the plot is skipped).
 """
 
@@ -141,6 +155,7 @@ from tritonclient.grpc import service_pb2
 from gateway.backends.local import LocalTriton
 from gateway.capacity import compute_worksheet, workload_from_data
 from gateway.config import load_routes
+from gateway.overload import DEFAULT_WINDOW_S as DEMAND_WINDOW_S
 from gateway.profile import DemandProfile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -333,7 +348,13 @@ def tuned_repository(scenario: Scenario, into: Path, max_queue_size: int) -> Pat
     return into / "model_repository"
 
 
-def gateway_config(scenario: Scenario, triton_address: str, listen: str) -> dict[str, Any]:
+def gateway_config(
+    scenario: Scenario,
+    triton_address: str,
+    listen: str,
+    inflight: int | None = None,
+    ladder: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """The example gateway config with the local Triton as a `backends:` entry and the
     classes' time constants scaled by f."""
     f = scenario.time_factor
@@ -343,7 +364,7 @@ def gateway_config(scenario: Scenario, triton_address: str, listen: str) -> dict
         for name, settings in base["classes"].items()
     }
     local = base["local_triton"]
-    return {
+    config: dict[str, Any] = {
         "listen": listen,
         "tenants_file": str(EXAMPLES / "tenants.yaml"),
         "routes_dir": str(REPO / "routes"),
@@ -354,7 +375,7 @@ def gateway_config(scenario: Scenario, triton_address: str, listen: str) -> dict
                 "address": triton_address,
                 "labels": local["labels"],
                 "devices": local["devices"],
-                "max_inflight_per_device": local["max_inflight_per_device"],
+                "max_inflight_per_device": inflight or local["max_inflight_per_device"],
                 "time_scale": f,
             }
         ],
@@ -362,6 +383,9 @@ def gateway_config(scenario: Scenario, triton_address: str, listen: str) -> dict
         "default_class": base["default_class"],
         "limits": {**base.get("limits", {}), "drain_timeout_s": 2},
     }
+    if ladder:
+        config["ladder"] = ladder
+    return config
 
 
 # --------------------------------------------------------------------------- processes
@@ -606,6 +630,8 @@ class Options:
     kill_at: float
     kill_for: float
     gateway_pythonpath: str | None
+    gateway_inflight: int | None = None
+    gateway_ladder: dict[str, float] | None = None
 
 
 async def run_target(target: str, opts: Options) -> RunResult:
@@ -627,7 +653,10 @@ async def run_target(target: str, opts: Options) -> RunResult:
         if target.startswith("gateway"):
             listen = f"127.0.0.1:{opts.base_port + 8}"
             config_path = work / "gateway.yaml"
-            config_path.write_text(yaml.safe_dump(gateway_config(scenario, triton.address, listen)))
+            config = gateway_config(
+                scenario, triton.address, listen, opts.gateway_inflight, opts.gateway_ladder
+            )
+            config_path.write_text(yaml.safe_dump(config))
             gateway = GatewayProcess(config_path, listen, work / "gateway.log", opts.gateway_pythonpath)
             await asyncio.to_thread(gateway.start)
             address = listen
@@ -1112,13 +1141,15 @@ def print_kill(result: RunResult, scenario: Scenario) -> None:
     outage = [
         o for o in result.outcomes if killed <= o.t_sched < (ready if not math.isnan(ready) else killed)
     ]
+    longest_s = max(scenario.deadline_ms(c) for c in CLASSES) / 1000.0
+    around = (killed - longest_s, (ready if not math.isnan(ready) else killed) + 2.0)
     hung = [
         o
         for o in result.outcomes
         if o.code == "DEADLINE_EXCEEDED"
         and not o.rule
         and o.latency_ms >= scenario.deadline_ms(o.cls) - 1.0
-        and killed - 1 <= o.t_sched
+        and around[0] <= o.t_sched < around[1]
     ]
     print(
         f"requests sent during the outage: {len(outage)}, answered before their deadline: "
@@ -1126,8 +1157,8 @@ def print_kill(result: RunResult, scenario: Scenario) -> None:
         f"answered by the server at all: {sum(o.code != 'DEADLINE_EXCEEDED' or bool(o.rule) for o in outage)}"
     )
     print(
-        f"requests from 1 s before the kill on that reached their deadline unanswered (hung until the caller "
-        f"gave up): {len(hung)}; max ladder step after the kill: "
+        f"requests sent {around[0]:.1f}-{around[1]:.1f} s (in flight at the kill .. 2 s after Triton was "
+        f"ready) that reached their deadline unanswered: {len(hung)}; max ladder step after the kill: "
         f"{max((s for t, s in result.ladder if t >= killed), default=step_at(result.ladder, killed))}"
     )
     print(
@@ -1137,7 +1168,23 @@ def print_kill(result: RunResult, scenario: Scenario) -> None:
     )
 
 
-def print_client(results: dict[str, RunResult]) -> None:
+def implied_correction(result: RunResult, scenario: Scenario, t: float, why: str) -> str:
+    """The gateway's offered demand at a ladder change over the same window's arrivals at profile
+    prices: how much its learned correction (and the window's noise) moved the reading."""
+    match = re.search(r"offered (\d+) ms/s", why)
+    if match is None or t < DEMAND_WINDOW_S:
+        return ""
+    arrived = sum(
+        scenario.device_ms(PRIMARY, o.cls) for o in result.outcomes if t - DEMAND_WINDOW_S <= o.t_sent < t
+    )
+    rate = arrived / DEMAND_WINDOW_S
+    pct = 100 * rate / scenario.protected_ms_per_s
+    return (
+        f" [arrivals at profile prices: {rate:.0f} ms/s = {pct:.1f} %; x{float(match.group(1)) / rate:.2f}]"
+    )
+
+
+def print_client(results: dict[str, RunResult], scenario: Scenario) -> None:
     print("\n== client and runs ==")
     for name, result in results.items():
         lags = sorted(result.lags_ms)
@@ -1155,7 +1202,8 @@ def print_client(results: dict[str, RunResult]) -> None:
             print(f"{'':<13} ladder (full-v18 pool, from the log): {ladder}")
             print(f"{'':<13} orchid.ladder_step on responses: {dict(sorted(steps.items()))}")
             for t, step, why in result.ladder_log:
-                print(f"{'':<13}   {t:6.1f} s -> {step}: {why[:150]}")
+                implied = implied_correction(result, scenario, t, why)
+                print(f"{'':<13}   {t:6.1f} s -> {step}: {why[:150]}{implied}")
 
 
 # --------------------------------------------------------------------------- plot
@@ -1264,6 +1312,11 @@ def plot(results: dict[str, RunResult], scenario: Scenario, path: Path) -> bool:
 # --------------------------------------------------------------------------- main
 
 
+def parse_setting(item: str) -> tuple[str, float]:
+    key, _, value = item.partition("=")
+    return key.strip(), float(value)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--time-factor", type=float, default=0.5, help="ORCHID_TIME_FACTOR (default 0.5)")
@@ -1292,6 +1345,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="max_queue_size of the tuned Triton baseline (default 4: the best of a sweep)",
     )
     parser.add_argument("--base-port", type=int, default=16100, help="ports BASE+1..BASE+8 are used")
+    parser.add_argument(
+        "--gateway-inflight",
+        type=int,
+        default=None,
+        help="diagnostic: the gateway backend's max_inflight_per_device (default: the example config's)",
+    )
+    parser.add_argument(
+        "--gateway-ladder",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="diagnostic: a `ladder:` setting of the gateway config, e.g. reject_interactive_at=1.5",
+    )
     parser.add_argument("--keep", action="store_true", help="keep Triton and gateway logs (prints where)")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "surge.png")
     parser.add_argument(
@@ -1344,6 +1410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             kill_at=kill_at,
             kill_for=args.kill_for,
             gateway_pythonpath=args.gateway_pythonpath,
+            gateway_inflight=args.gateway_inflight,
+            gateway_ladder=dict(parse_setting(item) for item in args.gateway_ladder) or None,
         )
         results = asyncio.run(run_all(opts, targets))
     print(
@@ -1362,7 +1430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if KILL_TARGET in results:
         print_phase_tables({KILL_TARGET: results[KILL_TARGET]}, {KILL_TARGET: reports[KILL_TARGET]})
         print_kill(results[KILL_TARGET], scenario)
-    print_client(results)
+    print_client(results, scenario)
     if plot(results, scenario, args.plot):
         print(f"\nplot: {args.plot}")
     return 0

@@ -19,7 +19,9 @@ Rules, in order:
    risk class, caller did not opt out, quality evidence at or above the floor,
    fallback warm, same cell — see ``policies/40-fallback.yaml``), and the
    policy allows the request *as priced on the fallback* (its own slack and
-   quota). It is taken when the ladder is at step 3+ (overload) or when the
+   quota). It is taken when the ladder is at step 3+ (overload) for the share of
+   eligible work the pool diverts (just enough to bring demand back inside the
+   envelope: quality is degraded only as far as capacity requires), or when the
    primary was denied for capacity. Provenance says
    ``orchid.approximation=fallback`` and why.
 4. A policy output limit below the requested output is applied and marked
@@ -55,15 +57,20 @@ class AdmissionContext:
     retry_after_ms: int  # from the predicted drain of the pool
     max_dwell_ms: float
     batch_classes: frozenset[str] = frozenset({"batch"})
+    divert: bool = True  # under overload, is this request part of the share sent to the fallback?
 
 
-def wants_fallback_pass(primary: PolicyResult, effects: LadderEffects, fallback_available: bool) -> bool:
-    """Should the edge price the fallback and evaluate policy on it?"""
+def wants_fallback_pass(
+    primary: PolicyResult, effects: LadderEffects, fallback_available: bool, divert: bool = True
+) -> bool:
+    """Should the edge price the fallback and evaluate policy on it? Under overload only for
+    the share of eligible work the pool diverts (``divert``); always for a primary denied for
+    capacity (a fallback answer instead of a rejection)."""
     if not fallback_available:
         return False
     if not primary.allowed:
         return primary.status in CAPACITY_STATUSES
-    return effects.fallback_for_eligible and primary.fallback_eligible
+    return effects.fallback_for_eligible and primary.fallback_eligible and divert
 
 
 def _reject(record: RequestRecord, result: PolicyResult) -> Decision:
@@ -130,7 +137,7 @@ def decide(primary: Candidate, fallback: Candidate | None, context: AdmissionCon
             return _admit(
                 fallback, route_reason=reason, approximation=Approximation.FALLBACK, context=context
             )
-        if context.effects.fallback_for_eligible:
+        if context.effects.fallback_for_eligible and context.divert:
             return _admit(
                 fallback,
                 route_reason="fallback:overload",

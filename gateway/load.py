@@ -11,6 +11,7 @@ and its rules live in ``overload``; this module only feeds it.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from gateway.overload import (
@@ -27,6 +28,10 @@ from gateway.overload import (
     retry_after_ms,
 )
 from gateway.scheduler import DispatchQueue
+
+# Divert to the fallback until offered demand is back to this share of the protected envelope:
+# a little under 1.0, so the pool does not sit on the threshold that triggered the ladder.
+DIVERT_TARGET = 0.9
 
 log = logging.getLogger("orchid.overload")
 
@@ -46,6 +51,8 @@ class PoolLoad:
     ladder: OverloadLadder | None = None
     evidence: LoadEvidence | None = None
     shedder: Shedder = field(default_factory=Shedder)
+    diverter: Shedder = field(default_factory=Shedder)
+    saving: float = 0.45  # mean share of its price a request saves on the fallback (learned)
 
     def __post_init__(self) -> None:
         self.ladder = OverloadLadder(self.config)
@@ -86,6 +93,23 @@ class PoolLoad:
     def relief(self, now: float) -> float:
         offered = self.admitted_offered.total_ms(now)
         return min(1.0, self.admitted_running.total_ms(now) / offered) if offered > 0 else 1.0
+
+    def divert(self) -> bool:
+        """At step 3+, is this eligible request part of the share sent to the fallback? The
+        share is what brings offered demand down to DIVERT_TARGET of the protected envelope,
+        given what a diverted request saves; everything eligible when that is more than all."""
+        if self.step < 3 or self.evidence is None:
+            return False
+        utilization = self.evidence.utilization
+        if not math.isfinite(utilization):
+            return True
+        share = (utilization - DIVERT_TARGET) / (utilization * max(self.saving, 0.05))
+        # The diverter's "admit" is "divert": it picks `share` of the calls, evenly spread.
+        return self.diverter.admit(1.0, min(1.0, max(0.0, share))) if share < 1.0 else True
+
+    def observed_saving(self, primary_ms: float, fallback_ms: float) -> None:
+        if primary_ms > 0:
+            self.saving += 0.1 * ((1.0 - fallback_ms / primary_ms) - self.saving)
 
     def shed(self) -> bool:
         """At step 5+, is the next new online request part of the excess to shed? Step 6

@@ -327,8 +327,9 @@ class Gateway:
             else None
         )
         fallback_pool = await self._warm_fallback(fallback_route, cell, logical) if fallback_route else None
+        divert = effects.fallback_for_eligible and primary.policy.fallback_eligible and load.divert()
         if fallback_route is not None and admission.wants_fallback_pass(
-            primary.policy, effects, fallback_pool is not None
+            primary.policy, effects, fallback_pool is not None, divert
         ):
             assert fallback_pool is not None and route.fallback is not None
             f_handle, _f_spec, f_queue = fallback_pool
@@ -353,6 +354,9 @@ class Gateway:
             fallback = admission.Candidate(
                 fallback_priced.record, policy.evaluate(fallback_priced.record, context)
             )
+            load.observed_saving(
+                priced.record.demand.accelerator_ms, fallback_priced.record.demand.accelerator_ms
+            )
         decision = admission.decide(
             primary,
             fallback,
@@ -361,6 +365,7 @@ class Gateway:
                 retry_after_ms=load.retry_after_ms(),
                 max_dwell_ms=request_class.max_dwell_ms,
                 batch_classes=frozenset(self.config.batch_classes),
+                divert=divert,
             ),
         )
         self.listener.decided(primary.record, decision, primary.policy)

@@ -1,0 +1,41 @@
+"""Per-pool load: how much eligible work the ladder diverts to the fallback, and relief."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.load import DIVERT_TARGET, PoolLoad
+from gateway.overload import DEFAULT_LADDER
+from gateway.scheduler import DispatchQueue
+
+
+def pool_at(utilization: float, step_now: float = 0.0) -> PoolLoad:
+    load = PoolLoad("p", devices=24, dwell_budget_ms=20.0, config=DEFAULT_LADDER)
+    # The seed's fleet: 24 devices x 0.70 x 1000 = 16,800 ms/s protected.
+    for i in range(100):  # a full 10 s window at this rate
+        load.demand.add(step_now + i * 0.1, utilization * 16_800.0 * 0.1)
+    end = step_now + 9.95
+    load.gather(end, DispatchQueue("q", devices=24, slots=48, max_queued=10), healthy=True, evidence_at=end)
+    return load
+
+
+def test_the_seed_surge_diverts_about_the_seeds_share() -> None:
+    load = pool_at(20_461.0 / 16_800.0)
+    assert load.step >= 3
+    diverted = sum(load.divert() for _ in range(10_000)) / 10_000
+    # (1.218 - 0.9) / (1.218 x 0.45): ~58 % of eligible work, the seed's 60 % / 50 %.
+    assert diverted == pytest.approx((20_461 / 16_800 - DIVERT_TARGET) / (20_461 / 16_800 * 0.45), abs=0.01)
+
+
+def test_nothing_is_diverted_below_step_3() -> None:
+    load = pool_at(0.80)
+    assert load.step < 3
+    assert not any(load.divert() for _ in range(100))
+
+
+def test_relief_is_what_admitted_work_runs_at() -> None:
+    load = pool_at(1.0)
+    for _ in range(10):
+        load.admitted(9.0, offered_ms=56.8, running_ms=32.0)  # fallback
+        load.admitted(9.0, offered_ms=56.8, running_ms=56.8)  # primary
+    assert load.relief(9.5) == pytest.approx((32.0 + 56.8) / (2 * 56.8))
