@@ -94,3 +94,47 @@ def test_two_tenants_under_contention_get_their_weights(contended: ThreadedGatew
     # Both the accelerator-ms granted and the completions follow the weights.
     assert granted["orchid"] / granted["lumen"] == pytest.approx(2.0, rel=TOLERANCE), (granted, done)
     assert done["orchid"] / done["lumen"] == pytest.approx(2.0, rel=TOLERANCE), (granted, done)
+
+
+def test_a_large_job_is_not_starved_by_another_tenants_flood(contended: ThreadedGateway) -> None:
+    """One large batch job from orchid while lumen floods the same pool with short requests:
+    the job's flow gets its turn (virtual-time fairness), well before its deadline."""
+
+    async def scenario() -> tuple[float, int]:
+        stop = asyncio.Event()
+        flood_done = 0
+
+        async def flood(client: aioclient.InferenceServerClient) -> None:
+            nonlocal flood_done
+            while not stop.is_set():
+                try:
+                    await client.infer(
+                        "full-v18",
+                        tokens(4096),
+                        headers=bearer(LUMEN_KEY),
+                        parameters={"orchid.max_output_tokens": 256},
+                        client_timeout=5.0,
+                    )
+                    flood_done += 1
+                except Exception:
+                    await asyncio.sleep(0.01)
+
+        async with aioclient.InferenceServerClient(contended.address) as client:
+            flooders = [asyncio.ensure_future(flood(client)) for _ in range(16)]
+            await asyncio.sleep(0.5)  # the pool is saturated and lumen has a backlog
+            started = asyncio.get_running_loop().time()
+            await client.infer(
+                "full-v18",
+                tokens(4096),
+                headers=bearer(ORCHID_KEY),
+                parameters={"orchid.max_output_tokens": 512, "orchid.class": "batch"},
+                client_timeout=20.0,
+            )
+            waited = asyncio.get_running_loop().time() - started
+            stop.set()
+            await asyncio.gather(*flooders, return_exceptions=True)
+        return waited, flood_done
+
+    waited, flood_done = asyncio.run(scenario())
+    assert flood_done > 0
+    assert waited < 20.0  # completed (not shed, not expired), while the flood went on

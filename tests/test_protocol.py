@@ -286,6 +286,8 @@ def test_client_cancel_frees_queued_and_running_work(gateway: ThreadedGateway) -
         return occupancy()
 
     assert gateway.call(settle()) == (0, 0)
+    # ... and every quota reservation was settled or released: nothing leaks.
+    assert gateway.call_soon(lambda: gw.quotas.outstanding().count) == 0
 
 
 def raw_stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
