@@ -92,7 +92,7 @@ import numpy as np
 import yaml
 from tritonclient.grpc import service_pb2
 
-from gateway.backends.local import LocalTriton
+from gateway.backends.local import LocalTriton, stop_process_group
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "orchid"
@@ -313,19 +313,8 @@ class Child:
             return "(no log)"
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+        if self.process is not None:
+            stop_process_group(self.process, timeout_s)
 
 
 class Stoppable(Protocol):

@@ -77,15 +77,19 @@ def test_canary_reaches_no_sink(
             (planted(**{"orchid.class": CANARY}), metadata),
             (planted(), (("authorization", f"Bearer {CANARY}"), ("x-user", CANARY))),
             (planted(), (("authorization", CANARY),)),
-            (planted(n=5000), metadata),
+            (planted(n=9000), metadata),  # over the route's input cap
         ]
         wrong_dtype = planted()
         wrong_dtype.inputs[0].datatype = "FP32"
         bad_calls.append((wrong_dtype, metadata))
         for request, call_metadata in bad_calls:
             with pytest.raises(grpc.RpcError) as failure:
-                stub.ModelInfer(request, metadata=call_metadata, timeout=0.05)
+                stub.ModelInfer(request, metadata=call_metadata, timeout=10)
             errors.append(f"{failure.value.details()} {failure.value.trailing_metadata()}")
+        # An infeasible deadline (1 ms against 27 ms of class reserves): rejected at admission.
+        with pytest.raises(grpc.RpcError) as infeasible:
+            stub.ModelInfer(planted(), metadata=metadata, timeout=0.001)
+        errors.append(f"{infeasible.value.details()} {infeasible.value.trailing_metadata()}")
     sinks = {
         "error messages": "\n".join(errors),
         "logs": "\n".join(record.getMessage() for record in caplog.records),

@@ -69,6 +69,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def stop_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM a process started with ``start_new_session``, SIGKILL it after ``timeout_s``,
+    then SIGKILL whatever is left in its session: Triton's Python backend stubs live there
+    and must not outlive the server, even when the server itself already exited."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 class LocalTriton:
     """One supervised ``tritonserver`` process. Synchronous on purpose: it is used at
     startup/shutdown and from pytest fixtures, never on the request path."""
@@ -182,16 +198,5 @@ class LocalTriton:
             self._process.wait(timeout=10)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-        # Python backend stubs live in the same session; make sure none outlives the server.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+        if self._process is not None:
+            stop_process_group(self._process, timeout_s)
