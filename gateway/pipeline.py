@@ -605,7 +605,9 @@ class Gateway:
         wall_ms = (finished - started) * 1000.0
         timing = self.pool_timing.get(admitted.queue.name)
         triton_queue_ms = timing.queue_ms if timing else 0.0
-        observed_ms = max(wall_ms - triton_queue_ms, 0.0)
+        batch = timing.batch if timing else 1.0
+        # Device time held, less Triton's own queueing, shared with the batch it ran in.
+        observed_ms = max(wall_ms - triton_queue_ms, 0.0) / batch
         record = admitted.record
         demand = record.demand
         base_ms = (

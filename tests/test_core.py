@@ -229,3 +229,21 @@ def test_output_limit_marks_reduced_output() -> None:
     decision = decide(Candidate(record(200, 56.8), limited), None, context(0))
     assert decision.max_output_tokens == 16
     assert decision.approximation is Approximation.REDUCED_OUTPUT
+
+
+def test_triton_statistics_split_queue_compute_and_batch() -> None:
+    from gateway.backends.stats import StatsSample, timing_between
+
+    before = StatsSample(successes=10, queue_ns=0, compute_ns=0, pending=0, inferences=10, executions=10)
+    after = StatsSample(
+        successes=30,
+        queue_ns=20 * 2_000_000,
+        compute_ns=20 * 30_000_000,
+        pending=0,
+        inferences=30,
+        executions=20,
+    )
+    timing = timing_between(before, after)
+    assert timing is not None
+    assert (timing.queue_ms, timing.compute_ms, timing.batch) == (2.0, 30.0, 2.0)
+    assert timing_between(after, before) is None  # counters went backwards: a restart
