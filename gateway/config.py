@@ -222,6 +222,13 @@ class QualityEvidence(_Strict):
     score: float = Field(ge=0, le=1)
 
 
+class ReducedOutput(_Strict):
+    """Quality evidence for answering with a capped output (overload ladder step 2)."""
+
+    max_output_tokens: int = Field(ge=1)
+    quality: QualityEvidence
+
+
 class RouteConfig(_Strict):
     """A logical model clients call, mapped onto a backend model."""
 
@@ -236,6 +243,7 @@ class RouteConfig(_Strict):
     )
     quality: QualityEvidence | None = None
     quality_floor: float | None = Field(default=None, ge=0, le=1)
+    reduced_output: ReducedOutput | None = None
     backends: tuple[str, ...] = Field(default=(), description="backend names serving it; empty = all")
 
     def for_tenant(self, model: str, tenant: TenantConfig) -> RouteConfig | None:

@@ -466,11 +466,16 @@ class Gateway:
                 if handle.client.is_warm(fallback.backend_model):
                     fallback_warm, fallback_cell = True, handle.labels.get("cell", "")
                     break
+        floor = route.quality_floor
+        if floor is None and fallback is not None:
+            floor = fallback.quality_floor
+        reduced = route.reduced_output
         quality = QualityEvidence(
             score=route.quality.score if route.quality else 0.0,
             fallback_score=fallback.quality.score if fallback and fallback.quality else 0.0,
-            floor=fallback.quality_floor if fallback and fallback.quality_floor is not None else 1.0,
+            floor=floor if floor is not None else 1.0,
             population=route.quality.population if route.quality else "",
+            reduced_output_score=reduced.quality.score if reduced else 0.0,
         )
         return PolicyContext(
             tenant=TenantFacts(
@@ -492,6 +497,7 @@ class Gateway:
                 fallback_warm=fallback_warm,
                 fallback_cell=fallback_cell,
                 quality=quality,
+                reduced_output_tokens=reduced.max_output_tokens if reduced else 0,
             ),
             load=LoadFacts(utilization=load.utilization(), drain_ms=load.drain_ms(), shed=shed),
             # Routing-stage rules judge every backend configured for the route, in any cell.

@@ -346,7 +346,9 @@ def test_activation_keeps_ints_and_doubles_apart() -> None:
         "fallback_score": 0.86,
         "floor": 0.84,
         "population": "orchid-eval",
+        "reduced_output_score": 0.0,
     }
+    assert type(values["route"]["reduced_output_tokens"]) is int
     assert values["backend"] == {"name": "b", "model": "m", "labels": {"cell": "eu"}}
     assert "backend" not in activation(record, context)
 

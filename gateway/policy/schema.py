@@ -70,6 +70,7 @@ class QualityEvidence:
     fallback_score: float = 0.0
     floor: float = 1.0
     population: str = ""
+    reduced_output_score: float = 0.0  # quality of the primary with output capped (0: no evidence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,7 @@ class RouteFacts:
     fallback_warm: bool = False  # warm, validated capacity proven (never cold-load during overload)
     fallback_cell: str = ""
     quality: QualityEvidence = QualityEvidence()
+    reduced_output_tokens: int = 0  # output cap the route has quality evidence for (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +419,20 @@ FIELDS: tuple[Field, ...] = (
         _F,
         "validated quality of the fallback",
         lambda r, c: float(c.route.quality.fallback_score),
+    ),
+    _req(
+        "route.quality.reduced_output_score",
+        DOUBLE,
+        _F,
+        "validated quality of the primary with its output capped at route.reduced_output_tokens",
+        lambda r, c: float(c.route.quality.reduced_output_score),
+    ),
+    _req(
+        "route.reduced_output_tokens",
+        INT,
+        _F,
+        "output cap the route declares quality evidence for (0: none); used from ladder step 2",
+        lambda r, c: int(c.route.reduced_output_tokens),
     ),
     _req(
         "route.quality.floor",

@@ -129,7 +129,14 @@ BASE_GIVEN: Mapping[str, Any] = {
         "fallback_classes": ["interactive"],
         "fallback_warm": True,
         "fallback_cell": "eu-restricted",
-        "quality": {"score": 0.92, "fallback_score": 0.86, "floor": 0.84, "population": "orchid-eval"},
+        "quality": {
+            "score": 0.92,
+            "fallback_score": 0.86,
+            "floor": 0.84,
+            "population": "orchid-eval",
+            "reduced_output_score": 0.0,
+        },
+        "reduced_output_tokens": 0,
     },
     "load": {"ladder_step": 0, "utilization": 0.5, "drain_ms": 0.0, "shed": False},
     "backends": [
@@ -319,7 +326,9 @@ def build_inputs(given: Mapping[str, Any]) -> tuple[RequestRecord, PolicyContext
                 fallback_score=quality["fallback_score"],
                 floor=quality["floor"],
                 population=quality["population"],
+                reduced_output_score=quality["reduced_output_score"],
             ),
+            reduced_output_tokens=int(rt["reduced_output_tokens"]),
         ),
         load=LoadFacts(utilization=ld["utilization"], drain_ms=ld["drain_ms"], shed=bool(ld["shed"])),
         backends=tuple(
