@@ -138,9 +138,10 @@ class GatewayServer:
         result = await asyncio.to_thread(self.policy.reload)
         if not result.ok:
             raise PolicyLoadError(result.diagnostics)
-        for route in routes.models.values():
-            for handle in clients.values():
-                handle.client.watched_models.add(route.backend_model)
+        reserved = {m for t in tenants.tenants.values() for m in t.dedicated_models.values()}
+        for handle in clients.values():
+            handle.client.watched_models.update({r.backend_model for r in routes.models.values()} | reserved)
+            await handle.client.probe()  # readiness of the watched models (fallback warmth) from the start
         self.telemetry = Telemetry(config.telemetry, decision_log=self._decision_log())
         if config.telemetry.metrics_listen:
             host, _, port = config.telemetry.metrics_listen.rpartition(":")

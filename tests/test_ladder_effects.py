@@ -1,0 +1,130 @@
+"""Every ladder step's effect, end to end against the real example Triton.
+
+The ladder's *decision* is tested as a pure state machine in test_overload.py. Here the
+pool's ladder is pinned to a step (its periodic update switched off) so that each step's
+*effect* on real requests can be observed: output capped at step 2, part of the eligible
+work served by the fallback at step 3, batch work deferred at step 4, the excess of online
+work refused early at steps 5 and 6 while the rest is served."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from gateway.backends.local import LocalTriton
+from gateway.overload import LadderState, LadderStep, LoadEvidence
+from tests.conftest import ORCHID_KEY, ThreadedGateway, gateway_config
+
+AUTH = (("authorization", f"Bearer {ORCHID_KEY}"),)
+POOL = "local/full-v18"
+PROTECTED = 2800.0  # 4 instances x 0.70 x 1000 ms/s
+
+
+@pytest.fixture(scope="module")
+def pinned(triton: LocalTriton) -> Iterator[ThreadedGateway]:
+    running = ThreadedGateway(gateway_config(triton.address))
+    running.start()
+    gw = running.server.gateway
+    assert gw is not None
+    gw.update_ladders = lambda now: None  # type: ignore[method-assign]  # the test pins the step
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def request(n: int = 64, **params: Any) -> service_pb2.ModelInferRequest:
+    req = service_pb2.ModelInferRequest(model_name="full-v18")
+    tensor = req.inputs.add(name="INPUT_IDS", datatype="INT32")
+    tensor.shape.extend([1, n])
+    req.raw_input_contents.append(np.arange(n, dtype=np.int32).tobytes())
+    for key, value in params.items():
+        if isinstance(value, int):
+            req.parameters[key].int64_param = value
+        else:
+            req.parameters[key].string_param = value
+    return req
+
+
+def pin(running: ThreadedGateway, step: int, utilization: float) -> None:
+    gw = running.server.gateway
+    assert gw is not None
+
+    def apply() -> None:
+        load = gw.loads[POOL]
+        assert load.ladder is not None
+        now = time.monotonic()
+        load.ladder.state = LadderState(LadderStep(step), False, "pinned by the test", False, now)
+        load.evidence = LoadEvidence(
+            now=now,
+            evidence_at=now,
+            offered_ms_per_s=utilization * PROTECTED,
+            protected_capacity_ms_per_s=PROTECTED,
+            healthy_devices=4,
+            configured_devices=4,
+        )
+
+    running.call_soon(apply)
+
+
+def outcomes(stub: service_pb2_grpc.GRPCInferenceServiceStub, n: int, **params: Any) -> Counter[str]:
+    seen: Counter[str] = Counter()
+    for _ in range(n):
+        try:
+            reply = stub.ModelInfer(request(**params), metadata=AUTH, timeout=10)
+            seen[f"ok:{reply.parameters['orchid.approximation'].string_param}"] += 1
+        except grpc.RpcError as error:
+            trailing = dict(error.trailing_metadata() or ())
+            assert int(trailing.get("retry-after-ms", "0")) > 0, "a shed request says when to retry"
+            seen[f"{error.code().name}:{trailing.get('orchid-rule')}"] += 1
+    return seen
+
+
+def test_each_step_has_its_effect(pinned: ThreadedGateway) -> None:
+    with grpc.insecure_channel(pinned.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        first = stub.ModelInfer(request(), metadata=AUTH, timeout=10)  # creates the pool's load
+        assert first.parameters["orchid.ladder_step"].int64_param == 0
+
+        # Step 2: the output is capped at the route's reduced length (quality evidence 0.89 >= 0.84).
+        pin(pinned, 2, 0.93)
+        reply = stub.ModelInfer(request(**{"orchid.max_output_tokens": 64}), metadata=AUTH, timeout=10)
+        assert reply.parameters["orchid.approximation"].string_param == "reduced_output"
+        assert reply.parameters["orchid.ladder_step"].int64_param == 2
+        assert "overload-reduce-output" in reply.parameters["orchid.rules"].string_param
+        assert list(reply.outputs[0].shape) == [1, 32]  # Triton really generated 32 tokens
+
+        # Step 3 at 122 % of the envelope: part of the eligible work goes to the warm fallback.
+        pin(pinned, 3, 1.22)
+        seen = outcomes(stub, 24, **{"orchid.max_output_tokens": 16})
+        assert seen["ok:fallback"] > 0 and seen["ok:none"] > 0, seen
+        assert sum(seen.values()) == seen["ok:fallback"] + seen["ok:none"]  # nothing refused
+
+        # Step 4: batch work is deferred with a computed retry-after; online work still runs.
+        pin(pinned, 4, 1.15)
+        assert outcomes(stub, 3, **{"orchid.class": "batch"}) == Counter(
+            {"RESOURCE_EXHAUSTED:ladder.defer_batch": 3}
+        )
+        assert (
+            outcomes(stub, 3, **{"orchid.max_output_tokens": 16})["RESOURCE_EXHAUSTED:ladder.defer_batch"]
+            == 0
+        )
+
+        # Step 5 at twice the envelope: about half of new online work is refused early, the rest served.
+        pin(pinned, 5, 2.0)
+        seen = outcomes(stub, 40, **{"orchid.max_output_tokens": 16})
+        shed = seen["RESOURCE_EXHAUSTED:overload-reject-interactive"]
+        assert 12 <= shed <= 28, seen
+        assert seen["ok:none"] + seen["ok:fallback"] + shed == 40
+
+        # Step 6 aims at half the envelope: more is refused than at step 5, not everything.
+        pin(pinned, 6, 2.0)
+        seen6 = outcomes(stub, 40, **{"orchid.max_output_tokens": 16})
+        assert shed < seen6["RESOURCE_EXHAUSTED:overload-reject-interactive"] < 40, seen6
