@@ -50,24 +50,7 @@ def _show(value: Any) -> str:
 
 
 def decision_json(result: PolicyResult) -> dict[str, Any]:
-    return {
-        "outcome": result.outcome,
-        "status": result.status,
-        "rule": result.rule,
-        "message": result.message,
-        "retry_after_ms": result.retry_after_ms,
-        "rules_fired": list(result.rules_fired),
-        "shadow_fired": list(result.shadow_fired),
-        "fallback_eligible": result.fallback_eligible,
-        "excluded_backends": list(result.excluded_backends),
-        "max_output_tokens": result.max_output_tokens,
-        "annotations": dict(result.annotations),
-        "fail_open": [{"rule": e.rule, "error": e.error} for e in result.fail_open],
-        "errors": [
-            {"rule": e.rule, "stage": e.stage, "backend": e.backend, "error": e.error} for e in result.errors
-        ],
-        "eval_us": round(result.eval_us, 1),
-    }
+    return result.to_json()
 
 
 def explanation_json(

@@ -117,6 +117,28 @@ class PolicyResult:
     def annotation_map(self) -> dict[str, str]:
         return dict(self.annotations)
 
+    def to_json(self) -> dict[str, Any]:
+        """The result as plain JSON values (explain --json, policy test comparisons)."""
+        return {
+            "outcome": self.outcome,
+            "status": self.status,
+            "rule": self.rule,
+            "message": self.message,
+            "retry_after_ms": self.retry_after_ms,
+            "rules_fired": list(self.rules_fired),
+            "shadow_fired": list(self.shadow_fired),
+            "fallback_eligible": self.fallback_eligible,
+            "excluded_backends": list(self.excluded_backends),
+            "max_output_tokens": self.max_output_tokens,
+            "annotations": dict(self.annotations),
+            "fail_open": [{"rule": e.rule, "error": e.error} for e in self.fail_open],
+            "errors": [
+                {"rule": e.rule, "stage": e.stage, "backend": e.backend, "error": e.error}
+                for e in self.errors
+            ],
+            "eval_us": round(self.eval_us, 1),
+        }
+
     def to_error(self) -> GatewayError | None:
         """The domain error a denial maps to (``None`` when allowed)."""
         if self.allowed:

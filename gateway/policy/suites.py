@@ -486,17 +486,8 @@ def check(expect: Mapping[str, Any], result: PolicyResult, known_rules: frozense
     """Mismatches between an expectation and a result (empty: the case passes)."""
     problems: list[str] = []
     actual: dict[str, Any] = {
-        "outcome": result.outcome,
-        "status": result.status,
-        "rule": result.rule,
-        "message": result.message,
-        "retry_after_ms": result.retry_after_ms,
-        "rules_fired": list(result.rules_fired),
-        "shadow_fired": list(result.shadow_fired),
-        "fallback_eligible": result.fallback_eligible,
-        "excluded_backends": list(result.excluded_backends),
-        "max_output_tokens": result.max_output_tokens,
-        "annotations": dict(result.annotations),
+        **result.to_json(),
+        # Suites name the rules that failed open or erred, not their error texts.
         "fail_open": [event.rule for event in result.fail_open],
         "errors": sorted({error.rule for error in result.errors}),
     }
