@@ -714,6 +714,17 @@ def audit_served(served: Served) -> Audit:
                     active=hop.routed,
                     via=f"calls {model}" + ("" if hop.routed else f" in cell {hop.cell} (latent)"),
                 )
+                if route.shadow is not None and not tenant.dedicated:
+                    # Shadow traffic: a share of this tenant's requests is mirrored to the
+                    # candidate (pipeline.ShadowTraffic; never for dedicated tenants).
+                    _note(
+                        accesses,
+                        (hop.backend, route.shadow.backend_model),
+                        name,
+                        direct=False,
+                        active=hop.routed,
+                        via=f"shadow of {model} ({route.shadow.rate:.0%} mirrored)",
+                    )
             fallback_path = None
             if (
                 route.fallback is not None

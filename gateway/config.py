@@ -229,6 +229,14 @@ class ReducedOutput(_Strict):
     quality: QualityEvidence
 
 
+class ShadowConfig(_Strict):
+    """Duplicate a share of a route's traffic to a candidate version (answers are discarded)."""
+
+    backend_model: str = Field(description="the candidate backend model, warm beside the current one")
+    rate: float = Field(gt=0, le=1, description="share of eligible requests duplicated")
+    max_inflight: int = Field(default=2, ge=1, description="shadow calls in flight at most; more are skipped")
+
+
 class RouteConfig(_Strict):
     """A logical model clients call, mapped onto a backend model."""
 
@@ -244,6 +252,7 @@ class RouteConfig(_Strict):
     quality: QualityEvidence | None = None
     quality_floor: float | None = Field(default=None, ge=0, le=1)
     reduced_output: ReducedOutput | None = None
+    shadow: ShadowConfig | None = None
     backends: tuple[str, ...] = Field(default=(), description="backend names serving it; empty = all")
 
     def for_tenant(self, model: str, tenant: TenantConfig) -> RouteConfig | None:

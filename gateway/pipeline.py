@@ -38,6 +38,7 @@ from gateway.errors import (
 )
 from gateway.estimate import CorrectionKey, Estimator, charged_live_token_ms, predict
 from gateway.load import PoolLoad
+from gateway.overload import Shedder
 from gateway.overload import effects as overload_effects
 from gateway.policy.schema import (
     BackendFacts,
@@ -50,7 +51,17 @@ from gateway.policy.schema import (
 from gateway.policy.snapshot import PolicyResult
 from gateway.policy.store import PolicyStore
 from gateway.quota import QuotaLedger, QuotaView, Reservation
-from gateway.record import Budget, Decision, Identity, Mode, Outcome, RequestRecord, Shape, Verdict
+from gateway.record import (
+    Approximation,
+    Budget,
+    Decision,
+    Identity,
+    Mode,
+    Outcome,
+    RequestRecord,
+    Shape,
+    Verdict,
+)
 from gateway.scheduler import DispatchQueue, Slot
 from gateway.shape import (
     GATEWAY_OWNED_PARAMETERS,
@@ -180,6 +191,7 @@ class Gateway:
         self.quotas = QuotaLedger(tenants.settings.quotas)
         self.listener: GatewayListener = listener or GatewayListener()
         self.loads: dict[str, PoolLoad] = {}
+        self.shadows = ShadowTraffic(self)
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
         self.estimator = Estimator()
         self.pool_timing: dict[str, PoolTiming] = {}
@@ -575,6 +587,7 @@ class Gateway:
             raise
         started = time.monotonic()
         self._dispatched(admitted, dwell_ms=(started - call.received_at) * 1000.0, now=started)
+        self.shadows.maybe_mirror(admitted, tenant)
         try:
             timeout_s = admitted.deadline_at - started
             if timeout_s <= 0:
@@ -706,6 +719,70 @@ class Gateway:
 
     def provenance_pairs(self, settled: Settled) -> tuple[tuple[str, str], ...]:
         return tuple((k, str(v)) for k, v in provenance(settled).items())
+
+
+class ShadowTraffic:
+    """Mirror a share of a route's admitted requests to its candidate version (the seed's
+    "shadowing duplicates selected inputs to a candidate while returning only the control
+    result"). The mirror never changes the caller's answer, never enters the production
+    dispatch queues (it runs on the candidate's own instances, bounded by ``max_inflight``),
+    never leaves the request's privacy cell, never runs for dedicated tenants, never
+    cold-loads (the candidate must be warm), and stops from overload ladder step 1. Paired
+    latency is recorded for the candidate; its output is discarded unread."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.samplers: dict[str, Shedder] = {}
+        self.inflight: dict[str, int] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.sent = 0
+        self.skipped = 0
+
+    def maybe_mirror(self, admitted: Admitted, tenant: Tenant) -> None:
+        route = self.gateway.routes.models.get(admitted.record.identity.model)
+        if route is None or route.shadow is None:
+            return
+        shadow = route.shadow
+        if tenant.config.dedicated or admitted.decision.approximation is not Approximation.NONE:
+            return
+        if not overload_effects(admitted.record.ladder_step).shadow_enabled:
+            self.skipped += 1
+            return
+        sampler = self.samplers.setdefault(shadow.backend_model, Shedder())
+        if not sampler.admit(1.0, shadow.rate):
+            return
+        if self.inflight.get(shadow.backend_model, 0) >= shadow.max_inflight:
+            self.skipped += 1
+            return
+        for name in self.gateway.candidate_backends(route, admitted.record.identity.privacy_cell):
+            client = self.gateway.backends[name].client
+            if client.is_warm(shadow.backend_model):
+                break
+        else:
+            self.skipped += 1  # no warm candidate in the request's cell: never cold-load
+            return
+        mirrored = service_pb2.ModelInferRequest()
+        mirrored.CopyFrom(admitted.backend_request)
+        mirrored.model_name = shadow.backend_model
+        mirrored.model_version = ""
+        remaining_s = admitted.deadline_at - time.monotonic()
+        if remaining_s <= 0:
+            return
+        self.inflight[shadow.backend_model] = self.inflight.get(shadow.backend_model, 0) + 1
+        self.sent += 1
+        task = asyncio.get_running_loop().create_task(self._send(client, mirrored, remaining_s))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _send(
+        self, client: TritonBackend, request: service_pb2.ModelInferRequest, timeout_s: float
+    ) -> None:
+        try:
+            await client.infer(request, timeout_s=timeout_s, logical=request.model_name)
+        except GatewayError:
+            pass  # a candidate's failure is evidence about the candidate, never the caller's problem
+        finally:
+            self.inflight[request.model_name] -= 1
 
 
 def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:

@@ -139,6 +139,7 @@ class GatewayServer:
         if not result.ok:
             raise PolicyLoadError(result.diagnostics)
         reserved = {m for t in tenants.tenants.values() for m in t.dedicated_models.values()}
+        reserved |= {r.shadow.backend_model for r in routes.models.values() if r.shadow is not None}
         for handle in clients.values():
             handle.client.watched_models.update({r.backend_model for r in routes.models.values()} | reserved)
             await handle.client.probe()  # readiness of the watched models (fallback warmth) from the start

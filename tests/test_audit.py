@@ -88,7 +88,9 @@ def test_example_matrix_everyone_shares_full_v18() -> None:
     assert {(i.instance, i.level) for i in lumen_orchid.instances} == {
         ("local/full-v18", ShareLevel.INSTANCE),
         ("local/compact-v11", ShareLevel.LATENT),
+        ("local/full-v19", ShareLevel.FALLBACK),  # both are mirrored to the candidate (shadow)
     }
+    assert shared["local/full-v19"] == {"orchid", "lumen", "ops"}  # never the dedicated kestrel
 
 
 def test_example_findings_and_rules() -> None:

@@ -128,3 +128,41 @@ def test_each_step_has_its_effect(pinned: ThreadedGateway) -> None:
         pin(pinned, 6, 2.0)
         seen6 = outcomes(stub, 40, **{"orchid.max_output_tokens": 16})
         assert shed < seen6["RESOURCE_EXHAUSTED:overload-reject-interactive"] < 40, seen6
+
+
+def test_step_1_stops_shadow_traffic(pinned: ThreadedGateway, triton: LocalTriton) -> None:
+    """The route mirrors 5 % of eligible requests to the candidate full-v19 (answers discarded,
+    own instances, same cell); from ladder step 1 the mirror stops."""
+    import tritonclient.grpc as grpcclient
+
+    def candidate_inferences() -> int:
+        stats = grpcclient.InferenceServerClient(triton.address).get_inference_statistics("full-v19")
+        return int(stats.model_stats[0].inference_count)
+
+    gw = pinned.server.gateway
+    assert gw is not None
+    with grpc.insecure_channel(pinned.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        if POOL not in gw.loads:  # run alone: create the pool's load first
+            stub.ModelInfer(request(), metadata=AUTH, timeout=10)
+        pin(pinned, 0, 0.5)
+        before_sent, before = gw.shadows.sent, candidate_inferences()
+        replies = [
+            stub.ModelInfer(request(**{"orchid.max_output_tokens": 8}), metadata=AUTH, timeout=10)
+            for _ in range(60)
+        ]
+        assert all(
+            r.parameters["orchid.model"].string_param == "full-v18" for r in replies
+        )  # answers unchanged
+        sent = gw.shadows.sent - before_sent
+        assert 2 <= sent <= 4  # 5 % of 60
+        deadline = time.monotonic() + 5
+        while candidate_inferences() - before < sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert candidate_inferences() - before == sent  # they really ran on the candidate
+
+        pin(pinned, 1, 0.86)
+        before_sent = gw.shadows.sent
+        for _ in range(60):
+            stub.ModelInfer(request(**{"orchid.max_output_tokens": 8}), metadata=AUTH, timeout=10)
+        assert gw.shadows.sent == before_sent  # step 1: no shadow traffic
