@@ -79,8 +79,19 @@ def test_fail_open_events_are_written_and_raise_the_log_level(caplog: pytest.Log
         entry = DecisionLog(logger).record(
             decision_id="d-2", at_unix_s=0.0, record=record, result=result, outcome="admit"
         )
-    assert entry.outcome == "admit"
+    assert entry is not None and entry.outcome == "admit"
     assert caplog.records[0].levelno == logging.WARNING
     logged = json.loads(caplog.records[0].getMessage())
     assert logged["fail_open"][0]["rule"] == "soft"
     assert logged["fail_open"][0]["error"]
+
+
+def test_routine_decisions_are_not_built_for_a_silent_logger(caplog: pytest.LogCaptureFixture) -> None:
+    snapshot = load_policies(POLICIES)
+    record, context = build_inputs({})
+    result = snapshot.evaluate(record, context)
+    assert not result.fail_open
+    logger = logging.getLogger("test.quiet-decisions")
+    with caplog.at_level(logging.WARNING, logger="test.quiet-decisions"):
+        entry = DecisionLog(logger).record(decision_id="d-3", at_unix_s=0.0, record=record, result=result)
+    assert entry is None and not caplog.records

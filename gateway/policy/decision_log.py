@@ -131,8 +131,14 @@ class DecisionLog:
         record: RequestRecord,
         result: PolicyResult,
         outcome: str | None = None,
-    ) -> DecisionLogEntry:
-        """Build and write one entry; returns it."""
+    ) -> DecisionLogEntry | None:
+        """Build and write one entry; returns it (``None`` when the sink would drop it)."""
+        if (
+            isinstance(self._sink, logging.Logger)
+            and not result.fail_open
+            and not self._sink.isEnabledFor(logging.INFO)
+        ):
+            return None  # nobody reads routine decisions at this level: don't build them
         entry = decision_entry(
             decision_id=decision_id, at_unix_s=at_unix_s, record=record, result=result, outcome=outcome
         )
