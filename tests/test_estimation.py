@@ -119,3 +119,24 @@ def test_tenant_factor_only_penalizes_and_is_bounded() -> None:
         estimator.observe(absurd, "absurd", base_ms=10.0, observed_ms=1e9, now=float(i))
     assert estimator.model_correction(absurd, 30.0) <= 10.0
     assert estimator.tenant_factor("absurd", "n", 30.0) <= 10.0
+
+
+def test_underpredicted_long_requests_are_learned_without_disturbing_short_ones(
+    misset_gateway: ThreadedGateway,
+) -> None:
+    """The fault of issue 5: long requests whose real cost is several times their estimate
+    (here 4x: the profile is mis-set). Their own (model, version, bucket) correction learns
+    it within CONVERGE_WITHIN requests, and the charge is always the observed work."""
+    client = grpcclient.InferenceServerClient(misset_gateway.address)
+    errors = []
+    for _ in range(CONVERGE_WITHIN + 6):
+        got = infer(client, "full-v18", 4096, **{"orchid.max_output_tokens": 128, "orchid.class": "batch"})
+        errors.append(
+            abs(math.log(got["orchid.predicted_accelerator_ms"] / got["orchid.charged_accelerator_ms"]))
+        )
+    gateway = misset_gateway.server.gateway
+    assert gateway is not None
+    long_key = CorrectionKey("full-v18", "1", "long")
+    assert gateway.estimator.samples(long_key) >= CONVERGE_WITHIN
+    assert gateway.estimator.model_correction(long_key, time.monotonic()) > 2.0  # learned "costs more"
+    assert statistics.median(errors[CONVERGE_WITHIN:]) < CONVERGED, errors
