@@ -83,14 +83,14 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):  # type: ignore[misc,n
         await self._authorize(context)
         pools = []
         for name, load in sorted(self.gateway.loads.items()):
-            state = load.ladder.state if load.ladder is not None else None
+            state = load.ladder.state
             pools.append(
                 admin_pb2.PoolLadder(
                     pool=name,
                     step=load.step,
-                    reason=state.reason if state is not None else "",
+                    reason=state.reason,
                     utilization=load.utilization(),
-                    stale=bool(state.stale) if state is not None else False,
+                    stale=state.stale,
                 )
             )
         return admin_pb2.LadderStatusResponse(pools=pools)

@@ -49,11 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                 )
         sub = groups[path[:-1]].add_parser(path[-1], help=help_text, description=help_text)
         sub.set_defaults(_module=module_name)
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        module.add_arguments(sub)
+        importlib.import_module(module_name).add_arguments(sub)
     return parser
 
 

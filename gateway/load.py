@@ -48,7 +48,7 @@ class PoolLoad:
     admitted_offered: DemandWindow = field(default_factory=DemandWindow)
     admitted_running: DemandWindow = field(default_factory=DemandWindow)
     dwell: DwellWindow = field(default_factory=DwellWindow)
-    ladder: OverloadLadder | None = None
+    ladder: OverloadLadder = field(init=False)
     evidence: LoadEvidence | None = None
     shedder: Shedder = field(default_factory=Shedder)
     diverter: Shedder = field(default_factory=Shedder)
@@ -59,11 +59,9 @@ class PoolLoad:
 
     @property
     def step(self) -> int:
-        assert self.ladder is not None
         return int(self.ladder.step)
 
     def gather(self, now: float, queue: DispatchQueue, *, healthy: bool, evidence_at: float) -> LadderState:
-        assert self.ladder is not None
         healthy_devices = self.devices if healthy else 0
         self.evidence = LoadEvidence(
             now=now,

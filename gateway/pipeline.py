@@ -191,6 +191,7 @@ class Gateway:
         self.quotas = QuotaLedger(tenants.settings.quotas)
         self.listener: GatewayListener = listener or GatewayListener()
         self.loads: dict[str, PoolLoad] = {}
+        self._tenant_routes: dict[tuple[str, str], RouteConfig | None] = {}
         self.shadows = ShadowTraffic(self)
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
         self.estimator = Estimator()
@@ -207,7 +208,10 @@ class Gateway:
         route = self.routes.models.get(model)
         if route is None or not tenant.may_call(model):
             raise NotFound(f"unknown model {model!r}")
-        own = route.for_tenant(model, tenant.config)
+        key = (model, tenant.name)
+        if key not in self._tenant_routes:  # a dedicated tenant's copy is built once, not per request
+            self._tenant_routes[key] = route.for_tenant(model, tenant.config)
+        own = self._tenant_routes[key]
         if own is None:  # config checks rule this out at load; never fall back to shared instances
             raise PermissionDenied(f"model {model!r} has no dedicated capacity for this credential")
         return own
@@ -716,9 +720,6 @@ class Gateway:
         session = _StreamSession(self, tenant, call)
         async for response in session.run(requests):
             yield response
-
-    def provenance_pairs(self, settled: Settled) -> tuple[tuple[str, str], ...]:
-        return tuple((k, str(v)) for k, v in provenance(settled).items())
 
 
 class ShadowTraffic:

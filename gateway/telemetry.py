@@ -181,7 +181,7 @@ class Telemetry(GatewayListener):
                 outcome.observed_accelerator_ms / record.demand.accelerator_ms
             )
         m.useful_tokens.labels(model).inc(record.shape.input_tokens * record.shape.items)
-        if settled.stages is not None:
+        if settled.stages is not None and self.config.trace_sample_ratio > 0:
             self._spans(settled, settled.stages)
 
     def ladder(self, pool: str, step: int) -> None:

@@ -59,7 +59,6 @@ def pin(running: ThreadedGateway, step: int, utilization: float) -> None:
 
     def apply() -> None:
         load = gw.loads[POOL]
-        assert load.ladder is not None
         now = time.monotonic()
         load.ladder.state = LadderState(LadderStep(step), False, "pinned by the test", False, now)
         load.evidence = LoadEvidence(
