@@ -445,7 +445,7 @@ class Gateway:
             reserve_upstream_ms=request_class.reserve_upstream_ms,
             reserve_exec_ms=demand.accelerator_ms + demand.host_cpu_ms,
             reserve_fail_ms=request_class.reserve_fail_ms,
-            queue_wait_ms=queue.predicted_wait_ms(now),
+            queue_wait_ms=queue.predicted_wait_ms(now, deadline_at=call.received_at + deadline_ms / 1000.0),
         )
         record = RequestRecord(
             identity=identity, shape=shape, demand=demand, budget=budget, ladder_step=ladder_step
@@ -678,6 +678,7 @@ class Gateway:
             tenant=identity.tenant,
             weight=tenant.config.weight if tenant else 1.0,
             class_weight=request_class.weight if request_class else 1.0,
+            bucket=admitted.record.shape.bucket,
         )
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:

@@ -29,9 +29,20 @@ Rules (everything that decides who goes next lives here):
    with a retry-after from the predicted wait. A waiter that cannot start
    before its latest feasible start leaves with ``DeadlineExpired`` instead of
    running late; a cancelled waiter leaves at once and holds nothing.
+6. **Bind ahead only when it starts in time, and never across shapes.** The
+   slots beyond one per device bind work into the backend's own queue (Triton
+   runs it FIFO on the first instance to free), which hides the round trip
+   between two requests. The queue list-schedules the work it has bound over
+   the pool's devices to predict when a device frees. Work is bound ahead
+   only if that predicted start is before its latest start, and only behind
+   bound-but-unstarted work of the same shape bucket (Triton would co-batch
+   the two and pad the short one to the long one's shape). Otherwise the
+   waiter stays here, where a deadline can still reorder it, until a device
+   frees: a short request is never stuck in Triton's queue behind a long one.
 
-The queue also answers the admission question "how long would this wait?"
-from the predicted work queued and still executing ahead of it.
+The queue also answers the admission question "when would this start?" by the
+same list scheduling: the work bound to the backend, then the queued work with
+an earlier deadline, over the pool's devices.
 """
 
 from __future__ import annotations
@@ -52,16 +63,22 @@ class _Waiter:
     deadline_at: float
     seq: int
     cost_ms: float = field(compare=False)
-    future: asyncio.Future[None] = field(compare=False)
+    future: asyncio.Future[Slot] = field(compare=False)
     flow: tuple[str, str] = field(compare=False, default=("", ""))
+    latest_start: float = field(compare=False, default=float("inf"))
+    bucket: str = field(compare=False, default="")
     live: bool = field(compare=False, default=True)
 
 
 @dataclass(eq=False)
 class Slot:
+    """Permission to run one request on the pool: held from binding to the backend until done."""
+
     queue: DispatchQueue
     cost_ms: float
-    started_at: float
+    started_at: float  # bound to the backend
+    predicted_start: float  # when a device is predicted to start it (later if bound ahead)
+    bucket: str = ""
     released: bool = False
 
     def release(self) -> None:
@@ -97,7 +114,7 @@ class DispatchQueue:
         self.reserved_control = min(max(0, reserved_control), self.slots - 1)
         self.max_consecutive = max(1, max_consecutive)
         self._seq = itertools.count()
-        self._inflight: set[Slot] = set()
+        self._inflight: dict[Slot, None] = {}  # in binding order: the backend runs it FIFO
         self._classes: dict[str, _Flow] = {}  # class -> its virtual time and weight (heap unused)
         self._flows: dict[tuple[str, str], _Flow] = {}
         self._last_tenant: tuple[str, str] | None = None
@@ -105,22 +122,44 @@ class DispatchQueue:
         self.granted_ms: dict[tuple[str, str], float] = {}  # accelerator-ms granted per flow
         self.queued_ms = 0.0
         self.queued = 0
-        self._reserved = 0  # woken waiters that have not taken their slot yet
+        self.held_back = 0  # times a waiter was kept here rather than bound behind busy devices
 
     @property
     def inflight(self) -> int:
         return len(self._inflight)
 
     def inflight_remaining_ms(self, now: float) -> float:
-        """Predicted work still executing in the pool's slots."""
-        return sum(max(0.0, s.cost_ms - (now - s.started_at) * 1000.0) for s in self._inflight)
+        """Predicted work still to execute in the pool's slots (bound to the backend)."""
+        return sum(max(0.0, s.cost_ms - max(0.0, now - s.predicted_start) * 1000.0) for s in self._inflight)
 
-    def predicted_wait_ms(self, now: float | None = None) -> float:
-        """Work ahead of a new arrival, spread over the pool's devices."""
+    def _device_free_times(self, now: float) -> list[float]:
+        """A heap of the times each device is predicted to finish the work bound to the
+        backend: list scheduling in binding order (Triton's queue is FIFO over the
+        instances), each slot's remaining work from its predicted start. Work that
+        overran its prediction is taken to end now (optimistic, and corrected at release)."""
+        free = [now] * self.devices
+        for slot in self._inflight:
+            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
+            heapq.heappush(free, heapq.heappop(free) + max(0.0, slot.cost_ms - done_ms) / 1000.0)
+        return free
+
+    def predicted_wait_ms(self, now: float | None = None, *, deadline_at: float | None = None) -> float:
+        """How long a new arrival would wait for a device: the work bound to the backend,
+        then the queued work that goes before it (an earlier deadline; all of it when
+        ``deadline_at`` is None), list-scheduled over the pool's devices."""
         now = time.monotonic() if now is None else now
-        if self._free(CONTROL_CLASS) > 0 and self.queued == 0:
-            return 0.0
-        return (self.queued_ms + self.inflight_remaining_ms(now)) / self.devices
+        free = self._device_free_times(now)
+        if self.queued:
+            ahead = sorted(
+                (w.deadline_at, w.cost_ms)
+                for flow in self._flows.values()
+                if flow.live
+                for w in flow.heap
+                if w.live and (deadline_at is None or w.deadline_at <= deadline_at)
+            )
+            for _, cost_ms in ahead:
+                heapq.heappush(free, heapq.heappop(free) + cost_ms / 1000.0)
+        return max(0.0, (free[0] - now) * 1000.0)
 
     async def acquire(
         self,
@@ -132,13 +171,18 @@ class DispatchQueue:
         tenant: str = "",
         weight: float = 1.0,
         class_weight: float = 1.0,
+        bucket: str = "",
     ) -> Slot:
         """Wait for a slot. ``deadline_at`` orders the flow; ``latest_start`` bounds the wait
-        (both ``time.monotonic()`` seconds); weights set the class's and tenant's shares."""
+        (both ``time.monotonic()`` seconds); weights set the class's and tenant's shares;
+        ``bucket`` is the shape bucket (work of different buckets is not bound ahead together)."""
         flow_key = (request_class, tenant)
+        now = time.monotonic()
         if self._free(request_class) > 0 and self.queued == 0:
-            self._charge(flow_key, cost_ms, weight, class_weight)
-            return self._grant(cost_ms)
+            start = self._bind_start(now, latest_start, bucket)
+            if start is not None:
+                self._charge(flow_key, cost_ms, weight, class_weight)
+                return self._grant(cost_ms, now, start, bucket)
         if self.queued >= self.max_queued:
             raise ResourceExhausted(
                 "the model's queue is full",
@@ -146,28 +190,27 @@ class DispatchQueue:
                 retry_after_ms=max(1, int(self.predicted_wait_ms())),
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(deadline_at, next(self._seq), cost_ms, loop.create_future(), flow_key)
+        waiter = _Waiter(
+            deadline_at, next(self._seq), cost_ms, loop.create_future(), flow_key, latest_start, bucket
+        )
         self._enqueue(waiter, weight, class_weight)
         self._wake_next()  # a slot may be free with only ineligible waiters ahead
         try:
             timeout = latest_start - time.monotonic()
             if timeout <= 0:
                 raise TimeoutError
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except (TimeoutError, asyncio.CancelledError) as exc:
             if waiter.future.done() and not waiter.future.cancelled():
-                # Woken in the same instant we gave up: pass the slot on.
-                self._reserved -= 1
-                self._wake_next()
+                waiter.future.result().release()  # granted in the same instant we gave up: pass it on
             waiter.future.cancel()
             self._forget(waiter)
+            self._wake_next()  # a waiter held behind this one may fit now
             if isinstance(exc, TimeoutError):
                 raise DeadlineExpired(
                     "the request could not start before its deadline", rule="queue.latest_start"
                 ) from None
             raise
-        self._reserved -= 1
-        return self._grant(cost_ms)
 
     # ------------------------------------------------------------------ flows
 
@@ -241,17 +284,42 @@ class DispatchQueue:
 
     # ------------------------------------------------------------------ slots
 
-    def _grant(self, cost_ms: float) -> Slot:
-        slot = Slot(self, cost_ms, time.monotonic())
-        self._inflight.add(slot)
+    def _bind_start(self, now: float, latest_start: float, bucket: str) -> float | None:
+        """When work bound now would start on a device, or None if it must not be bound yet:
+        every device is busy and it would start after ``latest_start``, or unstarted work
+        of another shape bucket is already waiting in the backend's queue."""
+        if len(self._inflight) < self.devices:
+            return now
+        start = self._device_free_times(now)[0]
+        if start > latest_start:
+            return None
+        if any(s.bucket != bucket and s.predicted_start > now for s in self._inflight):
+            return None
+        return start
+
+    def _grant(self, cost_ms: float, now: float, start: float, bucket: str) -> Slot:
+        slot = Slot(self, cost_ms, now, start, bucket)
+        self._inflight[slot] = None
         return slot
 
     def _release(self, slot: Slot) -> None:
-        self._inflight.discard(slot)
+        self._inflight.pop(slot, None)
+        self._replan(time.monotonic())
         self._wake_next()
 
+    def _replan(self, now: float) -> None:
+        """A device freed (perhaps earlier or later than predicted): work waiting in the
+        backend's queue starts when the next device frees, so move its predicted start."""
+        free = [now] * self.devices
+        for slot in self._inflight:
+            device_free = heapq.heappop(free)
+            if slot.predicted_start > now:
+                slot.predicted_start = device_free
+            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
+            heapq.heappush(free, device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0)
+
     def _free(self, request_class: str) -> int:
-        free = self.slots - len(self._inflight) - self._reserved
+        free = self.slots - len(self._inflight)
         return free if request_class == CONTROL_CLASS else free - self.reserved_control
 
     def _wake_next(self) -> None:
@@ -259,9 +327,15 @@ class DispatchQueue:
             waiter = self._next_waiter()
             if waiter is None:
                 return
+            now = time.monotonic()
+            start = self._bind_start(now, waiter.latest_start, waiter.bucket)
+            if start is None:
+                # Held: binding it now would leave it in the backend's queue past its latest
+                # start (or co-batched across shapes). A device freeing wakes it again.
+                self.held_back += 1
+                return
             heapq.heappop(self._flows[waiter.flow].heap)
             self._forget(waiter)
             flow = self._flows[waiter.flow]
             self._charge(waiter.flow, waiter.cost_ms, flow.weight, self._classes[waiter.flow[0]].weight)
-            self._reserved += 1
-            waiter.future.set_result(None)
+            waiter.future.set_result(self._grant(waiter.cost_ms, now, start, waiter.bucket))

@@ -166,3 +166,78 @@ async def test_control_slice_is_reserved() -> None:
     control.release()
     first.release()
     assert queue.inflight == 0 and queue.queued == 0
+
+
+# -------------------------------------------------------------- binding ahead (rule 6)
+
+
+async def test_work_is_bound_ahead_only_when_it_starts_in_time() -> None:
+    """Two devices busy with long work and two free dispatch slots: a short request whose
+    latest start comes before either device frees waits here, not in the backend's queue,
+    and binds the moment a device frees."""
+    queue = DispatchQueue("q", devices=2, slots=4, max_queued=10)
+    now = time.monotonic()
+    longs = [
+        await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=10_000, bucket="long")
+        for _ in range(2)
+    ]
+    short = asyncio.create_task(
+        queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=10, bucket="short")
+    )
+    await asyncio.sleep(0.02)
+    assert not short.done(), "bound behind 10 s of work although its latest start is 5 s away"
+    assert (queue.inflight, queue.queued) == (2, 1) and queue.held_back >= 1
+    longs[0].release()  # a device frees: the short one starts on it at once
+    slot = await asyncio.wait_for(short, 1)
+    assert slot.predicted_start <= time.monotonic()
+    slot.release()
+    longs[1].release()
+
+
+async def test_binding_ahead_predicts_the_start_from_the_devices_work() -> None:
+    """One device busy for ~50 ms: a request with room binds ahead into the second slot,
+    predicted to start when the device frees; a new arrival's predicted wait counts both."""
+    queue = DispatchQueue("q", devices=1, slots=2, max_queued=10)
+    now = time.monotonic()
+    running = await queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=50)
+    ahead = await queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=30)
+    assert ahead.predicted_start == pytest.approx(running.predicted_start + 0.05, abs=0.005)
+    assert queue.predicted_wait_ms(time.monotonic()) == pytest.approx(80, abs=10)
+    running.release()  # early: the bound-ahead work starts now, not at its predicted time
+    assert ahead.predicted_start <= time.monotonic()
+    assert queue.predicted_wait_ms(time.monotonic()) == pytest.approx(30, abs=10)
+    ahead.release()
+    assert queue.predicted_wait_ms(time.monotonic()) == 0.0
+
+
+async def test_no_binding_ahead_across_shape_buckets() -> None:
+    """Unstarted long work in the backend's queue: a short request is not bound behind it
+    (Triton would co-batch the two, padding the short one to the long shape)."""
+    queue = DispatchQueue("q", devices=1, slots=3, max_queued=10)
+    now = time.monotonic()
+    running = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=20, bucket="s")
+    long_ahead = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=200, bucket="l")
+    short = asyncio.create_task(
+        queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=20, bucket="s")
+    )
+    await asyncio.sleep(0.02)
+    assert not short.done(), "bound into the backend's queue beside unstarted work of another shape"
+    running.release()  # the long one starts on the device; the short one may queue behind it
+    slot = await asyncio.wait_for(short, 1)
+    assert slot.predicted_start == pytest.approx(long_ahead.predicted_start + 0.2, abs=0.01)
+    slot.release()
+    long_ahead.release()
+
+
+async def test_predicted_wait_counts_earlier_deadlines_only() -> None:
+    queue = DispatchQueue("q", devices=1, slots=1, max_queued=10)
+    now = time.monotonic()
+    holder = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=100)
+    late = asyncio.create_task(queue.acquire(deadline_at=now + 30, latest_start=now + 30, cost_ms=500))
+    await asyncio.sleep(0.01)
+    t = time.monotonic()
+    assert queue.predicted_wait_ms(t, deadline_at=now + 1) < 150  # EDF: goes before the 500 ms
+    assert queue.predicted_wait_ms(t, deadline_at=now + 40) > 500
+    assert queue.predicted_wait_ms(t) > 500
+    holder.release()
+    (await late).release()
