@@ -678,7 +678,6 @@ class Gateway:
             tenant=identity.tenant,
             weight=tenant.config.weight if tenant else 1.0,
             class_weight=request_class.weight if request_class else 1.0,
-            bucket=admitted.record.shape.bucket,
         )
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:

@@ -29,16 +29,18 @@ Rules (everything that decides who goes next lives here):
    with a retry-after from the predicted wait. A waiter that cannot start
    before its latest feasible start leaves with ``DeadlineExpired`` instead of
    running late; a cancelled waiter leaves at once and holds nothing.
-6. **Bind ahead only when it starts in time, and never across shapes.** The
+6. **Bind ahead one request at a time, and only when it starts in time.** The
    slots beyond one per device bind work into the backend's own queue (Triton
    runs it FIFO on the first instance to free), which hides the round trip
    between two requests. The queue list-schedules the work it has bound over
    the pool's devices to predict when a device frees. Work is bound ahead
-   only if that predicted start is before its latest start, and only behind
-   bound-but-unstarted work of the same shape bucket (Triton would co-batch
-   the two and pad the short one to the long one's shape). Otherwise the
-   waiter stays here, where a deadline can still reorder it, until a device
-   frees: a short request is never stuck in Triton's queue behind a long one.
+   only if that predicted start is before its latest start, and only when
+   nothing bound earlier is still waiting in the backend's queue: two waiting
+   there would be co-batched when an instance frees, the first one then
+   finishing with the whole (padded) batch, later than predicted. Otherwise
+   the waiter stays here, where a deadline can still reorder it, until a
+   device frees: a short request is never stuck in Triton's queue behind a
+   long one.
 
 The queue also answers the admission question "when would this start?" by the
 same list scheduling: the work bound to the backend, then the queued work with
@@ -66,7 +68,6 @@ class _Waiter:
     future: asyncio.Future[Slot] = field(compare=False)
     flow: tuple[str, str] = field(compare=False, default=("", ""))
     latest_start: float = field(compare=False, default=float("inf"))
-    bucket: str = field(compare=False, default="")
     live: bool = field(compare=False, default=True)
 
 
@@ -78,7 +79,6 @@ class Slot:
     cost_ms: float
     started_at: float  # bound to the backend
     predicted_start: float  # when a device is predicted to start it (later if bound ahead)
-    bucket: str = ""
     released: bool = False
 
     def release(self) -> None:
@@ -171,18 +171,16 @@ class DispatchQueue:
         tenant: str = "",
         weight: float = 1.0,
         class_weight: float = 1.0,
-        bucket: str = "",
     ) -> Slot:
         """Wait for a slot. ``deadline_at`` orders the flow; ``latest_start`` bounds the wait
-        (both ``time.monotonic()`` seconds); weights set the class's and tenant's shares;
-        ``bucket`` is the shape bucket (work of different buckets is not bound ahead together)."""
+        (both ``time.monotonic()`` seconds); weights set the class's and tenant's shares."""
         flow_key = (request_class, tenant)
         now = time.monotonic()
         if self._free(request_class) > 0 and self.queued == 0:
-            start = self._bind_start(now, latest_start, bucket)
+            start = self._bind_start(now, latest_start)
             if start is not None:
                 self._charge(flow_key, cost_ms, weight, class_weight)
-                return self._grant(cost_ms, now, start, bucket)
+                return self._grant(cost_ms, now, start)
         if self.queued >= self.max_queued:
             raise ResourceExhausted(
                 "the model's queue is full",
@@ -190,9 +188,7 @@ class DispatchQueue:
                 retry_after_ms=max(1, int(self.predicted_wait_ms())),
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(
-            deadline_at, next(self._seq), cost_ms, loop.create_future(), flow_key, latest_start, bucket
-        )
+        waiter = _Waiter(deadline_at, next(self._seq), cost_ms, loop.create_future(), flow_key, latest_start)
         self._enqueue(waiter, weight, class_weight)
         self._wake_next()  # a slot may be free with only ineligible waiters ahead
         try:
@@ -284,21 +280,19 @@ class DispatchQueue:
 
     # ------------------------------------------------------------------ slots
 
-    def _bind_start(self, now: float, latest_start: float, bucket: str) -> float | None:
+    def _bind_start(self, now: float, latest_start: float) -> float | None:
         """When work bound now would start on a device, or None if it must not be bound yet:
-        every device is busy and it would start after ``latest_start``, or unstarted work
-        of another shape bucket is already waiting in the backend's queue."""
+        every device is busy and either it would start after ``latest_start`` or work bound
+        earlier is still waiting in the backend's queue (the two would be co-batched)."""
         if len(self._inflight) < self.devices:
             return now
+        if any(s.predicted_start > now for s in self._inflight):
+            return None
         start = self._device_free_times(now)[0]
-        if start > latest_start:
-            return None
-        if any(s.bucket != bucket and s.predicted_start > now for s in self._inflight):
-            return None
-        return start
+        return start if start <= latest_start else None
 
-    def _grant(self, cost_ms: float, now: float, start: float, bucket: str) -> Slot:
-        slot = Slot(self, cost_ms, now, start, bucket)
+    def _grant(self, cost_ms: float, now: float, start: float) -> Slot:
+        slot = Slot(self, cost_ms, now, start)
         self._inflight[slot] = None
         return slot
 
@@ -328,14 +322,14 @@ class DispatchQueue:
             if waiter is None:
                 return
             now = time.monotonic()
-            start = self._bind_start(now, waiter.latest_start, waiter.bucket)
+            start = self._bind_start(now, waiter.latest_start)
             if start is None:
-                # Held: binding it now would leave it in the backend's queue past its latest
-                # start (or co-batched across shapes). A device freeing wakes it again.
+                # Held: bound now, it would wait in the backend's queue past its latest start
+                # or be co-batched with work already waiting there. A device freeing wakes it.
                 self.held_back += 1
                 return
             heapq.heappop(self._flows[waiter.flow].heap)
             self._forget(waiter)
             flow = self._flows[waiter.flow]
             self._charge(waiter.flow, waiter.cost_ms, flow.weight, self._classes[waiter.flow[0]].weight)
-            waiter.future.set_result(self._grant(waiter.cost_ms, now, start, waiter.bucket))
+            waiter.future.set_result(self._grant(waiter.cost_ms, now, start))

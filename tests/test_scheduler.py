@@ -178,12 +178,9 @@ async def test_work_is_bound_ahead_only_when_it_starts_in_time() -> None:
     queue = DispatchQueue("q", devices=2, slots=4, max_queued=10)
     now = time.monotonic()
     longs = [
-        await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=10_000, bucket="long")
-        for _ in range(2)
+        await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=10_000) for _ in range(2)
     ]
-    short = asyncio.create_task(
-        queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=10, bucket="short")
-    )
+    short = asyncio.create_task(queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=10))
     await asyncio.sleep(0.02)
     assert not short.done(), "bound behind 10 s of work although its latest start is 5 s away"
     assert (queue.inflight, queue.queued) == (2, 1) and queue.held_back >= 1
@@ -210,23 +207,22 @@ async def test_binding_ahead_predicts_the_start_from_the_devices_work() -> None:
     assert queue.predicted_wait_ms(time.monotonic()) == 0.0
 
 
-async def test_no_binding_ahead_across_shape_buckets() -> None:
-    """Unstarted long work in the backend's queue: a short request is not bound behind it
-    (Triton would co-batch the two, padding the short one to the long shape)."""
+async def test_one_request_at_a_time_waits_in_the_backends_queue() -> None:
+    """Unstarted work already bound ahead: the next request is not bound behind it (Triton
+    would co-batch the two when the device frees, and the first would finish with the
+    whole padded batch, later than predicted)."""
     queue = DispatchQueue("q", devices=1, slots=3, max_queued=10)
     now = time.monotonic()
-    running = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=20, bucket="s")
-    long_ahead = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=200, bucket="l")
-    short = asyncio.create_task(
-        queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=20, bucket="s")
-    )
+    running = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=20)
+    bound_ahead = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=200)
+    third = asyncio.create_task(queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=20))
     await asyncio.sleep(0.02)
-    assert not short.done(), "bound into the backend's queue beside unstarted work of another shape"
-    running.release()  # the long one starts on the device; the short one may queue behind it
-    slot = await asyncio.wait_for(short, 1)
-    assert slot.predicted_start == pytest.approx(long_ahead.predicted_start + 0.2, abs=0.01)
+    assert not third.done(), "bound into the backend's queue beside unstarted work"
+    running.release()  # the bound-ahead request starts on the device; the third may queue behind it
+    slot = await asyncio.wait_for(third, 1)
+    assert slot.predicted_start == pytest.approx(bound_ahead.predicted_start + 0.2, abs=0.01)
     slot.release()
-    long_ahead.release()
+    bound_ahead.release()
 
 
 async def test_predicted_wait_counts_earlier_deadlines_only() -> None:
