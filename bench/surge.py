@@ -41,6 +41,13 @@ Scaling (one consistent rule: the seed's world, on 4 devices, with time compress
       Offered demand is then 16,368.8 · (4/24) = 2,728.1 device-ms/s = 97.43 % of the
       protected envelope 4 × 0.70 × 1,000 = 2,800 ms/s, exactly the seed's ratio; the
       surge (x1.25) is 3,410.2 ms/s = 121.8 % (85 % of the devices' raw time).
+    * Fallback devices (``--fallback-devices``): by default ``shared``, as the seed
+      models the fallback's saving: ``compact-v11`` gets one instance beside each of
+      ``full-v18``'s 4 (a temporary copy of the repository) and the emulator runs both
+      models' batches on the same 4 emulated devices (``ORCHID_DEVICE_DIR``, one lock
+      per device); the gateway's backend entry says ``shared_devices: true``. The
+      direct targets run on the same setup (they never call the fallback). ``own``
+      keeps the shipped 2 ``compact-v11`` instances as extra devices (6 in all).
     * Deadlines scale with f: the seed's teaching deadline 200 ms for short interactive
       requests (-> 100 ms at f = 0.5, 3.5x the short price); long requests get
       1,000 ms (-> 500 ms; 2.1x their price: 2 x 467.6 + R_up 12 + R_fail 15 = 962
@@ -327,12 +334,27 @@ def tuned_timeout_us(cls: str, scenario: Scenario) -> int:
     return max(1, int(slack_ms * 1000))
 
 
-def tuned_repository(scenario: Scenario, into: Path, max_queue_size: int) -> Path:
-    """A copy of the example repository with a queue policy on full-v18 and compact-v11.
-
-    The emulator's ``model.py`` imports ``../../../emulator``, so the copy keeps that layout."""
+def copy_repository(into: Path) -> Path:
+    """A copy of the example repository. The emulator's ``model.py`` imports
+    ``../../../emulator``, so the copy keeps that layout."""
     shutil.copytree(EXAMPLES / "model_repository", into / "model_repository")
     shutil.copytree(EXAMPLES / "emulator", into / "emulator", ignore=shutil.ignore_patterns("__pycache__"))
+    return into / "model_repository"
+
+
+def share_devices(repository: Path, devices: int) -> None:
+    """``--shared-devices``: one ``compact-v11`` instance beside each ``full-v18`` instance
+    (the emulator then runs both models' batches on the same emulated devices)."""
+    path = repository / FALLBACK / "config.pbtxt"
+    text, count = re.subn(r"count: \d+", f"count: {devices}", path.read_text())
+    if count != 1:
+        raise RuntimeError(f"{path}: expected one instance_group count")
+    path.write_text(text)
+
+
+def tuned_repository(scenario: Scenario, into: Path, max_queue_size: int) -> Path:
+    """A copy of the example repository with a queue policy on full-v18 and compact-v11."""
+    copy_repository(into)
     default_us = tuned_timeout_us("short", scenario)
     policy = (
         "dynamic_batching { max_queue_delay_microseconds: 0 default_queue_policy { "
@@ -354,6 +376,7 @@ def gateway_config(
     listen: str,
     inflight: int | None = None,
     ladder: dict[str, float] | None = None,
+    shared_devices: bool = False,
 ) -> dict[str, Any]:
     """The example gateway config with the local Triton as a `backends:` entry and the
     classes' time constants scaled by f."""
@@ -376,6 +399,7 @@ def gateway_config(
                 "labels": local["labels"],
                 "devices": local["devices"],
                 "max_inflight_per_device": inflight or local["max_inflight_per_device"],
+                "shared_devices": shared_devices,
                 "time_scale": f,
             }
         ],
@@ -632,6 +656,7 @@ class Options:
     gateway_pythonpath: str | None
     gateway_inflight: int | None = None
     gateway_ladder: dict[str, float] | None = None
+    shared_devices: bool = False
 
 
 async def run_target(target: str, opts: Options) -> RunResult:
@@ -643,6 +668,13 @@ async def run_target(target: str, opts: Options) -> RunResult:
     repository = EXAMPLES / "model_repository"
     if target == "triton-tuned":
         repository = tuned_repository(scenario, work, opts.tuned_queue_size)
+    if opts.shared_devices:
+        # Every target runs on the same emulated devices; only the gateway uses the fallback.
+        if target != "triton-tuned":
+            repository = copy_repository(work)
+        share_devices(repository, scenario.fleet)
+        os.environ["ORCHID_DEVICE_DIR"] = str(work / "devices")
+        os.environ["ORCHID_DEVICES"] = str(scenario.fleet)
     triton = LocalTriton(repository, work / "triton", grpc_port=port, time_factor=f)
     gateway: GatewayProcess | None = None
     started = time.monotonic()
@@ -654,7 +686,12 @@ async def run_target(target: str, opts: Options) -> RunResult:
             listen = f"127.0.0.1:{opts.base_port + 8}"
             config_path = work / "gateway.yaml"
             config = gateway_config(
-                scenario, triton.address, listen, opts.gateway_inflight, opts.gateway_ladder
+                scenario,
+                triton.address,
+                listen,
+                opts.gateway_inflight,
+                opts.gateway_ladder,
+                shared_devices=opts.shared_devices,
             )
             config_path.write_text(yaml.safe_dump(config))
             gateway = GatewayProcess(config_path, listen, work / "gateway.log", opts.gateway_pythonpath)
@@ -1358,6 +1395,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="diagnostic: a `ladder:` setting of the gateway config, e.g. reject_interactive_at=1.5",
     )
+    parser.add_argument(
+        "--fallback-devices",
+        choices=("shared", "own"),
+        default="shared",
+        help="shared (default): compact-v11 runs on full-v18's 4 emulated devices, one instance of "
+        "each per device, as the seed models the fallback, and the gateway is told "
+        "(`shared_devices: true`); own: compact-v11 keeps its 2 instances of its own (6 devices)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep Triton and gateway logs (prints where)")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "surge.png")
     parser.add_argument(
@@ -1412,6 +1457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gateway_pythonpath=args.gateway_pythonpath,
             gateway_inflight=args.gateway_inflight,
             gateway_ladder=dict(parse_setting(item) for item in args.gateway_ladder) or None,
+            shared_devices=args.fallback_devices == "shared",
         )
         results = asyncio.run(run_all(opts, targets))
     print(
@@ -1420,6 +1466,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"phases {args.normal_s:g}/{args.surge_s:g}/{args.recover_s:g} s, "
         f"tuned max_queue_size {args.tuned_queue_size}, total wall {time.monotonic() - started:.0f} s"
     )
+    if args.fallback_devices == "shared":
+        print(
+            f"shared devices: {FALLBACK} runs on the same {scenario.fleet} emulated devices as "
+            f"{PRIMARY} (one instance of each per device); busy ms/s below add up on those devices"
+        )
     reports = {name: analyse(result, scenario) for name, result in results.items()}
     main_reports = {k: v for k, v in reports.items() if k != KILL_TARGET}
     print_phase_tables({k: v for k, v in results.items() if k != KILL_TARGET}, main_reports)

@@ -41,6 +41,11 @@ class BackendConfig(_Strict):
     labels: dict[str, str]
     devices: int = Field(ge=1)
     max_inflight_per_device: int = Field(default=2, ge=1)
+    shared_devices: bool = Field(
+        default=False,
+        description="all its models run on the same `devices` accelerators (e.g. the fallback placed "
+        "beside the primary on each device): dispatch predicts device time across all of them",
+    )
     time_scale: float = Field(
         default=1.0, gt=0, description="its devices run time_scale x profile ms (capacity emulators)"
     )
@@ -64,6 +69,11 @@ class LocalTritonConfig(_Strict):
     labels: dict[str, str] = Field(default_factory=lambda: {"cell": "eu-restricted", "device_group": "local"})
     devices: int = Field(default=4, ge=1)
     max_inflight_per_device: int = Field(default=2, ge=1)
+    shared_devices: bool = Field(
+        default=False,
+        description="all its models run on the same `devices` accelerators (e.g. the fallback placed "
+        "beside the primary on each device): dispatch predicts device time across all of them",
+    )
 
 
 class RequestClassConfig(_Strict):

@@ -119,7 +119,13 @@ class PoolLoad:
         return not self.shedder.admit(effective, target)
 
     def drain_ms(self) -> float:
-        return drain_ms(self.evidence) if self.evidence is not None else 0.0
+        """Predicted drain for policy (``load.drain_ms``): finite, so a rule can compute a
+        retry-after from it; with no protected capacity (or unreadable evidence) nothing
+        drains and it is the configured maximum retry-after."""
+        if self.evidence is None:
+            return 0.0
+        drain = drain_ms(self.evidence)
+        return drain if math.isfinite(drain) else float(self.config.retry_after_max_ms)
 
     def utilization(self) -> float:
         return self.evidence.utilization if self.evidence is not None else 0.0

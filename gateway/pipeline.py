@@ -62,7 +62,7 @@ from gateway.record import (
     Shape,
     Verdict,
 )
-from gateway.scheduler import DispatchQueue, Slot
+from gateway.scheduler import DeviceSet, DispatchQueue, Slot
 from gateway.shape import (
     GATEWAY_OWNED_PARAMETERS,
     check_backend_controls,
@@ -124,6 +124,7 @@ class BackendHandle:
     devices: int
     max_inflight_per_device: int
     time_scale: float = 1.0  # its devices run time_scale x the profile's milliseconds
+    shared_devices: bool = False  # all its models run on the same `devices` accelerators
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +195,7 @@ class Gateway:
         self._tenant_routes: dict[tuple[str, str], RouteConfig | None] = {}
         self.shadows = ShadowTraffic(self)
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
+        self._device_sets: dict[str, DeviceSet] = {}  # backends whose models share devices
         self.estimator = Estimator()
         self.pool_timing: dict[str, PoolTiming] = {}
         self._stats_samples: dict[str, StatsSample] = {}
@@ -235,12 +237,18 @@ class Gateway:
         queue = self._queues.get(key)
         if queue is None:
             handle = self.backends[backend_name]
+            devices = spec.instances  # in the emulator each instance stands for one device
+            device_set = None
+            if handle.shared_devices:
+                devices = handle.devices
+                device_set = self._device_sets.setdefault(backend_name, DeviceSet(devices))
             queue = DispatchQueue(
                 f"{backend_name}/{spec.name}",
-                devices=spec.instances,
-                slots=spec.instances * handle.max_inflight_per_device,
+                devices=devices,
+                slots=devices * handle.max_inflight_per_device,
                 max_queued=self.config.limits.max_queued_per_backend,
                 reserved_control=self.config.limits.reserved_control_slots,
+                device_set=device_set,
             )
             self._queues[key] = queue
         return queue
@@ -606,7 +614,11 @@ class Gateway:
             slot.release()
         finished = time.monotonic()
         settled = self.settle(
-            admitted, queued_s=started - call.received_at, started=started, finished=finished
+            admitted,
+            queued_s=started - call.received_at,
+            started=started,
+            finished=finished,
+            backend_wait_s=max(0.0, slot.predicted_start - slot.started_at),
         )
         self.listener.settled(settled)
         response.model_name = admitted.record.identity.model
@@ -622,12 +634,19 @@ class Gateway:
         finished: float,
         output_tokens: int = 0,
         learn: bool = True,
+        backend_wait_s: float | None = None,
     ) -> Settled:
-        """Charge observed work: backend time minus the mean time such requests spent in
-        Triton's own queue (from its statistics), and teach the estimator."""
+        """Charge observed work: backend time minus the time the request waited in Triton's
+        own queue, and teach the estimator. That wait is ``backend_wait_s`` when the
+        dispatch queue knows it (a request bound ahead waits until the device before it
+        frees, which the queue observes at release); otherwise the pool's mean from
+        Triton's statistics."""
         wall_ms = (finished - started) * 1000.0
         timing = self.pool_timing.get(admitted.queue.name)
-        triton_queue_ms = timing.queue_ms if timing else 0.0
+        if backend_wait_s is not None:
+            triton_queue_ms = backend_wait_s * 1000.0
+        else:
+            triton_queue_ms = timing.queue_ms if timing else 0.0
         batch = timing.batch if timing else 1.0
         # Device time held, less Triton's own queueing, shared with the batch it ran in.
         observed_ms = max(wall_ms - triton_queue_ms, 0.0) / batch

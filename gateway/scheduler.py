@@ -42,6 +42,11 @@ Rules (everything that decides who goes next lives here):
    device frees: a short request is never stuck in Triton's queue behind a
    long one.
 
+Several pools can run on the same devices (a fallback model placed beside the
+primary on each accelerator): their queues then share one ``DeviceSet``, which
+list-schedules the work of all of them, so one pool's prediction counts the
+other's work and a device freed by either wakes both.
+
 The queue also answers the admission question "when would this start?" by the
 same list scheduling: the work bound to the backend, then the queued work with
 an earlier deadline, over the pool's devices.
@@ -87,6 +92,48 @@ class Slot:
             self.queue._release(self)
 
 
+class DeviceSet:
+    """The devices one or more pools run on, and the work bound to them (in binding order)."""
+
+    def __init__(self, devices: int) -> None:
+        self.devices = max(1, devices)
+        self.bound: dict[Slot, None] = {}
+        self.queues: list[DispatchQueue] = []
+
+    def free_times(self, now: float) -> list[float]:
+        """A heap of the times each device is predicted to finish the work bound to it:
+        list scheduling in binding order (Triton's queue is FIFO over the instances), each
+        slot's remaining work from its predicted start. Work that overran its prediction is
+        taken to end now (optimistic, and corrected at release)."""
+        free = [now] * self.devices
+        for slot in self.bound:
+            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
+            heapq.heappush(free, heapq.heappop(free) + max(0.0, slot.cost_ms - done_ms) / 1000.0)
+        return free
+
+    def replan(self, now: float) -> None:
+        """A device freed (perhaps earlier or later than predicted): work waiting in the
+        backend's queue starts when the next device frees, so move its predicted start."""
+        free = [now] * self.devices
+        for slot in self.bound:
+            device_free = heapq.heappop(free)
+            if slot.predicted_start > now:
+                slot.predicted_start = device_free
+            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
+            heapq.heappush(free, device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0)
+
+    def bind_start(self, now: float, latest_start: float) -> float | None:
+        """When work bound now would start on a device, or None if it must not be bound yet:
+        every device is busy and either it would start after ``latest_start`` or work bound
+        earlier is still waiting in the backend's queue (the two would be co-batched)."""
+        if len(self.bound) < self.devices:
+            return now
+        if any(s.predicted_start > now for s in self.bound):
+            return None
+        start = self.free_times(now)[0]
+        return start if start <= latest_start else None
+
+
 @dataclass
 class _Flow:
     heap: list[_Waiter] = field(default_factory=list)
@@ -105,16 +152,19 @@ class DispatchQueue:
         max_queued: int,
         reserved_control: int = 0,
         max_consecutive: int = 8,
+        device_set: DeviceSet | None = None,
     ) -> None:
         self.name = name
         self.devices = max(1, devices)
+        self.device_set = device_set or DeviceSet(self.devices)
+        self.device_set.queues.append(self)
         self.slots = max(1, slots)
         self.max_queued = max_queued
         # Never reserve every slot: ordinary work must always be able to run.
         self.reserved_control = min(max(0, reserved_control), self.slots - 1)
         self.max_consecutive = max(1, max_consecutive)
         self._seq = itertools.count()
-        self._inflight: dict[Slot, None] = {}  # in binding order: the backend runs it FIFO
+        self._inflight: set[Slot] = set()
         self._classes: dict[str, _Flow] = {}  # class -> its virtual time and weight (heap unused)
         self._flows: dict[tuple[str, str], _Flow] = {}
         self._last_tenant: tuple[str, str] | None = None
@@ -132,23 +182,12 @@ class DispatchQueue:
         """Predicted work still to execute in the pool's slots (bound to the backend)."""
         return sum(max(0.0, s.cost_ms - max(0.0, now - s.predicted_start) * 1000.0) for s in self._inflight)
 
-    def _device_free_times(self, now: float) -> list[float]:
-        """A heap of the times each device is predicted to finish the work bound to the
-        backend: list scheduling in binding order (Triton's queue is FIFO over the
-        instances), each slot's remaining work from its predicted start. Work that
-        overran its prediction is taken to end now (optimistic, and corrected at release)."""
-        free = [now] * self.devices
-        for slot in self._inflight:
-            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
-            heapq.heappush(free, heapq.heappop(free) + max(0.0, slot.cost_ms - done_ms) / 1000.0)
-        return free
-
     def predicted_wait_ms(self, now: float | None = None, *, deadline_at: float | None = None) -> float:
         """How long a new arrival would wait for a device: the work bound to the backend,
         then the queued work that goes before it (an earlier deadline; all of it when
         ``deadline_at`` is None), list-scheduled over the pool's devices."""
         now = time.monotonic() if now is None else now
-        free = self._device_free_times(now)
+        free = self.device_set.free_times(now)
         if self.queued:
             ahead = sorted(
                 (w.deadline_at, w.cost_ms)
@@ -177,7 +216,7 @@ class DispatchQueue:
         flow_key = (request_class, tenant)
         now = time.monotonic()
         if self._free(request_class) > 0 and self.queued == 0:
-            start = self._bind_start(now, latest_start)
+            start = self.device_set.bind_start(now, latest_start)
             if start is not None:
                 self._charge(flow_key, cost_ms, weight, class_weight)
                 return self._grant(cost_ms, now, start)
@@ -280,37 +319,21 @@ class DispatchQueue:
 
     # ------------------------------------------------------------------ slots
 
-    def _bind_start(self, now: float, latest_start: float) -> float | None:
-        """When work bound now would start on a device, or None if it must not be bound yet:
-        every device is busy and either it would start after ``latest_start`` or work bound
-        earlier is still waiting in the backend's queue (the two would be co-batched)."""
-        if len(self._inflight) < self.devices:
-            return now
-        if any(s.predicted_start > now for s in self._inflight):
-            return None
-        start = self._device_free_times(now)[0]
-        return start if start <= latest_start else None
-
     def _grant(self, cost_ms: float, now: float, start: float) -> Slot:
         slot = Slot(self, cost_ms, now, start)
-        self._inflight[slot] = None
+        self._inflight.add(slot)
+        self.device_set.bound[slot] = None
         return slot
 
     def _release(self, slot: Slot) -> None:
-        self._inflight.pop(slot, None)
-        self._replan(time.monotonic())
+        self._inflight.discard(slot)
+        devices = self.device_set
+        devices.bound.pop(slot, None)
+        devices.replan(time.monotonic())
         self._wake_next()
-
-    def _replan(self, now: float) -> None:
-        """A device freed (perhaps earlier or later than predicted): work waiting in the
-        backend's queue starts when the next device frees, so move its predicted start."""
-        free = [now] * self.devices
-        for slot in self._inflight:
-            device_free = heapq.heappop(free)
-            if slot.predicted_start > now:
-                slot.predicted_start = device_free
-            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
-            heapq.heappush(free, device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0)
+        for other in devices.queues:  # a device freed: it may be the other pools' turn
+            if other is not self:
+                other._wake_next()
 
     def _free(self, request_class: str) -> int:
         free = self.slots - len(self._inflight)
@@ -322,7 +345,7 @@ class DispatchQueue:
             if waiter is None:
                 return
             now = time.monotonic()
-            start = self._bind_start(now, waiter.latest_start)
+            start = self.device_set.bind_start(now, waiter.latest_start)
             if start is None:
                 # Held: bound now, it would wait in the backend's queue past its latest start
                 # or be co-batched with work already waiting there. A device freeing wakes it.

@@ -98,6 +98,7 @@ class GatewayServer:
                     labels=local.labels,
                     devices=local.devices,
                     max_inflight_per_device=local.max_inflight_per_device,
+                    shared_devices=local.shared_devices,
                     # The emulator's devices run `time_factor` x the profile's milliseconds.
                     time_scale=local.time_factor if local.time_factor > 0 else 1e-3,
                 )
@@ -132,7 +133,12 @@ class GatewayServer:
             await client.probe()
             client.start_probing()
             clients[backend.name] = BackendHandle(
-                client, backend.labels, backend.devices, backend.max_inflight_per_device, backend.time_scale
+                client,
+                backend.labels,
+                backend.devices,
+                backend.max_inflight_per_device,
+                backend.time_scale,
+                backend.shared_devices,
             )
         self.policy = PolicyStore(config.policies_dir, engine=config.policy_engine)
         result = await asyncio.to_thread(self.policy.reload)

@@ -39,3 +39,15 @@ def test_relief_is_what_admitted_work_runs_at() -> None:
         load.admitted(9.0, offered_ms=56.8, running_ms=32.0)  # fallback
         load.admitted(9.0, offered_ms=56.8, running_ms=56.8)  # primary
     assert load.relief(9.5) == pytest.approx((32.0 + 56.8) / (2 * 56.8))
+
+
+def test_drain_for_policy_is_finite_when_no_device_is_healthy() -> None:
+    """With every device down nothing drains; policy still gets a number it can turn into
+    a retry-after (the configured maximum), not infinity (``int()`` of it fails in CEL)."""
+    load = PoolLoad("p", devices=4, dwell_budget_ms=20.0, config=DEFAULT_LADDER)
+    load.demand.add(0.0, 100.0)
+    queue = DispatchQueue("q", devices=4, slots=8, max_queued=10)
+    load.gather(1.0, queue, healthy=False, evidence_at=1.0)
+    assert load.step == 6
+    assert load.drain_ms() == float(DEFAULT_LADDER.retry_after_max_ms)
+    assert load.retry_after_ms() == DEFAULT_LADDER.retry_after_max_ms

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from gateway.errors import DeadlineExpired, ResourceExhausted
-from gateway.scheduler import DispatchQueue
+from gateway.scheduler import DeviceSet, DispatchQueue
 
 
 async def test_waiters_are_served_earliest_deadline_first() -> None:
@@ -237,3 +237,22 @@ async def test_predicted_wait_counts_earlier_deadlines_only() -> None:
     assert queue.predicted_wait_ms(t) > 500
     holder.release()
     (await late).release()
+
+
+async def test_pools_on_shared_devices_see_each_others_work() -> None:
+    """The fallback placed on the primary's device: its queue counts the primary's work,
+    holds a request that would start too late, and wakes when the primary's slot frees."""
+    devices = DeviceSet(1)
+    primary = DispatchQueue("full", devices=1, slots=2, max_queued=10, device_set=devices)
+    fallback = DispatchQueue("compact", devices=1, slots=2, max_queued=10, device_set=devices)
+    now = time.monotonic()
+    running = await primary.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=5_000)
+    assert fallback.predicted_wait_ms(time.monotonic()) > 4_000
+    waiting = asyncio.create_task(fallback.acquire(deadline_at=now + 2, latest_start=now + 2, cost_ms=10))
+    await asyncio.sleep(0.02)
+    assert not waiting.done(), "bound onto a device the other pool holds for 5 s"
+    running.release()
+    slot = await asyncio.wait_for(waiting, 1)
+    assert slot.predicted_start <= time.monotonic()
+    slot.release()
+    assert fallback.predicted_wait_ms(time.monotonic()) == 0.0

@@ -19,6 +19,13 @@ is expensive and batching equal short shapes is cheap.
 
 Environment:
     ORCHID_TIME_FACTOR   multiplies every sleep (tests use ~0.05; default 1.0)
+    ORCHID_DEVICE_DIR    optional: emulate a fleet shared by several models. Every
+                         model's instances then execute on ORCHID_DEVICES (default 4)
+                         emulated devices, one lock file each in this directory: a
+                         batch runs on its own instance's device (instance index mod
+                         devices) if that is free, else on any free one, else it
+                         waits for its own. Used to place the fallback model on the
+                         primary's devices, as the seed models it.
 
 Cancellation: decode runs in steps; between steps the emulator checks
 `request.is_cancelled()` and stops decoding a cancelled request, which frees
@@ -27,9 +34,13 @@ the instance early exactly as a real server frees a slot.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +101,48 @@ def time_factor() -> float:
     return factor
 
 
+class SharedDevices:
+    """Lock files standing for a fleet of devices that several models' instances share."""
+
+    def __init__(self, directory: str, devices: int, instance_name: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        match = re.search(r"(\d+)$", instance_name)
+        self.own = (int(match.group(1)) if match else 0) % devices
+        order = [self.own] + [d for d in range(devices) if d != self.own]
+        paths = [os.path.join(directory, f"device-{d}.lock") for d in order]
+        self.fds = [os.open(path, os.O_RDWR | os.O_CREAT) for path in paths]
+
+    @classmethod
+    def from_env(cls, instance_name: str) -> SharedDevices | None:
+        directory = os.environ.get("ORCHID_DEVICE_DIR")
+        if not directory:
+            return None
+        return cls(directory, int(os.environ.get("ORCHID_DEVICES", "4")), instance_name)
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        held = None
+        for fd in self.fds:  # its own device first, then any free one
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            held = fd
+            break
+        if held is None:
+            held = self.fds[0]
+            fcntl.flock(held, fcntl.LOCK_EX)  # every device busy: wait for its own
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _no_device() -> Iterator[None]:
+    yield
+
+
 class BatchEmulator:
     """Non-decoupled model: one response per request, batch held for its cost."""
 
@@ -97,8 +150,13 @@ class BatchEmulator:
         config = json.loads(args["model_config"])
         self.profile = CostProfile.from_model_config(config)
         self.time_factor = time_factor()
+        self.devices = SharedDevices.from_env(str(args.get("model_instance_name", "")))
 
     def execute(self, requests: list) -> list:
+        with self.devices.hold() if self.devices else _no_device():
+            return self._execute(requests)
+
+    def _execute(self, requests: list) -> list:
         p = self.profile
         work = []
         responses: list = [None] * len(requests)
@@ -154,8 +212,13 @@ class StreamEmulator:
         config = json.loads(args["model_config"])
         self.profile = CostProfile.from_model_config(config)
         self.time_factor = time_factor()
+        self.devices = SharedDevices.from_env(str(args.get("model_instance_name", "")))
 
     def execute(self, requests: list) -> None:
+        with self.devices.hold() if self.devices else _no_device():
+            self._execute(requests)
+
+    def _execute(self, requests: list) -> None:
         p = self.profile
         for request in requests:
             sender = request.get_response_sender()
