@@ -23,9 +23,12 @@ Environment:
                          model's instances then execute on ORCHID_DEVICES (default 4)
                          emulated devices, one lock file each in this directory: a
                          batch runs on its own instance's device (instance index mod
-                         devices) if that is free, else on any free one, else it
-                         waits for its own. Used to place the fallback model on the
-                         primary's devices, as the seed models it.
+                         devices) if that is free, else on whichever frees first (polled
+                         every 0.5 ms). As if every model were resident on every
+                         device and each batch were placed on a free one; used to put
+                         the fallback model on the primary's devices, as the seed
+                         models it. (With strict instance-to-GPU pinning, Triton's
+                         choice of instance would add contention nobody predicts.)
 
 Cancellation: decode runs in steps; between steps the emulator checks
 `request.is_cancelled()` and stops decoding a cancelled request, which frees
@@ -50,6 +53,8 @@ VOCAB = 32_000
 # Sleep granularity while decoding: short enough to notice a cancel promptly,
 # long enough that the stub is not busy-looping.
 _STEP_SLICE_S = 0.010
+# How often a batch waiting for a shared device (ORCHID_DEVICE_DIR) looks for a free one.
+_DEVICE_POLL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -119,19 +124,21 @@ class SharedDevices:
             return None
         return cls(directory, int(os.environ.get("ORCHID_DEVICES", "4")), instance_name)
 
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        held = None
+    def _try_any(self) -> int | None:
         for fd in self.fds:  # its own device first, then any free one
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue
-            held = fd
-            break
-        if held is None:
-            held = self.fds[0]
-            fcntl.flock(held, fcntl.LOCK_EX)  # every device busy: wait for its own
+            return fd
+        return None
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        held = self._try_any()
+        while held is None:  # every device busy: take the first to free
+            time.sleep(_DEVICE_POLL_S)
+            held = self._try_any()
         try:
             yield
         finally:
