@@ -21,7 +21,11 @@ rather than trusting callers"):
   least 1.0. A tenant whose requests chronically cost more than the shape they
   declare (for example by understating output length) is predicted — and so
   admitted, queued and quota-reserved — by what it really uses. It never lowers
-  a prediction: callers are not trusted to be cheap.
+  a prediction: callers are not trusted to be cheap. It applies only from
+  ``TENANT_PENALTY_FROM`` (1.5x) up: below that a residual is indistinguishable
+  from timing noise on a busy machine, and since the clamp is one-sided, noise
+  alone would otherwise penalize whichever tenant happened to be measured
+  slower (seen as a 2 : 1 weight share delivering 2.5 : 1 completions).
 
 Both factors are bounded to [``MIN_FACTOR``, ``MAX_FACTOR``], and one
 observation may move an estimate by at most 2x (a robust, Huber-like step), so
@@ -37,6 +41,10 @@ from typing import TypeVar
 
 from gateway.profile import DemandProfile
 from gateway.record import Demand, Shape
+
+# A tenant is priced above the model only when it costs at least this much more than its
+# declared shape predicts; smaller residuals are timing noise (see the module docstring).
+TENANT_PENALTY_FROM = 1.5
 
 # One observation may be wild (a backend stall, a cold model); bound what it can do.
 MIN_FACTOR = 0.1
@@ -116,7 +124,8 @@ class Estimator:
         return _clamp(math.exp(self._aged(self._models.get(key), now)))
 
     def tenant_factor(self, tenant: str, model: str, now: float) -> float:
-        return max(1.0, _clamp(math.exp(self._aged(self._tenants.get((tenant, model)), now))))
+        factor = _clamp(math.exp(self._aged(self._tenants.get((tenant, model)), now)))
+        return factor if factor >= TENANT_PENALTY_FROM else 1.0
 
     def correction(self, key: CorrectionKey, tenant: str, now: float) -> float:
         return self.model_correction(key, now) * self.tenant_factor(tenant, key.model, now)

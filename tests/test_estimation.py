@@ -140,3 +140,15 @@ def test_underpredicted_long_requests_are_learned_without_disturbing_short_ones(
     assert gateway.estimator.samples(long_key) >= CONVERGE_WITHIN
     assert gateway.estimator.model_correction(long_key, time.monotonic()) > 2.0  # learned "costs more"
     assert statistics.median(errors[CONVERGE_WITHIN:]) < CONVERGED, errors
+
+
+def test_timing_noise_does_not_penalize_a_tenant() -> None:
+    """Two tenants sending the same shape, one measured ~20 % slower by chance: neither is
+    priced above the model (the one-sided clamp would otherwise tilt fair shares)."""
+    estimator = Estimator()
+    key = CorrectionKey("m", "1", "short")
+    for i in range(30):
+        estimator.observe(key, "a", base_ms=10.0, observed_ms=9.0, now=float(i))
+        estimator.observe(key, "b", base_ms=10.0, observed_ms=11.0, now=float(i))
+    assert estimator.tenant_factor("a", "m", 30.0) == 1.0
+    assert estimator.tenant_factor("b", "m", 30.0) == 1.0
