@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -185,13 +186,15 @@ class DispatchQueue:
     def predicted_wait_ms(self, now: float | None = None, *, deadline_at: float | None = None) -> float:
         """How long a new arrival would wait for a device: the work bound to the backend,
         then the queued work that goes before it (an earlier deadline; all of it when
-        ``deadline_at`` is None), list-scheduled over the pool's devices."""
+        ``deadline_at`` is None), list-scheduled over the pool's devices. On shared devices
+        that includes the other pools' waiters (a freed device goes to the most urgent)."""
         now = time.monotonic() if now is None else now
         free = self.device_set.free_times(now)
-        if self.queued:
+        if any(queue.queued for queue in self.device_set.queues):
             ahead = sorted(
                 (w.deadline_at, w.cost_ms)
-                for flow in self._flows.values()
+                for queue in self.device_set.queues
+                for flow in queue._flows.values()
                 if flow.live
                 for w in flow.heap
                 if w.live and (deadline_at is None or w.deadline_at <= deadline_at)
@@ -330,10 +333,16 @@ class DispatchQueue:
         devices = self.device_set
         devices.bound.pop(slot, None)
         devices.replan(time.monotonic())
-        self._wake_next()
-        for other in devices.queues:  # a device freed: it may be the other pools' turn
-            if other is not self:
-                other._wake_next()
+        if len(devices.queues) == 1:
+            self._wake_next()
+            return
+        # A device freed: the pool whose next waiter has the earliest deadline goes first.
+        for queue in sorted(devices.queues, key=DispatchQueue._head_deadline):
+            queue._wake_next()
+
+    def _head_deadline(self) -> float:
+        waiter = self._next_waiter() if self.queued else None
+        return waiter.deadline_at if waiter is not None else math.inf
 
     def _free(self, request_class: str) -> int:
         free = self.slots - len(self._inflight)

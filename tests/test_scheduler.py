@@ -256,3 +256,28 @@ async def test_pools_on_shared_devices_see_each_others_work() -> None:
     assert slot.predicted_start <= time.monotonic()
     slot.release()
     assert fallback.predicted_wait_ms(time.monotonic()) == 0.0
+
+
+async def test_a_freed_shared_device_goes_to_the_most_urgent_pool() -> None:
+    """Two pools on one shared device, each with a waiter: when the primary's slot frees,
+    the fallback's waiter with the earlier deadline gets the device, not the primary's own."""
+    devices = DeviceSet(1)
+    primary = DispatchQueue("full", devices=1, slots=1, max_queued=10, device_set=devices)
+    fallback = DispatchQueue("compact", devices=1, slots=1, max_queued=10, device_set=devices)
+    now = time.monotonic()
+    running = await primary.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=5_000)
+    relaxed = asyncio.create_task(primary.acquire(deadline_at=now + 30, latest_start=now + 30, cost_ms=10))
+    urgent = asyncio.create_task(fallback.acquire(deadline_at=now + 2, latest_start=now + 2, cost_ms=10))
+    await asyncio.sleep(0.02)
+    t = time.monotonic()
+    with_urgent = primary.predicted_wait_ms(t, deadline_at=now + 10)
+    bound_only = primary.predicted_wait_ms(t, deadline_at=now + 1)
+    assert bound_only > 4_000 and fallback.queued == 1
+    assert with_urgent - bound_only == pytest.approx(10, abs=1)  # the other pool's urgent waiter
+    running.release()
+    slot = await asyncio.wait_for(urgent, 1)
+    behind = await asyncio.wait_for(relaxed, 1)  # bound ahead, behind the urgent one
+    assert slot.predicted_start <= time.monotonic() < behind.predicted_start
+    assert behind.predicted_start == pytest.approx(slot.predicted_start + 0.01, abs=0.002)
+    slot.release()
+    behind.release()
