@@ -635,6 +635,7 @@ class Gateway:
         output_tokens: int = 0,
         learn: bool = True,
         backend_wait_s: float | None = None,
+        first_result: float | None = None,
     ) -> Settled:
         """Charge observed work: backend time minus the time the request waited in Triton's
         own queue, and teach the estimator. That wait is ``backend_wait_s`` when the
@@ -675,6 +676,7 @@ class Gateway:
             backend_model=admitted.route.backend_model,
             approximation=admitted.decision.approximation,
             queue_ms=queued_s * 1000.0,
+            first_result_ms=wall_ms if first_result is None else (first_result - started) * 1000.0,
             completion_ms=wall_ms,
             observed_accelerator_ms=observed_ms,
             charged_accelerator_ms=observed_ms,
@@ -855,6 +857,7 @@ class _StreamRequest:
     arrived: float
     wants_final: bool
     started: float = 0.0
+    first_result: float | None = None  # when its first output arrived
     tokens: int = 0
     slot: Slot | None = None
 
@@ -1015,9 +1018,11 @@ class _StreamSession:
             return
         final = _flag_response(response, "triton_final_response")
         has_output = len(response.outputs) > 0
+        now = time.monotonic()
         if has_output:
             entry.tokens += 1
-        now = time.monotonic()
+            if entry.first_result is None:
+                entry.first_result = now
         if final:
             del self.pending[response.id]
             entry.release()
@@ -1029,6 +1034,7 @@ class _StreamSession:
             finished=now,
             output_tokens=entry.tokens,
             learn=final,
+            first_result=entry.first_result if entry.first_result is not None else now,
         )
         if final:
             self.gateway.listener.settled(settled)

@@ -153,9 +153,9 @@ class Outcome:
     backend_model: str = ""
     approximation: Approximation = Approximation.NONE
     complete: bool = True
-    queue_ms: float = 0.0
-    first_result_ms: float = 0.0
-    completion_ms: float = 0.0
+    queue_ms: float = 0.0  # arrival to dispatch
+    first_result_ms: float = 0.0  # dispatch to the first result (a stream's first token; unary: = completion)
+    completion_ms: float = 0.0  # dispatch to the last result
     observed_accelerator_ms: float = 0.0
     charged_accelerator_ms: float = 0.0
     charged_live_token_ms: float = 0.0

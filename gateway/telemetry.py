@@ -71,6 +71,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        self.first_result = Histogram(
+            "orchid_first_result_seconds",
+            "Time from arrival to the first result (a stream's first token; unary: the response)",
+            ["request_class", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.completion = Histogram(
             "orchid_completion_seconds",
             "Time from arrival to the last result",
@@ -168,6 +175,9 @@ class Telemetry(GatewayListener):
         m = self.metrics
         m.queue_dwell.labels(identity.request_class).observe(outcome.queue_ms / 1000.0)
         total_s = (outcome.queue_ms + outcome.completion_ms) / 1000.0
+        m.first_result.labels(identity.request_class, model).observe(
+            (outcome.queue_ms + outcome.first_result_ms) / 1000.0
+        )
         m.completion.labels(identity.request_class, model).observe(total_s)
         late = total_s * 1000.0 > record.budget.deadline_ms
         if late:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from typing import Any
 
 import grpc
@@ -292,3 +293,39 @@ def test_client_cancel_frees_queued_and_running_work(gateway: ThreadedGateway) -
 
 def raw_stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
     return service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(address))
+
+
+def test_first_result_is_the_first_token_for_streams_and_the_response_for_unary(
+    gateway: ThreadedGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record's outcome separates time to first result from completion (the seed's
+    streaming objectives): a 48-token stream's first token comes well before its last."""
+    core = gateway.server.gateway
+    assert core is not None
+    outcomes: list[Any] = []
+    original = core.listener.settled
+    monkeypatch.setattr(
+        core.listener, "settled", lambda settled: (outcomes.append(settled), original(settled))
+    )
+    got = _stream_tokens(
+        gateway.address,
+        bearer(ORCHID_KEY),
+        "full-v18-stream",
+        16,
+        48,
+        parameters={"orchid.max_output_tokens": 48},
+    )
+    assert all(not isinstance(r, Exception) for r in got), got
+    client = grpcclient.InferenceServerClient(gateway.address)
+    client.infer("full-v18", [tokens(64)], headers=bearer(ORCHID_KEY))
+    client.close()
+    deadline = time.monotonic() + 10
+    while len(outcomes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    by_model = {s.decision.target_model: s.outcome for s in outcomes}
+    stream, unary = by_model["full-v18-stream"], by_model["full-v18"]
+    assert 0 < stream.first_result_ms < stream.completion_ms / 4
+    assert unary.first_result_ms == unary.completion_ms > 0
+    registry = gateway.server.telemetry.metrics.registry
+    labels = {"request_class": "interactive", "model": "full-v18-stream"}
+    assert (registry.get_sample_value("orchid_first_result_seconds_count", labels) or 0) >= 1
