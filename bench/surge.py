@@ -81,7 +81,10 @@ Outcome of a request, from the client
     * ``ok``: a response before the deadline (it cannot be later: the deadline is the
       gRPC deadline). Goodput = ok per second; fallback = ok with provenance
       ``orchid.approximation == fallback`` (served by compact-v11 within its quality
-      floor; counted as goodput and shown separately).
+      floor; counted as goodput and shown separately); reduced = ok with
+      ``orchid.approximation == reduced_output`` (ladder step 2 capped the output at the
+      route's reduced length, within its quality evidence; also goodput, shown
+      separately).
     * ``rejected at entry``: the server refused without queueing it: the gateway's
       admission (any ``orchid-rule`` other than ``queue.latest_start``, or "no healthy
       backend serves model"); Triton's ``Exceeds maximum queue size``.
@@ -793,6 +796,7 @@ class ClassRow:
     offered: int = 0
     ok: int = 0
     fallback: int = 0
+    reduced: int = 0  # on-time answers with ladder step 2's reduced output (orchid.approximation)
     entry: int = 0
     late: int = 0
     missed: int = 0
@@ -830,6 +834,7 @@ def tabulate(
             row.ok += 1
             fallback = o.approximation == "fallback"
             row.fallback += fallback
+            row.reduced += o.approximation == "reduced_output"
             row.useful_ms += scenario.device_ms(FALLBACK if fallback else PRIMARY, o.cls)
             continue
         row.rules[reason(o)] += 1
@@ -954,7 +959,8 @@ def print_phase_tables(results: dict[str, RunResult], reports: dict[str, list[Ph
         print(f"\n== {p.name}: {p.start_s:.0f}-{p.end_s:.0f} s, arrivals x{p.multiplier:g} ==")
         print(
             f"{'target':<13} {'class':<5} {'offer/s':>7} {'good/s':>6} {'attain%':>7} {'attain*%':>8} "
-            f"{'fallbk%':>7} {'rej%':>5} {'entry%':>6} {'late%':>5} {'rej p50 ms':>10} {'entry p50':>9} "
+            f"{'fallbk%':>7} {'reduc%':>6} {'rej%':>5} {'entry%':>6} {'late%':>5} "
+            f"{'rej p50 ms':>10} {'entry p50':>9} "
             f"{'missed%':>7} {'timeout':>7}"
         )
         for name in names:
@@ -965,6 +971,7 @@ def print_phase_tables(results: dict[str, RunResult], reports: dict[str, list[Ph
                 print(
                     f"{name:<13} {cls:<5} {r.offered / p.duration_s:7.1f} {r.ok / p.duration_s:6.1f} "
                     f"{_pct(r.attain()):>7} {_pct(r.attain_strict()):>8} {_pct(r.fallback / n):>7} "
+                    f"{_pct(r.reduced / n):>6} "
                     f"{_pct(r.rejected / n):>5} {_pct(r.entry / n):>6} {_pct(r.late / n):>5} "
                     f"{_med(r.reject_ms):>10} {_med(r.entry_ms):>9} {_pct(r.missed / n):>7} "
                     f"{r.caller_timeouts:7d}"

@@ -398,6 +398,23 @@ class Gateway:
             rule = decision.rules[0] if decision.rules else None
             raise error_type(decision.message, rule=rule, retry_after_ms=decision.retry_after_ms)
         chosen = fallback_priced if decision.verdict is Verdict.FALLBACK and fallback_priced else priced
+        limit = decision.max_output_tokens
+        if limit is not None and limit < chosen.record.shape.max_output_tokens:
+            # The backend will generate only `limit` tokens: price what will run, so the queue,
+            # the quota reservation and the estimator (observed vs predicted) see that work,
+            # not the longer output that was asked for.
+            chosen = self._price(
+                chosen.record.identity,
+                chosen.route,
+                dataclasses.replace(chosen.record.shape, max_output_tokens=limit),
+                chosen.handle,
+                chosen.queue,
+                call,
+                deadline_ms,
+                request_class,
+                load.step,
+                now,
+            )
         load.admitted(now, priced.record.demand.accelerator_ms, chosen.record.demand.accelerator_ms)
         chosen_policy = (
             fallback.policy if fallback is not None and chosen is fallback_priced else primary.policy

@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from gateway.backends.local import LocalTriton
 from gateway.overload import LadderState, LadderStep, LoadEvidence
-from tests.conftest import ORCHID_KEY, ThreadedGateway, gateway_config
+from tests.conftest import ORCHID_KEY, TIME_FACTOR, ThreadedGateway, gateway_config
 
 AUTH = (("authorization", f"Bearer {ORCHID_KEY}"),)
 POOL = "local/full-v18"
@@ -86,7 +86,12 @@ def outcomes(stub: service_pb2_grpc.GRPCInferenceServiceStub, n: int, **params: 
     return seen
 
 
-def test_each_step_has_its_effect(pinned: ThreadedGateway) -> None:
+def test_each_step_has_its_effect(pinned: ThreadedGateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = pinned.server.gateway
+    assert core is not None
+    settled: list[Any] = []
+    original = core.listener.settled
+    monkeypatch.setattr(core.listener, "settled", lambda s: (settled.append(s), original(s)))
     with grpc.insecure_channel(pinned.address) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         first = stub.ModelInfer(request(), metadata=AUTH, timeout=10)  # creates the pool's load
@@ -99,6 +104,11 @@ def test_each_step_has_its_effect(pinned: ThreadedGateway) -> None:
         assert reply.parameters["orchid.ladder_step"].int64_param == 2
         assert "overload-reduce-output" in reply.parameters["orchid.rules"].string_param
         assert list(reply.outputs[0].shape) == [1, 32]  # Triton really generated 32 tokens
+        # ... and it is priced as what ran, 32 tokens: the estimator compares like with like.
+        record = settled[-1].record
+        assert record.shape.max_output_tokens == 32
+        decode_per_token = 0.41875 * TIME_FACTOR * record.demand.correction  # full-v18's profile
+        assert record.demand.decode_ms == pytest.approx(32 * decode_per_token, rel=0.01)
 
         # Step 3 at 122 % of the envelope: part of the eligible work goes to the warm fallback.
         pin(pinned, 3, 1.22)
