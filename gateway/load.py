@@ -47,12 +47,16 @@ class PoolLoad:
     # Admitted work, priced as offered (primary) and as it runs (primary or fallback).
     admitted_offered: DemandWindow = field(default_factory=DemandWindow)
     admitted_running: DemandWindow = field(default_factory=DemandWindow)
+    # What reduced output saved on admitted work (offered price minus reduced price).
+    admitted_reduction: DemandWindow = field(default_factory=DemandWindow)
     dwell: DwellWindow = field(default_factory=DwellWindow)
     ladder: OverloadLadder = field(init=False)
     evidence: LoadEvidence | None = None
     shedder: Shedder = field(default_factory=Shedder)
     diverter: Shedder = field(default_factory=Shedder)
+    reducer: Shedder = field(default_factory=Shedder)
     saving: float = 0.45  # mean share of its price a request saves on the fallback (learned)
+    reduce_saving: float = 0.2  # mean share of its price a request saves with reduced output (learned)
 
     def __post_init__(self) -> None:
         self.ladder = OverloadLadder(self.config)
@@ -88,19 +92,52 @@ class PoolLoad:
         self.admitted_offered.add(now, offered_ms)
         self.admitted_running.add(now, running_ms)
 
+    def reduced(self, now: float, full_ms: float, reduced_ms: float) -> None:
+        """An admitted request whose output the ladder capped: learn what that saves."""
+        self.admitted_reduction.add(now, max(0.0, full_ms - reduced_ms))
+        if full_ms > 0:
+            self.reduce_saving += 0.1 * ((1.0 - reduced_ms / full_ms) - self.reduce_saving)
+
+    def reduction_relief(self, now: float) -> float:
+        """The share of admitted demand that reduced output actually saved (measured: a route
+        without evidence for a cap, or requests already short, save nothing)."""
+        offered = self.admitted_offered.total_ms(now)
+        return min(1.0, self.admitted_reduction.total_ms(now) / offered) if offered > 0 else 0.0
+
     def relief(self, now: float) -> float:
         offered = self.admitted_offered.total_ms(now)
         return min(1.0, self.admitted_running.total_ms(now) / offered) if offered > 0 else 1.0
 
+    def reduce_share(self) -> float:
+        """At step 2+, the share of requests whose output is capped (where the route has
+        quality evidence for it): what brings offered demand down to DIVERT_TARGET of the
+        protected envelope, given what a reduced request saves; at most all of them."""
+        if self.step < 2 or self.evidence is None:
+            return 0.0
+        utilization = self.evidence.utilization
+        if not math.isfinite(utilization):
+            return 1.0
+        share = (utilization - DIVERT_TARGET) / (utilization * max(self.reduce_saving, 0.05))
+        return min(1.0, max(0.0, share))
+
+    def reduce_output(self) -> bool:
+        """Is this request part of the share whose output is capped (policy fact
+        ``load.reduce_output``)? The mildest degradation comes first and only as far as
+        capacity requires, like the fallback's share."""
+        share = self.reduce_share()
+        return share >= 1.0 or (share > 0.0 and self.reducer.admit(1.0, share))
+
     def divert(self) -> bool:
         """At step 3+, is this eligible request part of the share sent to the fallback? The
         share is what brings offered demand down to DIVERT_TARGET of the protected envelope,
-        given what a diverted request saves; everything eligible when that is more than all."""
+        after what reduced output measurably saves, given what a diverted request saves;
+        everything eligible when that is more than all."""
         if self.step < 3 or self.evidence is None:
             return False
         utilization = self.evidence.utilization
         if not math.isfinite(utilization):
             return True
+        utilization *= 1.0 - self.reduction_relief(self.evidence.now)
         share = (utilization - DIVERT_TARGET) / (utilization * max(self.saving, 0.05))
         # The diverter's "admit" is "divert": it picks `share` of the calls, evenly spread.
         return self.diverter.admit(1.0, min(1.0, max(0.0, share))) if share < 1.0 else True

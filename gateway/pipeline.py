@@ -338,7 +338,10 @@ class Gateway:
         load.demand.add(now, priced.record.demand.accelerator_ms)
         policy = self.policy.current()
         shed = mode is Mode.ONLINE and load.shed()
-        context = self._policy_context(tenant, route, cell, load, quota, shed=shed)
+        reduce_output = load.reduce_output()
+        context = self._policy_context(
+            tenant, route, cell, load, quota, shed=shed, reduce_output=reduce_output
+        )
         primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context))
         effects = overload_effects(load.step)
         fallback: admission.Candidate | None = None
@@ -403,6 +406,7 @@ class Gateway:
             # The backend will generate only `limit` tokens: price what will run, so the queue,
             # the quota reservation and the estimator (observed vs predicted) see that work,
             # not the longer output that was asked for.
+            full_ms = chosen.record.demand.accelerator_ms
             chosen = self._price(
                 chosen.record.identity,
                 chosen.route,
@@ -415,6 +419,8 @@ class Gateway:
                 load.step,
                 now,
             )
+            if chosen is not fallback_priced:
+                load.reduced(now, full_ms, chosen.record.demand.accelerator_ms)
         load.admitted(now, priced.record.demand.accelerator_ms, chosen.record.demand.accelerator_ms)
         chosen_policy = (
             fallback.policy if fallback is not None and chosen is fallback_priced else primary.policy
@@ -496,6 +502,7 @@ class Gateway:
         quota: QuotaView,
         *,
         shed: bool = False,
+        reduce_output: bool = False,
     ) -> PolicyContext:
         config = tenant.config
         fallback = self.routes.models.get(route.fallback) if route.fallback else None
@@ -540,7 +547,12 @@ class Gateway:
                 quality=quality,
                 reduced_output_tokens=reduced.max_output_tokens if reduced else 0,
             ),
-            load=LoadFacts(utilization=load.utilization(), drain_ms=load.drain_ms(), shed=shed),
+            load=LoadFacts(
+                utilization=load.utilization(),
+                drain_ms=load.drain_ms(),
+                shed=shed,
+                reduce_output=reduce_output,
+            ),
             # Routing-stage rules judge every backend configured for the route, in any cell.
             backends=tuple(
                 BackendFacts(name=name, model=route.backend_model, labels=self.backends[name].labels)

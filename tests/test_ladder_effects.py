@@ -97,8 +97,16 @@ def test_each_step_has_its_effect(pinned: ThreadedGateway, monkeypatch: pytest.M
         first = stub.ModelInfer(request(), metadata=AUTH, timeout=10)  # creates the pool's load
         assert first.parameters["orchid.ladder_step"].int64_param == 0
 
-        # Step 2: the output is capped at the route's reduced length (quality evidence 0.89 >= 0.84).
-        pin(pinned, 2, 0.93)
+        # Step 2, just over the divert target (0.9 of the envelope): only a share of requests
+        # gets the reduced output, just enough to bring demand back inside.
+        pin(pinned, 2, 0.95)
+        seen2 = outcomes(stub, 20, **{"orchid.max_output_tokens": 64})
+        assert 1 <= seen2["ok:reduced_output"] <= 12 and seen2["ok:none"] >= 8, seen2
+        assert sum(seen2.values()) == 20
+
+        # Step 2 at 130 % of the envelope: every request the route has evidence for is capped at
+        # the route's reduced length (quality evidence 0.89 >= floor 0.84).
+        pin(pinned, 2, 1.3)
         reply = stub.ModelInfer(request(**{"orchid.max_output_tokens": 64}), metadata=AUTH, timeout=10)
         assert reply.parameters["orchid.approximation"].string_param == "reduced_output"
         assert reply.parameters["orchid.ladder_step"].int64_param == 2

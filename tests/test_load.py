@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gateway.load import DIVERT_TARGET, PoolLoad
-from gateway.overload import DEFAULT_LADDER
+from gateway.overload import DEFAULT_LADDER, LadderStep
 from gateway.scheduler import DispatchQueue
 
 
@@ -51,3 +53,26 @@ def test_drain_for_policy_is_finite_when_no_device_is_healthy() -> None:
     assert load.step == 6
     assert load.drain_ms() == float(DEFAULT_LADDER.retry_after_max_ms)
     assert load.retry_after_ms() == DEFAULT_LADDER.retry_after_max_ms
+
+
+def test_reduced_output_comes_first_and_only_as_far_as_needed() -> None:
+    """Step 2's cap is spread over just the share that brings demand back to the divert
+    target; the fallback's share then counts only what reduction measurably saved."""
+    at_edge = pool_at(0.95)
+    at_edge.ladder.state = dataclasses.replace(at_edge.ladder.state, step=LadderStep(2))
+    share = at_edge.reduce_share()
+    assert share == pytest.approx((0.95 - DIVERT_TARGET) / (0.95 * at_edge.reduce_saving))
+    picked = sum(at_edge.reduce_output() for _ in range(1000)) / 1000
+    assert picked == pytest.approx(share, abs=0.01)
+
+    surge = pool_at(20_461.0 / 16_800.0)
+    assert surge.step >= 3
+    baseline = sum(surge.divert() for _ in range(10_000)) / 10_000
+    # Admitted work of which reduced output actually saved 20 %: less is left to divert.
+    for i in range(100):
+        surge.admitted(9.0 + i * 0.001, offered_ms=56.8, running_ms=45.44)
+        surge.reduced(9.0 + i * 0.001, full_ms=56.8, reduced_ms=45.44)
+    assert surge.reduction_relief(9.95) == pytest.approx(0.2)
+    after = sum(surge.divert() for _ in range(10_000)) / 10_000
+    expected = (1.218 * 0.8 - DIVERT_TARGET) / (1.218 * 0.8 * 0.45)
+    assert after == pytest.approx(expected, abs=0.02) and after < baseline / 2

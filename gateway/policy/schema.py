@@ -109,6 +109,7 @@ class LoadFacts:
     utilization: float = 0.0  # offered demand / protected capacity
     drain_ms: float = 0.0  # predicted time until queued work drains; basis for retry-after
     shed: bool = False  # the pool's shedder picked this request as part of the excess
+    reduce_output: bool = False  # part of the share whose output the ladder caps (step 2+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +471,14 @@ FIELDS: tuple[Field, ...] = (
         _G,
         "the pool's shedder picked this request as part of the excess over protected capacity",
         lambda r, c: bool(c.load.shed),
+    ),
+    _req(
+        "load.reduce_output",
+        BOOL,
+        _G,
+        "at ladder step 2+, the pool picked this request as part of the share whose output is "
+        "capped (just enough to bring demand back inside the envelope)",
+        lambda r, c: bool(c.load.reduce_output),
     ),
     # backend (routing stage only)
     Field("backend.name", STRING, _F, "backend name (routing stage only)", read_backend=lambda b: b.name),

@@ -138,7 +138,7 @@ BASE_GIVEN: Mapping[str, Any] = {
         },
         "reduced_output_tokens": 0,
     },
-    "load": {"ladder_step": 0, "utilization": 0.5, "drain_ms": 0.0, "shed": False},
+    "load": {"ladder_step": 0, "utilization": 0.5, "drain_ms": 0.0, "shed": False, "reduce_output": False},
     "backends": [
         {"name": "triton-eu-1", "model": "full-v18", "labels": {"cell": "eu-restricted"}},
         {"name": "compact-eu-1", "model": "compact-v11", "labels": {"cell": "eu-restricted"}},
@@ -330,7 +330,12 @@ def build_inputs(given: Mapping[str, Any]) -> tuple[RequestRecord, PolicyContext
             ),
             reduced_output_tokens=int(rt["reduced_output_tokens"]),
         ),
-        load=LoadFacts(utilization=ld["utilization"], drain_ms=ld["drain_ms"], shed=bool(ld["shed"])),
+        load=LoadFacts(
+            utilization=ld["utilization"],
+            drain_ms=ld["drain_ms"],
+            shed=bool(ld["shed"]),
+            reduce_output=bool(ld["reduce_output"]),
+        ),
         backends=tuple(
             BackendFacts(name=x["name"], model=x.get("model", ""), labels=dict(x.get("labels", {})))
             for x in g["backends"]
