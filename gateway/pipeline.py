@@ -470,13 +470,15 @@ class Gateway:
             time_scale=handle.time_scale,
             correction=self.estimator.correction(correction_key, identity.tenant, now),
         )
+        reserve_exec_ms = demand.accelerator_ms + demand.host_cpu_ms
+        latest_start = call.received_at + (deadline_ms - reserve_exec_ms) / 1000.0
         budget = Budget(
             deadline_ms=deadline_ms,
             elapsed_ms=(now - call.received_at) * 1000.0,
             reserve_upstream_ms=request_class.reserve_upstream_ms,
-            reserve_exec_ms=demand.accelerator_ms + demand.host_cpu_ms,
+            reserve_exec_ms=reserve_exec_ms,
             reserve_fail_ms=request_class.reserve_fail_ms,
-            queue_wait_ms=queue.predicted_wait_ms(now, deadline_at=call.received_at + deadline_ms / 1000.0),
+            queue_wait_ms=queue.predicted_wait_ms(now, latest_start=latest_start),
         )
         record = RequestRecord(
             identity=identity, shape=shape, demand=demand, budget=budget, ladder_step=ladder_step
@@ -721,7 +723,6 @@ class Gateway:
         tenant = self.tenants.tenants.get(identity.tenant)
         request_class = self.config.classes.get(identity.request_class)
         return await admitted.queue.acquire(
-            deadline_at=admitted.deadline_at,
             latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
             cost_ms=admitted.record.demand.accelerator_ms,
             request_class=identity.request_class,

@@ -16,7 +16,11 @@ Rules (everything that decides who goes next lives here):
    tenant receives accelerator-ms in proportion to its weight, whatever the
    size of its requests; a flow that wakes up starts at the current virtual
    time, so idleness banks no credit.
-2. **Deadline order inside a flow**: earliest deadline first, FIFO among equals.
+2. **Least slack first inside a flow**: earliest latest-start (deadline minus
+   predicted execution) first, FIFO among equals. Plain earliest-deadline-first
+   would keep a long request behind every short one that arrives with a nearer
+   deadline until its own latest start had passed; ordering by latest start
+   gives it its turn while it can still finish.
 3. **No starvation.** A large job's flow is charged by its cost, so it waits
    while its virtual time is ahead, but every other flow's time advances with
    each grant: its turn comes after a bounded amount of others' work (aging
@@ -68,12 +72,11 @@ CONTROL_CLASS = "control"
 
 @dataclass(order=True)
 class _Waiter:
-    deadline_at: float
+    latest_start: float  # deadline minus predicted execution: the order inside a flow
     seq: int
     cost_ms: float = field(compare=False)
     future: asyncio.Future[Slot] = field(compare=False)
     flow: tuple[str, str] = field(compare=False, default=("", ""))
-    latest_start: float = field(compare=False, default=float("inf"))
     live: bool = field(compare=False, default=True)
 
 
@@ -183,21 +186,21 @@ class DispatchQueue:
         """Predicted work still to execute in the pool's slots (bound to the backend)."""
         return sum(max(0.0, s.cost_ms - max(0.0, now - s.predicted_start) * 1000.0) for s in self._inflight)
 
-    def predicted_wait_ms(self, now: float | None = None, *, deadline_at: float | None = None) -> float:
+    def predicted_wait_ms(self, now: float | None = None, *, latest_start: float | None = None) -> float:
         """How long a new arrival would wait for a device: the work bound to the backend,
-        then the queued work that goes before it (an earlier deadline; all of it when
-        ``deadline_at`` is None), list-scheduled over the pool's devices. On shared devices
+        then the queued work that goes before it (an earlier latest start; all of it when
+        ``latest_start`` is None), list-scheduled over the pool's devices. On shared devices
         that includes the other pools' waiters (a freed device goes to the most urgent)."""
         now = time.monotonic() if now is None else now
         free = self.device_set.free_times(now)
         if any(queue.queued for queue in self.device_set.queues):
             ahead = sorted(
-                (w.deadline_at, w.cost_ms)
+                (w.latest_start, w.cost_ms)
                 for queue in self.device_set.queues
                 for flow in queue._flows.values()
                 if flow.live
                 for w in flow.heap
-                if w.live and (deadline_at is None or w.deadline_at <= deadline_at)
+                if w.live and (latest_start is None or w.latest_start <= latest_start)
             )
             for _, cost_ms in ahead:
                 heapq.heappush(free, heapq.heappop(free) + cost_ms / 1000.0)
@@ -206,7 +209,6 @@ class DispatchQueue:
     async def acquire(
         self,
         *,
-        deadline_at: float,
         latest_start: float,
         cost_ms: float,
         request_class: str = "",
@@ -214,8 +216,9 @@ class DispatchQueue:
         weight: float = 1.0,
         class_weight: float = 1.0,
     ) -> Slot:
-        """Wait for a slot. ``deadline_at`` orders the flow; ``latest_start`` bounds the wait
-        (both ``time.monotonic()`` seconds); weights set the class's and tenant's shares."""
+        """Wait for a slot. ``latest_start`` (``time.monotonic()`` seconds: the deadline minus
+        the predicted execution) orders the flow and bounds the wait; weights set the class's
+        and tenant's shares."""
         flow_key = (request_class, tenant)
         now = time.monotonic()
         if self._free(request_class) > 0 and self.queued == 0:
@@ -230,7 +233,7 @@ class DispatchQueue:
                 retry_after_ms=max(1, int(self.predicted_wait_ms())),
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(deadline_at, next(self._seq), cost_ms, loop.create_future(), flow_key, latest_start)
+        waiter = _Waiter(latest_start, next(self._seq), cost_ms, loop.create_future(), flow_key)
         self._enqueue(waiter, weight, class_weight)
         self._wake_next()  # a slot may be free with only ineligible waiters ahead
         try:
@@ -297,7 +300,7 @@ class DispatchQueue:
             self._last_tenant, self._consecutive = flow_key, 1
 
     def _next_waiter(self) -> _Waiter | None:
-        """The waiter to wake: least-virtual-time class, then tenant, then earliest deadline."""
+        """The waiter to wake: least-virtual-time class, then tenant, then earliest latest start."""
         free_for_ordinary = self._free("") > 0
         classes = sorted(
             (f.vtime, name)
@@ -336,13 +339,13 @@ class DispatchQueue:
         if len(devices.queues) == 1:
             self._wake_next()
             return
-        # A device freed: the pool whose next waiter has the earliest deadline goes first.
-        for queue in sorted(devices.queues, key=DispatchQueue._head_deadline):
+        # A device freed: the pool whose next waiter must start soonest goes first.
+        for queue in sorted(devices.queues, key=DispatchQueue._head_latest_start):
             queue._wake_next()
 
-    def _head_deadline(self) -> float:
+    def _head_latest_start(self) -> float:
         waiter = self._next_waiter() if self.queued else None
-        return waiter.deadline_at if waiter is not None else math.inf
+        return waiter.latest_start if waiter is not None else math.inf
 
     def _free(self, request_class: str) -> int:
         free = self.slots - len(self._inflight)

@@ -11,14 +11,14 @@ from gateway.errors import DeadlineExpired, ResourceExhausted
 from gateway.scheduler import DeviceSet, DispatchQueue
 
 
-async def test_waiters_are_served_earliest_deadline_first() -> None:
+async def test_waiters_are_served_least_slack_first() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=10)
     now = time.monotonic()
-    holder = await queue.acquire(deadline_at=now + 10, latest_start=now + 10, cost_ms=5)
+    holder = await queue.acquire(latest_start=now + 10, cost_ms=5)
     order: list[str] = []
 
-    async def wait(name: str, deadline: float) -> None:
-        slot = await queue.acquire(deadline_at=now + deadline, latest_start=now + 10, cost_ms=1)
+    async def wait(name: str, latest_start: float) -> None:
+        slot = await queue.acquire(latest_start=now + latest_start, cost_ms=1)
         order.append(name)
         slot.release()
 
@@ -35,11 +35,11 @@ async def test_waiters_are_served_earliest_deadline_first() -> None:
 async def test_queue_is_bounded() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=1)
     now = time.monotonic()
-    held = await queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=1)
-    waiting = asyncio.create_task(queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=1))
+    held = await queue.acquire(latest_start=now + 5, cost_ms=1)
+    waiting = asyncio.create_task(queue.acquire(latest_start=now + 5, cost_ms=1))
     await asyncio.sleep(0.01)
     with pytest.raises(ResourceExhausted) as full:
-        await queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=1)
+        await queue.acquire(latest_start=now + 5, cost_ms=1)
     assert full.value.rule == "queue.full"
     held.release()
     (await waiting).release()
@@ -48,13 +48,13 @@ async def test_queue_is_bounded() -> None:
 async def test_latest_start_bounds_the_wait_and_leaves_nothing_behind() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=4)
     now = time.monotonic()
-    held = await queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=1)
+    held = await queue.acquire(latest_start=now + 5, cost_ms=1)
     with pytest.raises(DeadlineExpired):
-        await queue.acquire(deadline_at=now + 0.05, latest_start=now + 0.05, cost_ms=1)
+        await queue.acquire(latest_start=now + 0.05, cost_ms=1)
     assert queue.queued == 0
     held.release()
     # The slot is free again for a new arrival: no stale waiter blocks it.
-    again = await queue.acquire(deadline_at=now + 5, latest_start=time.monotonic() + 0.05, cost_ms=1)
+    again = await queue.acquire(latest_start=time.monotonic() + 0.05, cost_ms=1)
     again.release()
     assert queue.inflight == 0
 
@@ -62,9 +62,9 @@ async def test_latest_start_bounds_the_wait_and_leaves_nothing_behind() -> None:
 async def test_cancelled_waiter_is_removed_and_slot_passes_on() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=4)
     now = time.monotonic()
-    held = await queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=1)
-    cancelled = asyncio.create_task(queue.acquire(deadline_at=now + 1, latest_start=now + 5, cost_ms=1))
-    patient = asyncio.create_task(queue.acquire(deadline_at=now + 2, latest_start=now + 5, cost_ms=1))
+    held = await queue.acquire(latest_start=now + 5, cost_ms=1)
+    cancelled = asyncio.create_task(queue.acquire(latest_start=now + 5, cost_ms=1))
+    patient = asyncio.create_task(queue.acquire(latest_start=now + 5, cost_ms=1))
     await asyncio.sleep(0.01)
     cancelled.cancel()
     await asyncio.sleep(0)
@@ -93,11 +93,10 @@ async def _drain(queue: DispatchQueue, waiters: list[asyncio.Task[object]], gran
 async def test_tenants_share_a_pool_by_weight_not_by_request_size() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=1000)
     now = time.monotonic()
-    holder = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=1)
+    holder = await queue.acquire(latest_start=now + 60, cost_ms=1)
 
     async def one(tenant: str, weight: float, cost: float) -> tuple[str, object]:
         slot = await queue.acquire(
-            deadline_at=now + 60,
             latest_start=now + 60,
             cost_ms=cost,
             request_class="interactive",
@@ -124,19 +123,18 @@ async def test_tenants_share_a_pool_by_weight_not_by_request_size() -> None:
 async def test_large_job_is_not_starved_by_a_stream_of_small_ones() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=1000)
     now = time.monotonic()
-    holder = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=1)
+    holder = await queue.acquire(latest_start=now + 60, cost_ms=1)
 
     async def one(tenant: str, cost: float, deadline_s: float) -> tuple[str, object]:
         slot = await queue.acquire(
-            deadline_at=now + deadline_s,
-            latest_start=now + 60,
+            latest_start=now + deadline_s,
             cost_ms=cost,
             request_class="interactive",
             tenant=tenant,
         )
         return tenant, slot
 
-    # The large job has the latest deadline and 20x the cost; the other tenant floods.
+    # The large job has the latest start and 20x the cost; the other tenant floods.
     tasks: list[asyncio.Task[object]] = [asyncio.create_task(one("flood", 5.0, 1.0)) for _ in range(300)]
     tasks.append(asyncio.create_task(one("large", 100.0, 59.0)))
     await asyncio.sleep(0.01)
@@ -151,18 +149,12 @@ async def test_large_job_is_not_starved_by_a_stream_of_small_ones() -> None:
 async def test_control_slice_is_reserved() -> None:
     queue = DispatchQueue("q", devices=2, slots=2, max_queued=10, reserved_control=1)
     now = time.monotonic()
-    first = await queue.acquire(
-        deadline_at=now + 5, latest_start=now + 5, cost_ms=1, request_class="interactive"
-    )
+    first = await queue.acquire(latest_start=now + 5, cost_ms=1, request_class="interactive")
     # The last slot is control's: ordinary work waits (here: until its latest start) ...
     with pytest.raises(DeadlineExpired):
-        await queue.acquire(
-            deadline_at=now + 5, latest_start=time.monotonic() + 0.05, cost_ms=1, request_class="batch"
-        )
+        await queue.acquire(latest_start=time.monotonic() + 0.05, cost_ms=1, request_class="batch")
     # ... control work gets it at once.
-    control = await queue.acquire(
-        deadline_at=now + 5, latest_start=now + 5, cost_ms=1, request_class="control"
-    )
+    control = await queue.acquire(latest_start=now + 5, cost_ms=1, request_class="control")
     control.release()
     first.release()
     assert queue.inflight == 0 and queue.queued == 0
@@ -177,10 +169,8 @@ async def test_work_is_bound_ahead_only_when_it_starts_in_time() -> None:
     and binds the moment a device frees."""
     queue = DispatchQueue("q", devices=2, slots=4, max_queued=10)
     now = time.monotonic()
-    longs = [
-        await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=10_000) for _ in range(2)
-    ]
-    short = asyncio.create_task(queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=10))
+    longs = [await queue.acquire(latest_start=now + 60, cost_ms=10_000) for _ in range(2)]
+    short = asyncio.create_task(queue.acquire(latest_start=now + 5, cost_ms=10))
     await asyncio.sleep(0.02)
     assert not short.done(), "bound behind 10 s of work although its latest start is 5 s away"
     assert (queue.inflight, queue.queued) == (2, 1) and queue.held_back >= 1
@@ -196,8 +186,8 @@ async def test_binding_ahead_predicts_the_start_from_the_devices_work() -> None:
     predicted to start when the device frees; a new arrival's predicted wait counts both."""
     queue = DispatchQueue("q", devices=1, slots=2, max_queued=10)
     now = time.monotonic()
-    running = await queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=50)
-    ahead = await queue.acquire(deadline_at=now + 5, latest_start=now + 5, cost_ms=30)
+    running = await queue.acquire(latest_start=now + 5, cost_ms=50)
+    ahead = await queue.acquire(latest_start=now + 5, cost_ms=30)
     assert ahead.predicted_start == pytest.approx(running.predicted_start + 0.05, abs=0.005)
     assert queue.predicted_wait_ms(time.monotonic()) == pytest.approx(80, abs=10)
     running.release()  # early: the bound-ahead work starts now, not at its predicted time
@@ -213,9 +203,9 @@ async def test_one_request_at_a_time_waits_in_the_backends_queue() -> None:
     whole padded batch, later than predicted)."""
     queue = DispatchQueue("q", devices=1, slots=3, max_queued=10)
     now = time.monotonic()
-    running = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=20)
-    bound_ahead = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=200)
-    third = asyncio.create_task(queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=20))
+    running = await queue.acquire(latest_start=now + 60, cost_ms=20)
+    bound_ahead = await queue.acquire(latest_start=now + 60, cost_ms=200)
+    third = asyncio.create_task(queue.acquire(latest_start=now + 60, cost_ms=20))
     await asyncio.sleep(0.02)
     assert not third.done(), "bound into the backend's queue beside unstarted work"
     running.release()  # the bound-ahead request starts on the device; the third may queue behind it
@@ -225,15 +215,15 @@ async def test_one_request_at_a_time_waits_in_the_backends_queue() -> None:
     bound_ahead.release()
 
 
-async def test_predicted_wait_counts_earlier_deadlines_only() -> None:
+async def test_predicted_wait_counts_earlier_latest_starts_only() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=10)
     now = time.monotonic()
-    holder = await queue.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=100)
-    late = asyncio.create_task(queue.acquire(deadline_at=now + 30, latest_start=now + 30, cost_ms=500))
+    holder = await queue.acquire(latest_start=now + 60, cost_ms=100)
+    late = asyncio.create_task(queue.acquire(latest_start=now + 30, cost_ms=500))
     await asyncio.sleep(0.01)
     t = time.monotonic()
-    assert queue.predicted_wait_ms(t, deadline_at=now + 1) < 150  # EDF: goes before the 500 ms
-    assert queue.predicted_wait_ms(t, deadline_at=now + 40) > 500
+    assert queue.predicted_wait_ms(t, latest_start=now + 1) < 150  # goes before the 500 ms
+    assert queue.predicted_wait_ms(t, latest_start=now + 40) > 500
     assert queue.predicted_wait_ms(t) > 500
     holder.release()
     (await late).release()
@@ -246,9 +236,9 @@ async def test_pools_on_shared_devices_see_each_others_work() -> None:
     primary = DispatchQueue("full", devices=1, slots=2, max_queued=10, device_set=devices)
     fallback = DispatchQueue("compact", devices=1, slots=2, max_queued=10, device_set=devices)
     now = time.monotonic()
-    running = await primary.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=5_000)
+    running = await primary.acquire(latest_start=now + 60, cost_ms=5_000)
     assert fallback.predicted_wait_ms(time.monotonic()) > 4_000
-    waiting = asyncio.create_task(fallback.acquire(deadline_at=now + 2, latest_start=now + 2, cost_ms=10))
+    waiting = asyncio.create_task(fallback.acquire(latest_start=now + 2, cost_ms=10))
     await asyncio.sleep(0.02)
     assert not waiting.done(), "bound onto a device the other pool holds for 5 s"
     running.release()
@@ -260,18 +250,18 @@ async def test_pools_on_shared_devices_see_each_others_work() -> None:
 
 async def test_a_freed_shared_device_goes_to_the_most_urgent_pool() -> None:
     """Two pools on one shared device, each with a waiter: when the primary's slot frees,
-    the fallback's waiter with the earlier deadline gets the device, not the primary's own."""
+    the fallback's waiter with the earlier latest start gets the device, not the primary's own."""
     devices = DeviceSet(1)
     primary = DispatchQueue("full", devices=1, slots=1, max_queued=10, device_set=devices)
     fallback = DispatchQueue("compact", devices=1, slots=1, max_queued=10, device_set=devices)
     now = time.monotonic()
-    running = await primary.acquire(deadline_at=now + 60, latest_start=now + 60, cost_ms=5_000)
-    relaxed = asyncio.create_task(primary.acquire(deadline_at=now + 30, latest_start=now + 30, cost_ms=10))
-    urgent = asyncio.create_task(fallback.acquire(deadline_at=now + 2, latest_start=now + 2, cost_ms=10))
+    running = await primary.acquire(latest_start=now + 60, cost_ms=5_000)
+    relaxed = asyncio.create_task(primary.acquire(latest_start=now + 30, cost_ms=10))
+    urgent = asyncio.create_task(fallback.acquire(latest_start=now + 2, cost_ms=10))
     await asyncio.sleep(0.02)
     t = time.monotonic()
-    with_urgent = primary.predicted_wait_ms(t, deadline_at=now + 10)
-    bound_only = primary.predicted_wait_ms(t, deadline_at=now + 1)
+    with_urgent = primary.predicted_wait_ms(t, latest_start=now + 10)
+    bound_only = primary.predicted_wait_ms(t, latest_start=now + 1)
     assert bound_only > 4_000 and fallback.queued == 1
     assert with_urgent - bound_only == pytest.approx(10, abs=1)  # the other pool's urgent waiter
     running.release()
@@ -281,3 +271,26 @@ async def test_a_freed_shared_device_goes_to_the_most_urgent_pool() -> None:
     assert behind.predicted_start == pytest.approx(slot.predicted_start + 0.01, abs=0.002)
     slot.release()
     behind.release()
+
+
+async def test_a_long_request_goes_before_short_ones_that_can_still_wait() -> None:
+    """Least slack first: a long request near its latest start goes before short requests
+    that arrived later with nearer deadlines but more slack (plain EDF would keep the long
+    one waiting until its latest start had passed)."""
+    queue = DispatchQueue("q", devices=1, slots=1, max_queued=10)
+    now = time.monotonic()
+    holder = await queue.acquire(latest_start=now + 60, cost_ms=5)
+    order: list[str] = []
+
+    async def wait(name: str, deadline_s: float, cost_ms: float) -> None:
+        slot = await queue.acquire(latest_start=now + deadline_s - cost_ms / 1000.0, cost_ms=cost_ms)
+        order.append(name)
+        slot.release()
+
+    # Deadline 0.5 s, 0.4 s of work: latest start 0.1 s. Shorts: deadline 0.2 s, 10 ms of work.
+    tasks = [asyncio.create_task(wait("long", 0.5, 400.0))]
+    tasks += [asyncio.create_task(wait(f"short{i}", 0.2, 10.0)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    holder.release()
+    await asyncio.gather(*tasks)
+    assert order[0] == "long"
