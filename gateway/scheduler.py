@@ -104,27 +104,23 @@ class DeviceSet:
         self.bound: dict[Slot, None] = {}
         self.queues: list[DispatchQueue] = []
 
-    def free_times(self, now: float) -> list[float]:
+    def free_times(self, now: float, *, replan: bool = False) -> list[float]:
         """A heap of the times each device is predicted to finish the work bound to it:
         list scheduling in binding order (Triton's queue is FIFO over the instances), each
         slot's remaining work from its predicted start. Work that overran its prediction is
-        taken to end now (optimistic, and corrected at release)."""
-        free = [now] * self.devices
-        for slot in self.bound:
-            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
-            heapq.heappush(free, heapq.heappop(free) + max(0.0, slot.cost_ms - done_ms) / 1000.0)
-        return free
+        taken to end now (optimistic, and corrected at release).
 
-    def replan(self, now: float) -> None:
-        """A device freed (perhaps earlier or later than predicted): work waiting in the
-        backend's queue starts when the next device frees, so move its predicted start."""
+        ``replan`` (a device just freed, perhaps earlier or later than predicted): work
+        still waiting in the backend's queue starts when the next device frees, so its
+        predicted start moves there."""
         free = [now] * self.devices
         for slot in self.bound:
             device_free = heapq.heappop(free)
-            if slot.predicted_start > now:
+            if replan and slot.predicted_start > now:
                 slot.predicted_start = device_free
             done_ms = max(0.0, now - slot.predicted_start) * 1000.0
             heapq.heappush(free, device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0)
+        return free
 
     def bind_start(self, now: float, latest_start: float) -> float | None:
         """When work bound now would start on a device, or None if it must not be bound yet:
@@ -335,7 +331,7 @@ class DispatchQueue:
         self._inflight.discard(slot)
         devices = self.device_set
         devices.bound.pop(slot, None)
-        devices.replan(time.monotonic())
+        devices.free_times(time.monotonic(), replan=True)
         if len(devices.queues) == 1:
             self._wake_next()
             return

@@ -43,7 +43,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,13 +145,8 @@ class SharedDevices:
             fcntl.flock(held, fcntl.LOCK_UN)
 
 
-@contextmanager
-def _no_device() -> Iterator[None]:
-    yield
-
-
-class BatchEmulator:
-    """Non-decoupled model: one response per request, batch held for its cost."""
+class _Emulator:
+    """What both emulators read at load: the cost profile, the time factor, shared devices."""
 
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
@@ -159,8 +154,15 @@ class BatchEmulator:
         self.time_factor = time_factor()
         self.devices = SharedDevices.from_env(str(args.get("model_instance_name", "")))
 
+    def _device(self) -> AbstractContextManager[None]:
+        return self.devices.hold() if self.devices else nullcontext()
+
+
+class BatchEmulator(_Emulator):
+    """Non-decoupled model: one response per request, batch held for its cost."""
+
     def execute(self, requests: list) -> list:
-        with self.devices.hold() if self.devices else _no_device():
+        with self._device():
             return self._execute(requests)
 
     def _execute(self, requests: list) -> list:
@@ -212,17 +214,11 @@ class BatchEmulator:
             time.sleep(seconds)
 
 
-class StreamEmulator:
+class StreamEmulator(_Emulator):
     """Decoupled model: prefill, then one response per generated token."""
 
-    def initialize(self, args: dict) -> None:
-        config = json.loads(args["model_config"])
-        self.profile = CostProfile.from_model_config(config)
-        self.time_factor = time_factor()
-        self.devices = SharedDevices.from_env(str(args.get("model_instance_name", "")))
-
     def execute(self, requests: list) -> None:
-        with self.devices.hold() if self.devices else _no_device():
+        with self._device():
             self._execute(requests)
 
     def _execute(self, requests: list) -> None:
