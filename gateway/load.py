@@ -1,11 +1,22 @@
-"""Per-pool load evidence and the ladder that reads it.
+"""Per-pool load evidence, per-flow plans, and the ladder that reads them.
 
 One ``PoolLoad`` per dispatch pool (backend x backend model) holds the sliding
 windows the overload ladder reads (offered demand priced on the requested
-model, observed queue dwell) and the pool's ``OverloadLadder``. ``gather``
-turns them, the dispatch queue and the backend's health into ``LoadEvidence``
-and steps the ladder; the gateway calls it periodically. The state machine
-and its rules live in ``overload``; this module only feeds it.
+model, observed queue dwell, admitted work priced as offered and as it runs),
+one ``FlowLoad`` per (request class, tenant) flow that offered work to it, and
+the pool's ``OverloadLadder``. ``gather`` turns them, the dispatch queue and the
+backend's health into ``LoadEvidence``, steps the ladder, and re-plans every
+flow (``overload.plan_flows``): which share of each flow's new requests is
+capped, diverted to the fallback, or refused. The gateway calls it
+periodically; the request path asks ``reduce_output`` / ``divert`` / ``shed``
+per request. The state machine, the fair shares and their rules live in
+``overload``; this module only feeds them and keeps the per-flow pickers.
+
+Offered demand means admissible work (``offer``): the request path counts a
+request only once its own tenant's quota, concurrency limit, entitlement and
+policy would let it in (or it was refused by the ladder itself, or for want of
+capacity). A flooder's arrivals that its own quota refuses are that tenant's
+problem, not the pool's load.
 """
 
 from __future__ import annotations
@@ -15,25 +26,69 @@ import math
 from dataclasses import dataclass, field
 
 from gateway.overload import (
+    DEFAULT_BUCKETS,
+    DEFAULT_PLAN_SPAN_S,
     DEFAULT_PROTECTED_UTILIZATION,
+    DEFAULT_SPANS_S,
+    MS_PER_S,
+    NO_PLAN,
     DemandWindow,
     DwellWindow,
+    FlowDemand,
+    FlowKey,
+    FlowPlan,
+    FlowRelief,
     LadderConfig,
     LadderState,
     LoadEvidence,
     OverloadLadder,
     Shedder,
     drain_ms,
+    plan_flows,
     protected_capacity_ms_per_s,
     retry_after_ms,
 )
-from gateway.scheduler import DispatchQueue
-
-# Divert to the fallback until offered demand is back to this share of the protected envelope:
-# a little under 1.0, so the pool does not sit on the threshold that triggered the ladder.
-DIVERT_TARGET = 0.9
+from gateway.scheduler import CONTROL_CLASS, DispatchQueue
 
 log = logging.getLogger("orchid.overload")
+
+# Queue dwell is overload evidence only while the devices are this busy (of their raw time),
+# judged over this span: below it, dwell is ordinary queueing (Poisson arrivals and long
+# requests in front of short ones at 68 % raw utilization give a p95 over a 20 ms budget).
+SATURATED = 0.9
+SATURATION_SPAN_S = 4.0
+
+# Per-flow windows only need the plan span (a point estimate of the recent rate).
+_FLOW_BUCKETS = max(1, round(DEFAULT_BUCKETS * DEFAULT_PLAN_SPAN_S / 10.0))
+
+
+def _plan_window() -> DemandWindow:
+    return DemandWindow(DEFAULT_PLAN_SPAN_S, _FLOW_BUCKETS)
+
+
+@dataclass
+class FlowLoad:
+    """One (request class, tenant) flow on one pool: its recent demand, what its admitted work
+    saved, and the pickers that spread the plan's shares evenly over its requests."""
+
+    key: FlowKey
+    weight: float = 1.0
+    class_weight: float = 1.0
+    demand: DemandWindow = field(default_factory=_plan_window)
+    admitted_offered: DemandWindow = field(default_factory=_plan_window)
+    admitted_running: DemandWindow = field(default_factory=_plan_window)
+    admitted_reduction: DemandWindow = field(default_factory=_plan_window)
+    plan: FlowPlan = NO_PLAN
+    reducer: Shedder = field(default_factory=Shedder)
+    diverter: Shedder = field(default_factory=Shedder)
+    admitter: Shedder = field(default_factory=Shedder)
+
+    def relief(self, now: float) -> FlowRelief:
+        return FlowRelief(
+            offered_ms_per_s=self.admitted_offered.rate_ms_per_s(now),
+            running_ms_per_s=self.admitted_running.rate_ms_per_s(now),
+            reduced_ms_per_s=self.admitted_reduction.rate_ms_per_s(now),
+        )
 
 
 @dataclass
@@ -47,16 +102,15 @@ class PoolLoad:
     # Admitted work, priced as offered (primary) and as it runs (primary or fallback).
     admitted_offered: DemandWindow = field(default_factory=DemandWindow)
     admitted_running: DemandWindow = field(default_factory=DemandWindow)
-    # What reduced output saved on admitted work (offered price minus reduced price).
-    admitted_reduction: DemandWindow = field(default_factory=DemandWindow)
     dwell: DwellWindow = field(default_factory=DwellWindow)
+    flows: dict[FlowKey, FlowLoad] = field(default_factory=dict)
     ladder: OverloadLadder = field(init=False)
     evidence: LoadEvidence | None = None
-    shedder: Shedder = field(default_factory=Shedder)
-    diverter: Shedder = field(default_factory=Shedder)
-    reducer: Shedder = field(default_factory=Shedder)
     saving: float = 0.45  # mean share of its price a request saves on the fallback (learned)
     reduce_saving: float = 0.2  # mean share of its price a request saves with reduced output (learned)
+    # Modeled quality lost per capped / fallback answer (set from the route's evidence).
+    reduce_quality_loss: float = 0.0
+    fallback_quality_loss: float = 0.0
 
     def __post_init__(self) -> None:
         self.ladder = OverloadLadder(self.config)
@@ -65,95 +119,122 @@ class PoolLoad:
     def step(self) -> int:
         return int(self.ladder.step)
 
-    def gather(self, now: float, queue: DispatchQueue, *, healthy: bool, evidence_at: float) -> LadderState:
-        healthy_devices = self.devices if healthy else 0
-        self.evidence = LoadEvidence(
-            now=now,
-            evidence_at=evidence_at,
-            offered_ms_per_s=self.demand.rate_ms_per_s(now),
-            protected_capacity_ms_per_s=protected_capacity_ms_per_s(
-                healthy_devices, self.protected_utilization
-            ),
-            healthy_devices=healthy_devices,
-            configured_devices=self.devices,
-            queue_dwell_p95_ms=self.dwell.p95_ms(now),
-            dwell_budget_ms=self.dwell_budget_ms,
-            mean_request_ms=self.demand.mean_ms(now),
-            queued_accelerator_ms=queue.queued_ms + queue.inflight_remaining_ms(now),
-            window_s=self.demand.window_s,
-            relief=self.relief(now),
-        )
-        state = self.ladder.update(self.evidence)
-        if state.changed:
-            log.warning("pool %s ladder step -> %d: %s", self.name, state.step, state.reason)
-        return state
+    # ------------------------------------------------------------------ evidence
 
-    def admitted(self, now: float, offered_ms: float, running_ms: float) -> None:
+    def flow(self, request_class: str, tenant: str, *, weight: float, class_weight: float) -> FlowLoad:
+        """The flow's state (created on its first request: tenants and classes are bounded by
+        configuration, so memory is too)."""
+        key = (request_class, tenant)
+        flow = self.flows.get(key)
+        if flow is None:
+            flow = self.flows[key] = FlowLoad(key)
+        flow.weight, flow.class_weight = weight, class_weight
+        return flow
+
+    def offer(self, now: float, flow: FlowLoad, accelerator_ms: float) -> None:
+        """Admissible work arrived: it counts toward the pool's and the flow's offered demand."""
+        self.demand.add(now, accelerator_ms)
+        flow.demand.add(now, accelerator_ms)
+
+    def admitted(self, now: float, flow: FlowLoad, offered_ms: float, running_ms: float) -> None:
         self.admitted_offered.add(now, offered_ms)
         self.admitted_running.add(now, running_ms)
+        flow.admitted_offered.add(now, offered_ms)
+        flow.admitted_running.add(now, running_ms)
 
-    def reduced(self, now: float, full_ms: float, reduced_ms: float) -> None:
+    def reduced(self, now: float, flow: FlowLoad, full_ms: float, reduced_ms: float) -> None:
         """An admitted request whose output the ladder capped: learn what that saves."""
-        self.admitted_reduction.add(now, max(0.0, full_ms - reduced_ms))
+        flow.admitted_reduction.add(now, max(0.0, full_ms - reduced_ms))
         if full_ms > 0:
             self.reduce_saving += 0.1 * ((1.0 - reduced_ms / full_ms) - self.reduce_saving)
-
-    def reduction_relief(self, now: float) -> float:
-        """The share of admitted demand that reduced output actually saved (measured: a route
-        without evidence for a cap, or requests already short, save nothing)."""
-        offered = self.admitted_offered.total_ms(now)
-        return min(1.0, self.admitted_reduction.total_ms(now) / offered) if offered > 0 else 0.0
-
-    def relief(self, now: float) -> float:
-        offered = self.admitted_offered.total_ms(now)
-        return min(1.0, self.admitted_running.total_ms(now) / offered) if offered > 0 else 1.0
-
-    def reduce_share(self) -> float:
-        """At step 2+, the share of requests whose output is capped (where the route has
-        quality evidence for it): what brings offered demand down to DIVERT_TARGET of the
-        protected envelope, given what a reduced request saves; at most all of them."""
-        if self.step < 2 or self.evidence is None:
-            return 0.0
-        utilization = self.evidence.utilization
-        if not math.isfinite(utilization):
-            return 1.0
-        share = (utilization - DIVERT_TARGET) / (utilization * max(self.reduce_saving, 0.05))
-        return min(1.0, max(0.0, share))
-
-    def reduce_output(self) -> bool:
-        """Is this request part of the share whose output is capped (policy fact
-        ``load.reduce_output``)? The mildest degradation comes first and only as far as
-        capacity requires, like the fallback's share."""
-        share = self.reduce_share()
-        return share >= 1.0 or (share > 0.0 and self.reducer.admit(1.0, share))
-
-    def divert(self) -> bool:
-        """At step 3+, is this eligible request part of the share sent to the fallback? The
-        share is what brings offered demand down to DIVERT_TARGET of the protected envelope,
-        after what reduced output measurably saves, given what a diverted request saves;
-        everything eligible when that is more than all."""
-        if self.step < 3 or self.evidence is None:
-            return False
-        utilization = self.evidence.utilization
-        if not math.isfinite(utilization):
-            return True
-        utilization *= 1.0 - self.reduction_relief(self.evidence.now)
-        share = (utilization - DIVERT_TARGET) / (utilization * max(self.saving, 0.05))
-        # The diverter's "admit" is "divert": it picks `share` of the calls, evenly spread.
-        return self.diverter.admit(1.0, min(1.0, max(0.0, share))) if share < 1.0 else True
 
     def observed_saving(self, primary_ms: float, fallback_ms: float) -> None:
         if primary_ms > 0:
             self.saving += 0.1 * ((1.0 - fallback_ms / primary_ms) - self.saving)
 
-    def shed(self) -> bool:
-        """At step 5+, is the next new online request part of the excess to shed? Step 6
-        protects admitted work harder: it aims at half the protected envelope."""
-        if self.step < 5 or self.evidence is None:
-            return False
-        target = self.evidence.protected_capacity_ms_per_s * (0.5 if self.step >= 6 else 1.0)
-        effective = self.evidence.offered_ms_per_s * self.evidence.relief
-        return not self.shedder.admit(effective, target)
+    def relief(self, now: float) -> float:
+        offered = self.admitted_offered.total_ms(now)
+        return min(1.0, self.admitted_running.total_ms(now) / offered) if offered > 0 else 1.0
+
+    def gather(self, now: float, queue: DispatchQueue, *, healthy: bool, evidence_at: float) -> LadderState:
+        healthy_devices = self.devices if healthy else 0
+        capacity = protected_capacity_ms_per_s(healthy_devices, self.protected_utilization)
+        spans = tuple(span for span in DEFAULT_SPANS_S if span <= self.demand.window_s)
+        # The backend is the bottleneck when admitted work (priced as it runs, corrected by
+        # observed work) keeps its devices at least SATURATED of their raw time busy.
+        running = self.admitted_running.reading(now, SATURATION_SPAN_S).offered_ms_per_s
+        raw_capacity = capacity / self.protected_utilization
+        self.evidence = LoadEvidence(
+            now=now,
+            evidence_at=evidence_at,
+            offered_ms_per_s=self.demand.reading(now, DEFAULT_PLAN_SPAN_S).offered_ms_per_s,
+            protected_capacity_ms_per_s=capacity,
+            healthy_devices=healthy_devices,
+            configured_devices=self.devices,
+            queue_dwell_p95_ms=self.dwell.p95_ms(now),
+            dwell_budget_ms=self.dwell_budget_ms,
+            dwell_samples=self.dwell.count(now),
+            backend_saturated=capacity <= 0.0 or running >= SATURATED * raw_capacity,
+            mean_request_ms=self.demand.mean_ms(now),
+            queued_accelerator_ms=queue.queued_ms + queue.inflight_remaining_ms(now),
+            window_s=self.demand.window_s,
+            relief=self.relief(now),
+            readings=tuple(self.demand.reading(now, span) for span in spans),
+        )
+        state = self.ladder.update(self.evidence)
+        if state.changed:
+            log.warning("pool %s ladder step -> %d: %s", self.name, state.step, state.reason)
+        self._plan(
+            now, healthy_devices * MS_PER_S * max(self.config.plan_utilization, self.protected_utilization)
+        )
+        return state
+
+    def set_quality(self, *, reduce_loss: float, fallback_loss: float) -> None:
+        """The modeled quality a capped output and a fallback answer cost on this pool's route."""
+        self.reduce_quality_loss, self.fallback_quality_loss = reduce_loss, fallback_loss
+
+    def _plan(self, now: float, capacity: float) -> None:
+        # Flows idle for a whole plan span drop out of the plan (and of memory's hot path).
+        active = [flow for flow in self.flows.values() if flow.demand.count(now) > 0]
+        demands = [
+            FlowDemand(flow.key, flow.demand.rate_ms_per_s(now), flow.weight, flow.class_weight)
+            for flow in active
+        ]
+        plans = plan_flows(
+            demands,
+            {flow.key: flow.relief(now) for flow in active},
+            capacity_ms_per_s=capacity,
+            step=self.ladder.step,
+            reduce_saving=self.reduce_saving,
+            fallback_saving=self.saving,
+            exempt_classes=frozenset({CONTROL_CLASS}),
+            reduce_quality_loss=self.reduce_quality_loss,
+            fallback_quality_loss=self.fallback_quality_loss,
+        )
+        for flow in self.flows.values():
+            flow.plan = plans.get(flow.key, NO_PLAN)
+
+    # ------------------------------------------------------------------ per-request decisions
+
+    def reduce_output(self, flow: FlowLoad) -> bool:
+        """Is this request part of its flow's share whose output is capped (policy fact
+        ``load.reduce_output``)? Only a flow's excess is capped, and only as far as capacity
+        requires: the mildest degradation first."""
+        return flow.reducer.pick(flow.plan.reduce_share)
+
+    def divert(self, flow: FlowLoad) -> bool:
+        """Is this eligible request part of its flow's share sent to the fallback?"""
+        return flow.diverter.pick(flow.plan.divert_share)
+
+    def shed(self, flow: FlowLoad) -> bool:
+        """Is this new online request part of its flow's excess to refuse (steps 5-6)? A flow
+        inside its fair share is refused only when the pool cannot carry the in-share
+        demand; control work never (the plan exempts it). Without any protected capacity
+        (every device lost) everything is shed."""
+        if self.evidence is not None and self.evidence.protected_capacity_ms_per_s <= 0.0:
+            return self.step >= 5 and flow.key[0] != CONTROL_CLASS
+        share = flow.plan.admit_share
+        return share < 1.0 and not flow.admitter.pick(share)
 
     def drain_ms(self) -> float:
         """Predicted drain for policy (``load.drain_ms``): finite, so a rule can compute a

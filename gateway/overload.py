@@ -9,7 +9,7 @@ step must live here; admission, routing and the scheduler only read
 I/O: ``now`` (monotonic seconds) is handed in, as h11 hands in bytes.
 
 The ladder (from the seed, "Overload needs an honest quality policy"); each step
-does everything the steps below it do:
+permits everything the steps below it do:
 
     0  normal
     1  stop shadow traffic and optional secondary stages
@@ -17,66 +17,88 @@ does everything the steps below it do:
     3  route eligible classes to a warm validated smaller model
     4  defer asynchronous and batch work
     5  reject new interactive work early with retry guidance
-    6  protect already admitted sequences and the control/recovery plane
+    6  protect already admitted sequences and the control/recovery plane: only
+       control work and each flow's reserved (own weighted) share are admitted
+
+The step says which mechanisms may act; *how much* each one acts, and on whom, is
+planned per flow (``plan_flows``): only a flow's excess over its fair share of the
+protected envelope is capped, diverted or refused. The tenant inside its share
+pays nothing for the one outside it (the WFQ/DRR line: a flow's excess never
+costs another flow its share).
 
 Rules
 -----
-1. The step follows *offered* demand: the accelerator-ms predicted for work as it
-   arrives, priced on the model it asked for, before any ladder action. A ladder
+1. The step follows *offered* demand: the accelerator-ms predicted for admissible
+   work as it arrives (not refused by its own tenant's quota, entitlement or
+   policy), priced on the model it asked for, before any ladder action. A ladder
    fed with the relief it causes (the seed's fallback turns a 121.8 % surge into
    91.0 %) reads its own success as recovery, steps down, turns the relief off and
-   oscillates.
+   oscillates; a ladder fed with a flooder's quota-refused arrivals punishes
+   everyone for one tenant's excess.
 2. ``utilization = offered / protected capacity``; protected capacity is healthy
    devices x protected utilization x 1000 ms/s. No capacity (every device lost),
    or offered demand that cannot be read, is infinitely loaded: step 6, never a
    division by zero and never a NaN that compares false into step 0.
-3. Climb at once: a step is entered as soon as utilization reaches its threshold,
-   skipping steps if needed.
-4. Descend slowly: leave step ``s`` only after utilization has stayed below
-   ``enter(s) - hysteresis`` (with no floor of rules 5-6 holding it) for
-   ``hold_s`` without a break, and only to ``s - 1``; every step change restarts
-   the hold, so the ladder descends at most one step per hold period. Sustained,
-   not momentary: one quiet reading of a noisy window is not a recovery.
+3. Climb on certainty, at once: a step is entered as soon as the *lower
+   confidence bound* of utilization (offered - z sigma over any of the spans,
+   sigma estimated from the samples) reaches its threshold, skipping steps if
+   needed. A flood is certain within a second, a modest sustained surge over the
+   10 s span; Poisson noise inside the envelope climbs nothing (z = 2).
+4. Descend promptly, but not on one quiet reading: leave step ``s`` once that
+   bound has stayed below ``enter(s) - hysteresis`` (with no floor of rules 5-6
+   holding it) for ``hold_s`` without a break, straight to the step the evidence
+   supports.
 5. Queue evidence can raise the step, never lower it: queue dwell p95 over the
-   class's dwell budget means at least step 3.
+   class's dwell budget means at least step 3, but only while the backend is the
+   bottleneck (admitted work runs at or above the protected envelope) and over
+   enough samples. A dwell spike from the gateway's own CPU, or from one long
+   request in a small pool, is not overload.
 6. Stale evidence fails safe and is visible: evidence older than
    ``stale_after_s`` means at least step 4 and ``LadderState.stale``.
 7. Beyond the fallback, judge what is left: steps 4-6 (defer, reject, protect)
-   follow the *effective* utilization, offered demand times the measured relief
+   follow the *effective* utilization, the bound times the measured relief
    (what admitted work really costs per accelerator-ms of its offered price, < 1
    while the fallback serves part of it). A 1.25x surge that the fallback brings
-   back inside the envelope stays at step 3 and sheds nothing; only what the
-   fallback cannot absorb is deferred or rejected.
+   back inside the envelope sheds nothing; only what the fallback cannot absorb
+   is deferred or rejected.
+8. Amounts follow the excess, per flow: every update re-plans each flow's
+   allocation (hierarchical weighted water-filling of the envelope: a flow
+   inside its share keeps its demand, what it leaves idle is lent to the
+   others; at step 6 nothing is lent), and the share of its requests that is
+   capped (step 2+), diverted (step 3+) and admitted (step 5+), from a recent
+   point estimate (2 s), so the amounts follow a surge's end even while the step
+   is held. Control work is never refused by the plan.
 
 Theory of operation
 -------------------
-The edge calls ``DemandWindow.add(now, record.demand.accelerator_ms)`` for every
-arriving request of a pool and ``DwellWindow.add`` for every dispatch; a
-periodic gatherer (the only part that touches Triton) builds ``LoadEvidence``
-from the windows, the healthy device count and Triton's pending count, and calls
-``OverloadLadder.update(evidence)``. The resulting step goes on every
-``RequestRecord.ladder_step`` and into policy; ``effects(step)`` tells the
-pipeline what to switch off, reduce, reroute, defer or reject, and
-``retry_after_ms(evidence)`` prices the ``retry-after-ms`` of a rejection from
-the predicted drain of the backlog, not from a constant.
+The edge counts admissible work into a pool's ``DemandWindow`` and its flow's
+window, and ``DwellWindow.add`` for every dispatch; a periodic gatherer
+(``load.PoolLoad.gather``) builds ``LoadEvidence`` from the windows, the healthy
+device count and the dispatch queue's backlog (everything bound to Triton for the
+pool went through it), calls ``OverloadLadder.update(evidence)`` and re-plans the
+flows. The resulting step goes on every ``RequestRecord.ladder_step`` and into
+policy; ``effects(step)`` says which mechanisms are on, the flow's ``FlowPlan``
+how much, and ``retry_after_ms(evidence)`` prices the ``retry-after-ms`` of a
+rejection from the predicted drain of the backlog, not from a constant.
 
 Thresholds are fractions of *protected* capacity (the seed protects 70 % of each
 device), so 1.00 is the planned envelope, not the hardware limit; the hardware
-limit is at 1 / 0.70 = 1.43. With the defaults:
+limit is at 1 / 0.70 = 1.43. With the defaults (judged on the lower bound):
 
     step  enters at  leaves below  the seed's Orchid fleet (24 devices, 16,800 ms/s protected)
-    1     0.85       0.77
-    2     0.92       0.84          normal load 16,368.8 ms/s = 0.974 sits here
-    3     1.00       0.92
-    4     1.10       1.02          the 1.25x surge 20,461 ms/s = 1.218 sits here
-    5     1.25       1.17
-    6     1.40       1.32          offered work beyond the devices' raw time
+    1     1.00       0.97          normal load 16,368.8 ms/s = 0.974: step 0
+    2     1.02       0.99
+    3     1.04       1.01
+    4     1.08       1.05          the 1.25x surge 20,461 ms/s = 1.218 (bound ~1.14 at 10 s)
+    5     1.12       1.09          ... after the fallback's relief: below, nothing is refused
+    6     1.43       1.40          offered work beyond the devices' raw time
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Self
@@ -94,17 +116,21 @@ _TIME_EPS_S = 1e-9
 # only the protected share; the ladder measures load against it.
 DEFAULT_PROTECTED_UTILIZATION = 0.70
 
-# Offered demand is noisy even at a steady rate: arrivals are Poisson and the seed's
-# long requests (18/s x 467.6 ms) dominate the variance. Over a window of T seconds the
-# offered rate has a standard deviation of sqrt(rate x T x E[ms^2]) / T: for the seed's
-# mix 937 ms/s (5.6 % of protected capacity) at 5 s, 662 ms/s (3.9 %) at 10 s. The
-# steps are 7-15 % apart, so at 5 s the noise alone walks the ladder (measured on a
-# simulated Poisson load sitting at 1.00: 3.6 step changes a minute at 5 s, 1.5 at
-# 10 s, tests/test_overload.py). 10 s it is; the price is a slower reading of a
-# sustained surge (a step from 0.97 to 1.22 reaches the step 4 line after ~5 s instead
-# of ~2.6 s), which is why queue dwell, a fast signal over its own shorter window,
-# can raise the step on its own (rule 5).
+# Offered demand is noisy even at a steady rate: arrivals are Poisson and the seed's long
+# requests (18/s x 467.6 ms) dominate the variance. Over T seconds the rate's standard deviation
+# is sqrt(rate x T x E[ms^2]) / T: for the seed's 24-device fleet 662 ms/s (3.9 % of protected
+# capacity) at 10 s and 1,480 ms/s (8.8 %) at 2 s; on the 4-device benchmark pool six times
+# that in relative terms. The ladder therefore never climbs on a point estimate: it climbs when
+# a *lower confidence bound* of offered demand (mean - z sigma, sigma estimated from the samples
+# themselves) passes a threshold, in any of several spans (DEFAULT_SPANS_S). A sudden flood is
+# certain within a second; a modest sustained surge only becomes certain over the long span.
+# Demand inside the envelope keeps the ladder at 0 except for z-sigma excursions.
 DEFAULT_WINDOW_S = 10.0
+DEFAULT_SPANS_S: tuple[float, ...] = (1.0, 2.0, 4.0, 10.0)
+# How much each step degrades or sheds is not the step's business: it is planned from the
+# offered rate over this recent span (a point estimate, not a bound), so the amounts follow a
+# surge's end within ~2 s even while the ladder still holds its step.
+DEFAULT_PLAN_SPAN_S = 2.0
 # 100 ms buckets: the ladder is evaluated about every 100 ms, and a finer bucket
 # would only age samples out in smaller steps at a higher memory cost.
 DEFAULT_BUCKETS = 100
@@ -115,6 +141,19 @@ MAX_BUCKETS = 10_000
 # the last ~3.2 s.
 DEFAULT_DWELL_WINDOW_S = 5.0
 DEFAULT_DWELL_SAMPLES = 512
+
+
+@dataclass(frozen=True, slots=True)
+class DemandReading:
+    """Offered accelerator-ms per second over one span, with the standard error of that rate."""
+
+    span_s: float
+    offered_ms_per_s: float
+    sigma_ms_per_s: float
+    count: int = 0
+
+    def lower_bound(self, z: float) -> float:
+        return self.offered_ms_per_s - z * self.sigma_ms_per_s
 
 
 class LadderStep(IntEnum):
@@ -172,7 +211,7 @@ class DemandWindow:
     not by the arrival rate. A sample older than the window is dropped.
     """
 
-    __slots__ = ("_counts", "_epochs", "_first", "_sums", "_width_s", "buckets", "window_s")
+    __slots__ = ("_counts", "_epochs", "_first", "_sums", "_sumsq", "_width_s", "buckets", "window_s")
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S, buckets: int = DEFAULT_BUCKETS) -> None:
         if not (math.isfinite(window_s) and window_s > 0.0):
@@ -183,6 +222,7 @@ class DemandWindow:
         self.buckets = buckets
         self._width_s = window_s / buckets
         self._sums = [0.0] * buckets
+        self._sumsq = [0.0] * buckets
         self._counts = [0] * buckets
         self._epochs = [-1] * buckets  # absolute bucket number held by each slot; -1: never used
         self._first: int | None = None  # bucket of the first sample ever seen
@@ -203,34 +243,52 @@ class DemandWindow:
         if held < bucket:
             self._epochs[slot] = bucket
             self._sums[slot] = 0.0
+            self._sumsq[slot] = 0.0
             self._counts[slot] = 0
         self._sums[slot] += accelerator_ms
+        self._sumsq[slot] += accelerator_ms * accelerator_ms
         self._counts[slot] += 1
         if self._first is None or bucket < self._first:
             self._first = bucket
 
-    def _live(self, now: float) -> tuple[float, int, int]:
-        """(sum of ms, count, buckets covered) over the window ending at ``now``."""
+    def _live(self, now: float, span_buckets: int | None = None) -> tuple[float, float, int, int]:
+        """(sum of ms, sum of squared ms, count, buckets covered) over the last ``span_buckets``
+        buckets (the whole window by default) ending at ``now``."""
+        span = self.buckets if span_buckets is None else max(1, min(self.buckets, span_buckets))
         bucket = self._bucket(now)
-        oldest = bucket - self.buckets + 1
-        total, count = 0.0, 0
+        oldest = bucket - span + 1
+        total, squares, count = 0.0, 0.0, 0
         for slot in range(self.buckets):
             if oldest <= self._epochs[slot] <= bucket:
                 total += self._sums[slot]
+                squares += self._sumsq[slot]
                 count += self._counts[slot]
-        # A young window divides by its age, but never by less than half the window: one burst
+        # A young window divides by its age, but never by less than half the span: one burst
         # in the first 100 ms of a gateway's life is not fifty times its rate.
-        floor = max(1, math.ceil(self.buckets * YOUNG_WINDOW_FLOOR))
-        covered = (
-            self.buckets if self._first is None else max(floor, min(self.buckets, bucket - self._first + 1))
+        floor = max(1, math.ceil(span * YOUNG_WINDOW_FLOOR))
+        covered = span if self._first is None else max(floor, min(span, bucket - self._first + 1))
+        return total, squares, count, covered
+
+    def reading(self, now: float, span_s: float | None = None) -> DemandReading:
+        """The offered rate over the last ``span_s`` seconds (the whole window by default), with
+        its standard error. Arrivals are a compound Poisson process: the sum of ``n`` prices
+        over ``T`` seconds has variance ``sum(x^2)``, so the rate's standard deviation is
+        ``sqrt(sum x^2) / T``, estimated from the samples themselves (no assumed mix)."""
+        span_buckets = None if span_s is None else max(1, round(span_s / self._width_s))
+        total, squares, count, covered = self._live(now, span_buckets)
+        seconds = covered * self._width_s
+        return DemandReading(
+            span_s=seconds,
+            offered_ms_per_s=total / seconds,
+            sigma_ms_per_s=math.sqrt(squares) / seconds,
+            count=count,
         )
-        return total, count, covered
 
     def total_ms(self, now: float) -> float:
         return self._live(now)[0]
 
     def count(self, now: float) -> int:
-        return self._live(now)[1]
+        return self._live(now)[2]
 
     def rate_ms_per_s(self, now: float) -> float:
         """Offered accelerator-ms per second over the window.
@@ -239,12 +297,12 @@ class DemandWindow:
         first ``window_s`` after the first sample: a gateway that just started
         must not read a surge as a fifth of itself (that would fail open).
         """
-        total, _, covered = self._live(now)
+        total, _, _, covered = self._live(now)
         return total / (covered * self._width_s)
 
     def mean_ms(self, now: float) -> float:
         """Mean predicted accelerator-ms per request over the window; 0.0 when empty."""
-        total, count, _ = self._live(now)
+        total, _, count, _ = self._live(now)
         return total / count if count else 0.0
 
 
@@ -292,6 +350,11 @@ class DwellWindow:
     def p95_ms(self, now: float) -> float:
         return self.quantile_ms(now, 0.95)
 
+    def count(self, now: float) -> int:
+        """Samples inside the window."""
+        since = now - self.window_s
+        return sum(1 for i in range(self._size) if since < self._at[i] <= now)
+
 
 # --------------------------------------------------------------------------- evidence
 
@@ -302,35 +365,60 @@ class LoadEvidence:
 
     now: float  # monotonic seconds of this ladder update
     evidence_at: float  # monotonic seconds when the figures below were gathered
-    offered_ms_per_s: float  # predicted accelerator-ms arriving per second (DemandWindow)
+    # Offered accelerator-ms per second: admissible work (not refused by its own tenant's quota,
+    # entitlement or policy), priced on the model asked for. A recent point estimate; the
+    # ladder climbs on ``readings`` (rule 3), the shedder plans amounts on this.
+    offered_ms_per_s: float
     protected_capacity_ms_per_s: float  # protected_capacity_ms_per_s(healthy_devices, ...)
     healthy_devices: int
     configured_devices: int
     queue_dwell_p95_ms: float = 0.0  # observed gateway queue dwell, p95 (DwellWindow)
     dwell_budget_ms: float | None = None  # the class's max dwell; None: no dwell evidence applies
-    backend_pending: int = 0  # requests Triton reports pending for the pool
+    dwell_samples: int = 0  # dwell samples behind that p95
+    # Is the backend the bottleneck? Admitted work runs at or above the protected envelope.
+    # Dwell counts as overload evidence only then (rule 5).
+    backend_saturated: bool = False
     mean_request_ms: float = 0.0  # predicted accelerator-ms per request (DemandWindow.mean_ms)
-    queued_accelerator_ms: float = 0.0  # predicted accelerator-ms waiting in the gateway's queues
-    window_s: float = DEFAULT_WINDOW_S  # the window offered_ms_per_s was measured over
+    # Predicted accelerator-ms not yet executed: the gateway's queues plus the work it has bound
+    # to the backend (everything in Triton's queue for this pool came through the gateway).
+    queued_accelerator_ms: float = 0.0
+    window_s: float = DEFAULT_WINDOW_S  # the longest span offered demand is read over
     # What admitted work actually costs per accelerator-ms of its offered (primary) price over
     # the window: < 1 while the fallback serves part of it. 1.0: no relief (or no evidence).
     relief: float = 1.0
+    # Offered demand over each span (DEFAULT_SPANS_S) with its standard error; empty: only the
+    # point estimate is known, and it is taken as certain.
+    readings: tuple[DemandReading, ...] = ()
+
+    def _over_capacity(self, offered: float) -> float:
+        capacity = self.protected_capacity_ms_per_s
+        if not (math.isfinite(capacity) and capacity > 0.0) or not math.isfinite(offered):
+            return math.inf
+        return max(0.0, offered) / capacity
 
     @property
     def utilization(self) -> float:
         """Offered over protected capacity; ``inf`` without capacity or readable demand (rule 2)."""
-        capacity, offered = self.protected_capacity_ms_per_s, self.offered_ms_per_s
-        if not (math.isfinite(capacity) and capacity > 0.0):
+        if not (math.isfinite(self.offered_ms_per_s) and self.offered_ms_per_s >= 0.0):
             return math.inf
-        if not (math.isfinite(offered) and offered >= 0.0):
-            return math.inf
-        return offered / capacity
+        return self._over_capacity(self.offered_ms_per_s)
+
+    def utilization_bound(self, z: float) -> float:
+        """The highest lower confidence bound of utilization over the spans (rule 3): the load
+        the evidence shows *for certain*; the point estimate when there are no readings."""
+        point = self.utilization
+        if not self.readings or not math.isfinite(point):
+            return point
+        return max(self._over_capacity(r.lower_bound(z)) for r in self.readings)
 
     @property
     def effective_utilization(self) -> float:
         """Utilization after the fallback's relief: what steps 4-6 are judged by (rule 7)."""
-        relief = self.relief if math.isfinite(self.relief) and 0.0 < self.relief <= 1.0 else 1.0
-        return self.utilization * relief
+        return self.utilization * self.relief_factor
+
+    @property
+    def relief_factor(self) -> float:
+        return self.relief if math.isfinite(self.relief) and 0.0 < self.relief <= 1.0 else 1.0
 
     @property
     def age_s(self) -> float:
@@ -346,8 +434,8 @@ class LoadEvidence:
 
     @property
     def backlog_ms(self) -> float:
-        """Predicted accelerator-ms already waiting: the gateway's queues plus Triton's pending work."""
-        return self.queued_accelerator_ms + max(0, self.backend_pending) * self.mean_request_ms
+        """Predicted accelerator-ms already waiting or running for this pool."""
+        return self.queued_accelerator_ms
 
     def describe(self) -> str:
         devices = f"{self.healthy_devices}/{self.configured_devices} devices healthy"
@@ -370,36 +458,48 @@ class LadderConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Step 1 costs no quality (shadow and optional stages return nothing to the
-    # caller), so it enters first, while 15 % of the protected envelope is still free.
-    shed_optional_at: float = Field(default=0.85, gt=0)
-    # Step 2 costs bounded, declared quality; enter when headroom falls under 8 %,
-    # about 2 noise-sigma of a 10 s window below the envelope.
-    reduce_output_at: float = Field(default=0.92, gt=0)
-    # Step 3 at the envelope itself: beyond 1.00 admission would spend the 30 %
-    # reserve that exists for errors and recovery; the warm fallback buys it back
-    # (the seed's fallback takes a 1.218 surge to 0.910).
-    fallback_at: float = Field(default=1.00, gt=0)
-    # Step 4 once fallback alone is not keeping up: asynchronous and batch work can
-    # wait without missing a deadline, interactive work cannot.
-    defer_batch_at: float = Field(default=1.10, gt=0)
-    # Step 5 above the seed's 1.25x surge of normal load (1.218): a surge of that size
-    # is absorbed by fallback and deferral, as the seed's arithmetic shows, before any
-    # interactive caller is refused.
-    reject_interactive_at: float = Field(default=1.25, gt=0)
-    # Step 6 just below 1 / 0.70 = 1.43, where offered work exceeds the devices' raw
-    # time: from there on new work can only be served by starving admitted sequences
-    # and recovery, which is what step 6 forbids.
-    protect_admitted_at: float = Field(default=1.40, gt=0)
+    # Every threshold is judged on the *lower confidence bound* of offered demand (rule 3): a
+    # step is entered only when the evidence shows demand above it for certain. Normal load
+    # sits inside the envelope (the seed's 97.43 %), so none of the steps that cost quality
+    # may trigger there; they start just above the envelope, close together, because how much
+    # each step degrades is planned from the excess (Shedder, load.PoolLoad), not by the step.
+    # Step 1 costs no quality (shadow traffic and optional stages return nothing to callers).
+    shed_optional_at: float = Field(default=1.00, gt=0)
+    # Step 2: cap output within declared quality evidence, for the excess only.
+    reduce_output_at: float = Field(default=1.02, gt=0)
+    # Step 3: route the excess of eligible work to the warm validated fallback.
+    fallback_at: float = Field(default=1.04, gt=0)
+    # Step 4 once the excess is certain and larger: asynchronous and batch work can wait
+    # without missing a deadline, interactive work cannot.
+    defer_batch_at: float = Field(default=1.08, gt=0)
+    # Step 5: refuse the excess of new online work, falling first on flows over their
+    # weighted share. After the fallback's relief (rule 7): the seed's 1.25x surge (1.218),
+    # which the fallback brings back inside the envelope, refuses nobody.
+    reject_interactive_at: float = Field(default=1.12, gt=0)
+    # Step 6 at 1 / 0.70 = 1.43, where offered work exceeds the devices' raw time: only
+    # control work and each flow's reserved share are admitted (no flow borrows idle share).
+    protect_admitted_at: float = Field(default=1.43, gt=0)
 
-    # Leave a step only below enter - hysteresis: 0.08 is ~2 sigma of the 3.9 %
-    # Poisson noise of a 10 s window of the seed's mix, so noise rarely crosses back.
-    hysteresis: float = Field(default=0.08, ge=0)
-    # Utilization must stay under the leave line this long before each step down: a
-    # step's effect (fallback, shorter outputs) shows in the queue only after in-flight
-    # work (up to a 467.6 ms long request, behind its queue) finishes, and a sustained
-    # 2 s filters single quiet readings; 6 -> 0 takes >= 12 s, more than one window.
-    hold_s: float = Field(default=2.0, ge=0)
+    # The per-flow plan fills this share of the devices' raw time before it caps, diverts or
+    # refuses anything: the steps say the envelope is exceeded (shadow traffic stops, batch
+    # waits, degradations are armed); the amounts spend the reserve between the envelope and
+    # this line first, because a degraded answer is a cost the caller sees and the reserve is
+    # not. 0.85 is the seed's 1.25x surge (85 % of raw time) served whole; above it each flow's
+    # excess is degraded, then refused. The last 15 % stays for variance and one recovery, and
+    # admission still refuses (or sends to the fallback) any request that cannot finish in time.
+    plan_utilization: float = Field(default=0.85, gt=0, le=1)
+    # z of the lower confidence bound: 2.0 is a one-sided 97.7 % bound per span, so a pool at
+    # the envelope's edge climbs on noise a few percent of the time at most.
+    confidence_z: float = Field(default=2.0, ge=0)
+    # Leave a step only when the bound is below enter - hysteresis.
+    hysteresis: float = Field(default=0.03, ge=0)
+    # The bound must stay under the leave line this long before the ladder descends (directly
+    # to the step the evidence supports). After a 1.25x surge ends, the 10 s span's bound falls
+    # under the step 4 line within ~2 s; 1 s more (10 updates) filters a single quiet reading
+    # without keeping a recovered pool degraded: the amounts follow the 2 s plan span anyway.
+    hold_s: float = Field(default=1.0, ge=0)
+    # Dwell p95 is evidence only over at least this many samples (one slow request is not a p95).
+    dwell_min_samples: int = Field(default=20, ge=1)
     # Evidence older than this fails safe: the gatherer refreshes every ~100-500 ms,
     # so 2 s means it or Triton's statistics are stuck.
     stale_after_s: float = Field(default=2.0, gt=0)
@@ -407,9 +507,8 @@ class LadderConfig(BaseModel):
     # itself with the steps that refuse no interactive caller (fallback, deferral);
     # a stuck metrics path must not become an outage.
     stale_step: LadderStep = LadderStep.DEFER_BATCH
-    # Dwell p95 over budget raises to step 3: the queue is growing whatever the
-    # predictions say (they are optimistic), and step 3 is the first step that
-    # removes accelerator work of interactive classes without refusing anyone.
+    # Dwell p95 over budget, while the backend is saturated, raises to step 3: the queue is
+    # growing whatever the predictions say (they are optimistic).
     dwell_step: LadderStep = LadderStep.FALLBACK
 
     # Retry-after bounds. Below 100 ms a retry arrives before the next evidence
@@ -483,29 +582,30 @@ class LadderState:
     calm_since: float | None = None
 
 
-def _judged(step: LadderStep, utilization: float, effective: float) -> float:
-    """The utilization a step is left by: offered for steps 1-3, after relief for 4-6."""
-    return utilization if step <= LadderStep.FALLBACK else effective
-
-
 def next_state(
     previous: LadderState, evidence: LoadEvidence, config: LadderConfig = DEFAULT_LADDER
 ) -> LadderState:
     """The ladder's transition function: the whole state machine, pure."""
-    utilization = evidence.utilization
-    effective = evidence.effective_utilization
+    bound = evidence.utilization_bound(config.confidence_z)
+    effective = bound * evidence.relief_factor
     # Rule 7: steps 1-3 follow offered demand; the steps beyond the fallback (4-6) follow
     # the demand that remains once the fallback serves what it may.
-    target = config.step_for(utilization)
+    target = config.step_for(bound)
     if target > LadderStep.FALLBACK:
         target = max(LadderStep.FALLBACK, config.step_for(effective))
     notes = [evidence.describe()]
-    if effective < utilization:
+    if evidence.readings and math.isfinite(bound):
+        notes.append(f"certain (z={config.confidence_z:g}): {bound * 100:.1f}%")
+    if effective < bound:
         notes.append(f"after fallback relief x{evidence.relief:.2f}: {effective * 100:.1f}%")
-    if evidence.dwell_over_budget:
+    if (
+        evidence.dwell_over_budget
+        and evidence.backend_saturated
+        and evidence.dwell_samples >= config.dwell_min_samples
+    ):
         notes.append(
             f"queue dwell p95 {evidence.queue_dwell_p95_ms:.0f} ms over budget "
-            f"{evidence.dwell_budget_ms:.0f} ms: at least step {config.dwell_step}"
+            f"{evidence.dwell_budget_ms:.0f} ms on a saturated backend: at least step {config.dwell_step}"
         )
         target = max(target, config.dwell_step)
     stale = evidence.age_s > config.stale_after_s
@@ -518,25 +618,22 @@ def next_state(
 
     current, now = previous.step, evidence.now
     step, calm_since = current, None
+    judged = bound if current <= LadderStep.FALLBACK else effective
     if target > current:
         step = target
         notes.append(f"climb {current} -> {step}")
-    elif target < current and not _judged(current, utilization, effective) < config.leaves_below(current):
+    elif target < current and not judged < config.leaves_below(current):
         notes.append(f"hold step {current}: leaves below {config.leaves_below(current) * 100:.1f}%")
     elif target < current:
         calm_since = now if previous.calm_since is None else previous.calm_since
         if now - calm_since + _TIME_EPS_S < config.hold_s:
             notes.append(f"hold step {current} for {config.hold_s - (now - calm_since):.1f} s more")
         else:
-            step = LadderStep(current - 1)
+            # Down to the step the evidence supports, at once: a recovered pool must not
+            # stay degraded one hold period per step.
+            step = target
             notes.append(f"descend {current} -> {step}")
-            # The calm that earned this step down counts toward the next one only from now:
-            # one step per hold period.
-            calm_since = (
-                now
-                if target < step and _judged(step, utilization, effective) < config.leaves_below(step)
-                else None
-            )
+            calm_since = None
     changed = step != current
     return LadderState(
         step=step,
@@ -618,11 +715,11 @@ class RetryAfter:
 
 
 class Shedder:
-    """Sheds the excess, not everything: of the work arriving while the ladder is at step 5+,
-    admit the fraction ``target / offered`` (the protected envelope over offered demand) and
-    pick the rest as shed, deterministically with a credit accumulator (no randomness, no
-    bursts of refusals). A 1.25x surge thus sheds about a fifth of new online work; with no
-    capacity everything is shed. Pure: the caller passes the rates in.
+    """Picks a share of calls, evenly spread: ``admit(offered, target)`` says yes to the fraction
+    ``target / offered`` of calls (all when ``offered <= target``, none without a target),
+    deterministically with a credit accumulator (no randomness, no bursts of refusals). The
+    ladder uses one per flow and mechanism (which requests to cap, divert, admit); shadow
+    traffic uses one to sample. Pure: the caller passes the rates in.
     """
 
     __slots__ = ("_credit",)
@@ -640,6 +737,192 @@ class Shedder:
             self._credit -= 1.0
             return True
         return False
+
+    def pick(self, share: float) -> bool:
+        """Is this call part of ``share`` (0..1) of the calls?"""
+        if not share > 0.0:
+            return False
+        return share >= 1.0 or self.admit(1.0, share)
+
+
+# --------------------------------------------------------------------------- fair shares
+
+FlowKey = tuple[str, str]  # (request class, tenant)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowDemand:
+    """One flow's offered demand on a pool, with its place in the share hierarchy."""
+
+    key: FlowKey
+    offered_ms_per_s: float
+    weight: float = 1.0  # the tenant's weight inside its class
+    class_weight: float = 1.0  # the class's weight in the pool
+
+
+def _water_fill(demands: dict[str, float], weights: dict[str, float], capacity: float) -> dict[str, float]:
+    """Weighted max-min fair split of ``capacity``: a claimant asking for less than its weighted
+    share gets what it asks; what it leaves is split among the rest by weight (the classic
+    water-filling of WFQ/DRR: one flow's excess never costs another its share)."""
+    alloc = dict.fromkeys(demands, 0.0)
+    left = {name for name, d in demands.items() if d > 0.0}
+    remaining = max(0.0, capacity)
+    while left and remaining > 1e-9:
+        total_weight = sum(max(weights[name], 1e-9) for name in left)
+        level = remaining / total_weight
+        satisfied = {name for name in left if demands[name] - alloc[name] <= level * max(weights[name], 1e-9)}
+        if not satisfied:
+            for name in left:
+                alloc[name] += level * max(weights[name], 1e-9)
+            return alloc
+        for name in satisfied:
+            remaining -= demands[name] - alloc[name]
+            alloc[name] = demands[name]
+        left -= satisfied
+    return alloc
+
+
+def _guaranteed(demands: dict[str, float], weights: dict[str, float], capacity: float) -> dict[str, float]:
+    """Each active claimant's own weighted share, capped at its demand: nothing is lent."""
+    active = [name for name, d in demands.items() if d > 0.0]
+    total_weight = sum(max(weights[name], 1e-9) for name in active)
+    return {
+        name: min(d, capacity * max(weights[name], 1e-9) / total_weight) if d > 0.0 and total_weight else 0.0
+        for name, d in demands.items()
+    }
+
+
+def fair_allocation(
+    flows: Sequence[FlowDemand], capacity_ms_per_s: float, *, lend_idle: bool = True
+) -> dict[FlowKey, float]:
+    """Each flow's fair part of ``capacity_ms_per_s``, hierarchically: classes by class weight,
+    then tenants inside a class by tenant weight. With ``lend_idle`` (steps up to 5) a flow
+    inside its share keeps all of its demand and the capacity it leaves idle goes to the
+    others by weight; without it (step 6) each flow gets at most its own weighted share."""
+    split = _water_fill if lend_idle else _guaranteed
+    if not math.isfinite(capacity_ms_per_s) or capacity_ms_per_s <= 0.0:
+        return {flow.key: 0.0 for flow in flows}
+    class_demand: dict[str, float] = {}
+    class_weight: dict[str, float] = {}
+    for flow in flows:
+        name = flow.key[0]
+        class_demand[name] = class_demand.get(name, 0.0) + max(0.0, flow.offered_ms_per_s)
+        class_weight[name] = flow.class_weight
+    class_alloc = split(class_demand, class_weight, capacity_ms_per_s)
+    allocation: dict[FlowKey, float] = {}
+    for name, budget in class_alloc.items():
+        members = [flow for flow in flows if flow.key[0] == name]
+        tenant_alloc = split(
+            {flow.key[1]: max(0.0, flow.offered_ms_per_s) for flow in members},
+            {flow.key[1]: flow.weight for flow in members},
+            budget,
+        )
+        for flow in members:
+            allocation[flow.key] = tenant_alloc[flow.key[1]]
+    return allocation
+
+
+@dataclass(frozen=True, slots=True)
+class FlowPlan:
+    """What the ladder does to one flow's new requests until the next update: the share of them
+    whose output is capped (step 2+), the share sent to the fallback (step 3+), and the share
+    admitted at all (step 5+; 1.0 below). Every share falls on the flow's *excess*: demand
+    beyond its fair allocation of the protected envelope. A flow inside its share has no
+    excess, so none of it is degraded or refused unless the pool cannot carry even the
+    in-share demand (then the allocations themselves shrink, by weight)."""
+
+    allocation_ms_per_s: float = math.inf
+    excess_ms_per_s: float = 0.0
+    reduce_share: float = 0.0
+    divert_share: float = 0.0
+    admit_share: float = 1.0
+
+
+NO_PLAN = FlowPlan()
+
+
+@dataclass(frozen=True, slots=True)
+class FlowRelief:
+    """What one flow's admitted work measurably saved over the plan span."""
+
+    offered_ms_per_s: float = 0.0  # admitted work priced as offered (on the primary)
+    running_ms_per_s: float = 0.0  # the same work priced as it runs (reduced, fallback)
+    reduced_ms_per_s: float = 0.0  # what capped output saved of it
+
+    @property
+    def diverted_ms_per_s(self) -> float:
+        """What the fallback saved of it: all the saving that capping did not."""
+        return max(0.0, self.offered_ms_per_s - self.running_ms_per_s - self.reduced_ms_per_s)
+
+    @property
+    def relief(self) -> float:
+        if self.offered_ms_per_s <= 0.0:
+            return 1.0
+        return min(1.0, max(0.0, self.running_ms_per_s / self.offered_ms_per_s))
+
+
+def plan_flows(
+    flows: Sequence[FlowDemand],
+    reliefs: dict[FlowKey, FlowRelief],
+    *,
+    capacity_ms_per_s: float,
+    step: LadderStep,
+    reduce_saving: float,
+    fallback_saving: float,
+    exempt_classes: frozenset[str] = frozenset(),
+    reduce_quality_loss: float = 0.0,
+    fallback_quality_loss: float = 0.0,
+) -> dict[FlowKey, FlowPlan]:
+    """The ladder's plan for every flow of a pool (pure). ``capacity_ms_per_s`` is what the plan
+    fills before it degrades anything (``LadderConfig.plan_utilization`` of the devices' raw
+    time); ``reduce_saving`` and ``fallback_saving`` are the learned shares of its price a
+    request saves when capped or diverted, ``*_quality_loss`` the modeled quality each costs
+    (full score minus the capped or fallback score, from the route's evidence);
+    ``exempt_classes`` (control) are never refused."""
+    fx = effects(step)
+    allocation = fair_allocation(flows, capacity_ms_per_s, lend_idle=not fx.protect_control_only)
+    plans: dict[FlowKey, FlowPlan] = {}
+    for flow in flows:
+        offered = max(0.0, flow.offered_ms_per_s)
+        allowed = allocation.get(flow.key, 0.0)
+        if flow.key[0] in exempt_classes:
+            plans[flow.key] = FlowPlan(allocation_ms_per_s=allowed)
+            continue
+        excess = max(0.0, offered - allowed)
+        if excess <= 0.0 or offered <= 0.0:
+            plans[flow.key] = FlowPlan(allocation_ms_per_s=allowed)
+            continue
+        relief = reliefs.get(flow.key, FlowRelief())
+        reduce_share = divert_share = 0.0
+        reduce_saving, fallback_saving = max(reduce_saving, 0.05), max(fallback_saving, 0.05)
+        # The degradation that costs the least modeled quality per accelerator-ms saved goes
+        # first (once the step permits both): it also degrades the fewest answers when it is
+        # the fallback (a capped output saves ~20 % of a price, the fallback ~45 %).
+        fallback_first = fx.fallback_for_eligible and (
+            fallback_quality_loss / fallback_saving <= reduce_quality_loss / reduce_saving
+        )
+        if fallback_first:
+            divert_share = min(1.0, excess / (offered * fallback_saving))
+            left = max(0.0, excess - relief.diverted_ms_per_s)
+            reduce_share = min(1.0, left / (offered * reduce_saving)) if fx.reduce_output else 0.0
+        else:
+            if fx.reduce_output:
+                reduce_share = min(1.0, excess / (offered * reduce_saving))
+            if fx.fallback_for_eligible:
+                left = max(0.0, excess - relief.reduced_ms_per_s)
+                divert_share = min(1.0, left / (offered * fallback_saving))
+        admit_share = 1.0
+        if fx.reject_new_interactive:
+            # Admit what the allocation carries at the price admitted work measurably runs at.
+            admit_share = min(1.0, allowed / (offered * relief.relief)) if relief.relief > 0 else 1.0
+        plans[flow.key] = FlowPlan(
+            allocation_ms_per_s=allowed,
+            excess_ms_per_s=excess,
+            reduce_share=reduce_share,
+            divert_share=divert_share,
+            admit_share=admit_share,
+        )
+    return plans
 
 
 def drain_ms(evidence: LoadEvidence) -> float:

@@ -329,23 +329,33 @@ class Gateway:
             allow_fallback=hints.allow_fallback and tenant.config.allow_fallback,
             operation_id=hints.operation_id,
         )
-        load = self.pool_load(queue, request_class)
+        load = self.pool_load(queue, request_class, route)
+        flow = load.flow(
+            class_name, tenant.name, weight=tenant.config.weight, class_weight=request_class.weight
+        )
         quota = self.quotas.available(tenant.name, class_name, now=now)
         priced = self._price(
             identity, route, shape, handle, queue, call, deadline_ms, request_class, load.step, now
         )
-        # Offered demand is priced on the model asked for, before any ladder action.
-        load.demand.add(now, priced.record.demand.accelerator_ms)
+        offered_ms = priced.record.demand.accelerator_ms
         policy = self.policy.current()
-        shed = mode is Mode.ONLINE and load.shed()
-        reduce_output = load.reduce_output()
-        context = self._policy_context(
-            tenant, route, cell, load, quota, shed=shed, reduce_output=reduce_output
-        )
+        reduce_output = load.reduce_output(flow)
+        context = self._policy_context(tenant, route, cell, load, quota, reduce_output=reduce_output)
         primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context))
+        # Offered demand is admissible work, priced on the model asked for, before any ladder
+        # action: a request its own tenant's quota, entitlement or policy refuses is not load
+        # (the flooder's excess is its own problem); one refused for want of capacity is.
+        admissible = primary.policy.allowed or primary.policy.status == "DEADLINE_EXCEEDED"
+        shed = False
+        if primary.policy.allowed and mode is Mode.ONLINE and load.shed(flow):
+            # Part of this flow's excess at step 5+: policy decides how it is refused.
+            shed = True
+            context = dataclasses.replace(context, load=dataclasses.replace(context.load, shed=True))
+            primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context))
         effects = overload_effects(load.step)
         fallback: admission.Candidate | None = None
         fallback_priced: _Priced | None = None
+        fallback_load: PoolLoad | None = None
         shared_fallback = self.routes.models.get(route.fallback) if route.fallback else None
         # A dedicated tenant's fallback must be dedicated too; otherwise it has none.
         fallback_route = (
@@ -354,7 +364,7 @@ class Gateway:
             else None
         )
         fallback_pool = await self._warm_fallback(fallback_route, cell, logical) if fallback_route else None
-        divert = effects.fallback_for_eligible and primary.policy.fallback_eligible and load.divert()
+        divert = effects.fallback_for_eligible and primary.policy.fallback_eligible and load.divert(flow)
         if fallback_route is not None and admission.wants_fallback_pass(
             primary.policy, effects, fallback_pool is not None, divert
         ):
@@ -366,6 +376,10 @@ class Gateway:
             f_shape = dataclasses.replace(
                 shape, max_output_tokens=min(shape.max_output_tokens, fallback_route.shape.max_output_tokens)
             )
+            fallback_load = self.pool_load(f_queue, request_class)
+            f_flow = fallback_load.flow(
+                class_name, tenant.name, weight=tenant.config.weight, class_weight=request_class.weight
+            )
             fallback_priced = self._price(
                 f_identity,
                 fallback_route,
@@ -375,12 +389,26 @@ class Gateway:
                 call,
                 deadline_ms,
                 request_class,
-                load.step,
+                fallback_load.step,
                 now,
             )
-            fallback = admission.Candidate(
-                fallback_priced.record, policy.evaluate(fallback_priced.record, context)
+            # The fallback is judged on its own pool's load: a request shed on the primary is
+            # not thereby shed on the fallback, and the fallback's own excess is its own.
+            f_shed = mode is Mode.ONLINE and fallback_load.shed(f_flow)
+            f_context = dataclasses.replace(
+                context,
+                load=LoadFacts(
+                    utilization=fallback_load.utilization(),
+                    drain_ms=fallback_load.drain_ms(),
+                    shed=f_shed,
+                    reduce_output=False,
+                ),
             )
+            fallback = admission.Candidate(
+                fallback_priced.record, policy.evaluate(fallback_priced.record, f_context)
+            )
+            if f_shed:
+                fallback_load.offer(now, f_flow, fallback_priced.record.demand.accelerator_ms)
             load.observed_saving(
                 priced.record.demand.accelerator_ms, fallback_priced.record.demand.accelerator_ms
             )
@@ -397,6 +425,8 @@ class Gateway:
         )
         self.listener.decided(primary.record, decision, primary.policy)
         if decision.verdict is Verdict.REJECT:
+            if admissible or shed or decision.rules == (admission.DEFER_BATCH_RULE,):
+                load.offer(now, flow, offered_ms)
             error_type = _STATUS_ERRORS.get(decision.status, PermissionDenied)
             rule = decision.rules[0] if decision.rules else None
             raise error_type(decision.message, rule=rule, retry_after_ms=decision.retry_after_ms)
@@ -420,8 +450,7 @@ class Gateway:
                 now,
             )
             if chosen is not fallback_priced:
-                load.reduced(now, full_ms, chosen.record.demand.accelerator_ms)
-        load.admitted(now, priced.record.demand.accelerator_ms, chosen.record.demand.accelerator_ms)
+                load.reduced(now, flow, full_ms, chosen.record.demand.accelerator_ms)
         chosen_policy = (
             fallback.policy if fallback is not None and chosen is fallback_priced else primary.policy
         )
@@ -431,8 +460,19 @@ class Gateway:
             raise Unavailable(
                 f"no backend allowed by policy serves model {logical!r}", rule="routing.excluded_backend"
             )
-        # Reserve the predicted demand of what will run; settled with the observed charge.
+        # Reserve the predicted demand of what will run; settled with the observed charge. A
+        # refusal here (the tenant's own concurrency or queued-work limit) is not pool load.
         reservation = self.quotas.reserve_record(chosen.record, now=now)
+        load.offer(now, flow, offered_ms)
+        load.admitted(now, flow, offered_ms, chosen.record.demand.accelerator_ms)
+        if chosen is fallback_priced and fallback_load is not None:
+            f_flow = fallback_load.flow(
+                class_name, tenant.name, weight=tenant.config.weight, class_weight=request_class.weight
+            )
+            fallback_load.offer(now, f_flow, chosen.record.demand.accelerator_ms)
+            fallback_load.admitted(
+                now, f_flow, chosen.record.demand.accelerator_ms, chosen.record.demand.accelerator_ms
+            )
         max_output = decision.max_output_tokens or chosen.record.shape.max_output_tokens
         backend_request = self._backend_request(request, chosen.route, max_output, mode)
         return Admitted(
@@ -471,14 +511,23 @@ class Gateway:
             correction=self.estimator.correction(correction_key, identity.tenant, now),
         )
         reserve_exec_ms = demand.accelerator_ms + demand.host_cpu_ms
-        latest_start = call.received_at + (deadline_ms - reserve_exec_ms) / 1000.0
+        tenant = self.tenants.tenants.get(identity.tenant)
+        latest_start = (
+            call.received_at + (deadline_ms - reserve_exec_ms - request_class.reserve_fail_ms) / 1000.0
+        )
         budget = Budget(
             deadline_ms=deadline_ms,
             elapsed_ms=(now - call.received_at) * 1000.0,
             reserve_upstream_ms=request_class.reserve_upstream_ms,
             reserve_exec_ms=reserve_exec_ms,
             reserve_fail_ms=request_class.reserve_fail_ms,
-            queue_wait_ms=queue.predicted_wait_ms(now, latest_start=latest_start),
+            queue_wait_ms=queue.predicted_wait_ms(
+                now,
+                latest_start=latest_start,
+                flow=(identity.request_class, identity.tenant),
+                weight=tenant.config.weight if tenant is not None else 1.0,
+                cost_ms=demand.accelerator_ms,
+            ),
         )
         record = RequestRecord(
             identity=identity, shape=shape, demand=demand, budget=budget, ladder_step=ladder_step
@@ -563,7 +612,9 @@ class Gateway:
             ),
         )
 
-    def pool_load(self, queue: DispatchQueue, request_class: RequestClassConfig) -> PoolLoad:
+    def pool_load(
+        self, queue: DispatchQueue, request_class: RequestClassConfig, route: RouteConfig | None = None
+    ) -> PoolLoad:
         load = self.loads.get(queue.name)
         if load is None:
             load = PoolLoad(
@@ -574,6 +625,12 @@ class Gateway:
                 protected_utilization=self.config.protected_utilization,
             )
             self.loads[queue.name] = load
+            if route is not None and route.quality is not None:
+                fallback = self.routes.models.get(route.fallback) if route.fallback else None
+                full = route.quality.score
+                reduced = route.reduced_output.quality.score if route.reduced_output else full
+                compact = fallback.quality.score if fallback and fallback.quality else full
+                load.set_quality(reduce_loss=max(0.0, full - reduced), fallback_loss=max(0.0, full - compact))
         return load
 
     def update_ladders(self, now: float) -> None:
@@ -723,7 +780,7 @@ class Gateway:
         tenant = self.tenants.tenants.get(identity.tenant)
         request_class = self.config.classes.get(identity.request_class)
         return await admitted.queue.acquire(
-            latest_start=admitted.deadline_at - admitted.record.budget.reserve_exec_ms / 1000.0,
+            latest_start=admitted.received_at + admitted.record.budget.latest_start_ms / 1000.0,
             cost_ms=admitted.record.demand.accelerator_ms,
             request_class=identity.request_class,
             tenant=identity.tenant,

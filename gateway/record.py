@@ -112,6 +112,14 @@ class Budget:
     def remaining_ms(self) -> float:
         return self.deadline_ms - self.elapsed_ms
 
+    @property
+    def latest_start_ms(self) -> float:
+        """Milliseconds after the request arrived by which it must start on a device: the
+        deadline less its predicted execution and response and its variance reserve. The
+        queue holds a request no longer than this (a request started later could only finish
+        inside the variance reserve, and its answer still has to travel back)."""
+        return self.deadline_ms - self.reserve_exec_ms - self.reserve_fail_ms
+
 
 @dataclass(frozen=True, slots=True)
 class RequestRecord:

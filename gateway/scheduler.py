@@ -128,7 +128,10 @@ class DeviceSet:
         earlier is still waiting in the backend's queue (the two would be co-batched)."""
         if len(self.bound) < self.devices:
             return now
-        if any(s.predicted_start > now for s in self.bound):
+        # One request at most waits in the backend's queue: by prediction (a bound slot not
+        # yet started) and in fact (more slots held than devices: work that overran its
+        # prediction still holds its device, whatever the list schedule says).
+        if len(self.bound) > self.devices or any(s.predicted_start > now for s in self.bound):
             return None
         start = self.free_times(now)[0]
         return start if start <= latest_start else None
@@ -173,6 +176,7 @@ class DispatchQueue:
         self.queued_ms = 0.0
         self.queued = 0
         self.held_back = 0  # times a waiter was kept here rather than bound behind busy devices
+        self.pushed_out = 0  # waiters refused to make room for a flow with less queued work
 
     @property
     def inflight(self) -> int:
@@ -182,25 +186,70 @@ class DispatchQueue:
         """Predicted work still to execute in the pool's slots (bound to the backend)."""
         return sum(max(0.0, s.cost_ms - max(0.0, now - s.predicted_start) * 1000.0) for s in self._inflight)
 
-    def predicted_wait_ms(self, now: float | None = None, *, latest_start: float | None = None) -> float:
+    def predicted_wait_ms(
+        self,
+        now: float | None = None,
+        *,
+        latest_start: float | None = None,
+        flow: tuple[str, str] | None = None,
+        weight: float = 1.0,
+        cost_ms: float = 0.0,
+    ) -> float:
         """How long a new arrival would wait for a device: the work bound to the backend,
-        then the queued work that goes before it (an earlier latest start; all of it when
-        ``latest_start`` is None), list-scheduled over the pool's devices. On shared devices
-        that includes the other pools' waiters (a freed device goes to the most urgent)."""
+        then the queued work that goes before it, list-scheduled over the pool's devices. On
+        shared devices that includes the other pools' waiters (a freed device goes to the most
+        urgent). What goes before it:
+
+        * without ``flow``: every waiter with an earlier latest start (all of them when
+          ``latest_start`` is None);
+        * with ``flow`` (class, tenant): its own flow's waiters with an earlier latest start;
+          of another tenant's flow in the same class, only the work fair queuing grants it
+          before this request (until that flow's virtual time reaches the one this request
+          will finish at: rule 1); other classes and other pools by latest start. A flooder's
+          backlog therefore does not make an in-share tenant's request look infeasible.
+        """
         now = time.monotonic() if now is None else now
         free = self.device_set.free_times(now)
         if any(queue.queued for queue in self.device_set.queues):
-            ahead = sorted(
-                (w.latest_start, w.cost_ms)
-                for queue in self.device_set.queues
-                for flow in queue._flows.values()
-                if flow.live
-                for w in flow.heap
-                if w.live and (latest_start is None or w.latest_start <= latest_start)
-            )
-            for _, cost_ms in ahead:
-                heapq.heappush(free, heapq.heappop(free) + cost_ms / 1000.0)
+            for _, cost in self._ahead(latest_start, flow, weight, cost_ms):
+                heapq.heappush(free, heapq.heappop(free) + cost / 1000.0)
         return max(0.0, (free[0] - now) * 1000.0)
+
+    def _ahead(
+        self, latest_start: float | None, flow: tuple[str, str] | None, weight: float, cost_ms: float
+    ) -> list[tuple[float, float]]:
+        def earlier(w: _Waiter) -> bool:
+            return w.live and (latest_start is None or w.latest_start <= latest_start)
+
+        ahead: list[tuple[float, float]] = []
+        fair: list[tuple[_Flow, list[_Waiter]]] = []
+        for queue in self.device_set.queues:
+            for key, f in queue._flows.items():
+                if not f.live:
+                    continue
+                if flow is not None and queue is self and key[0] == flow[0] and key != flow:
+                    fair.append((f, sorted(w for w in f.heap if w.live)))
+                else:
+                    ahead.extend((w.latest_start, w.cost_ms) for w in f.heap if earlier(w))
+        if fair and flow is not None:
+            own = self._flows.get(flow)
+            siblings = {k: f for k, f in self._flows.items() if k[0] == flow[0]}
+            start_vtime = self._active_vtime(siblings)
+            if own is not None and own.live:
+                start_vtime = own.vtime
+            elif own is not None:
+                start_vtime = max(own.vtime, start_vtime)
+            own_ms = sum(w.cost_ms for w in (own.heap if own is not None else ()) if earlier(w))
+            finish_vtime = start_vtime + (own_ms + cost_ms) / max(weight, 1e-9)
+            for other, waiters in fair:
+                allowance = max(0.0, finish_vtime - other.vtime) * max(other.weight, 1e-9)
+                for w in waiters:
+                    if allowance <= 0.0:
+                        break
+                    ahead.append((w.latest_start, w.cost_ms))
+                    allowance -= w.cost_ms
+        ahead.sort()
+        return ahead
 
     async def acquire(
         self,
@@ -222,7 +271,7 @@ class DispatchQueue:
             if start is not None:
                 self._charge(flow_key, cost_ms, weight, class_weight)
                 return self._grant(cost_ms, now, start)
-        if self.queued >= self.max_queued:
+        if self.queued >= self.max_queued and not self._push_out(flow_key, cost_ms, weight):
             raise ResourceExhausted(
                 "the model's queue is full",
                 rule="queue.full",
@@ -238,7 +287,7 @@ class DispatchQueue:
                 raise TimeoutError
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except (TimeoutError, asyncio.CancelledError) as exc:
-            if waiter.future.done() and not waiter.future.cancelled():
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 waiter.future.result().release()  # granted in the same instant we gave up: pass it on
             waiter.future.cancel()
             self._forget(waiter)
@@ -250,6 +299,36 @@ class DispatchQueue:
             raise
 
     # ------------------------------------------------------------------ flows
+
+    def _push_out(self, flow_key: tuple[str, str], cost_ms: float, weight: float) -> bool:
+        """The queue is full: make room for a newcomer by refusing the least urgent waiter of
+        the flow with the most queued work per unit of weight, if that is another flow with
+        more than the newcomer's would then be (longest-queue drop, as in fair queuing: a
+        flooder fills the queue only with its own backlog, never at an in-share tenant's
+        expense). The refused waiter leaves with RESOURCE_EXHAUSTED and a retry-after, as
+        if it had met a full queue on arrival."""
+        backlog: dict[tuple[str, str], float] = {}
+        for key, f in self._flows.items():
+            if f.live:
+                backlog[key] = sum(w.cost_ms for w in f.heap if w.live) / max(f.weight, 1e-9)
+        if not backlog:
+            return False
+        victim_key = max(backlog, key=lambda k: backlog[k])
+        mine = backlog.get(flow_key, 0.0) + cost_ms / max(weight, 1e-9)
+        if victim_key == flow_key or backlog[victim_key] <= mine:
+            return False
+        victim = max((w for w in self._flows[victim_key].heap if w.live), key=lambda w: w.latest_start)
+        self._forget(victim)
+        if not victim.future.done():
+            victim.future.set_exception(
+                ResourceExhausted(
+                    "the model's queue is full: this tenant holds more than its share of it",
+                    rule="queue.full",
+                    retry_after_ms=max(1, int(self.predicted_wait_ms())),
+                )
+            )
+        self.pushed_out += 1
+        return True
 
     def _active_vtime(self, table: dict[str, _Flow] | dict[tuple[str, str], _Flow]) -> float:
         active = [f.vtime for f in table.values() if f.live > 0]

@@ -8,5 +8,6 @@ export PATH="$PWD/.venv/bin:$PATH"
 ruff check gateway tests bench
 ruff format --check gateway tests bench
 mypy
-# pytest exits 5 when it collects nothing: that is a failure here too (set -e).
-pytest "$@"
+# The whole suite, scenario tests marked slow included (plain `pytest` skips those for a fast
+# inner loop). pytest exits 5 when it collects nothing: that is a failure here too (set -e).
+pytest -m "slow or not slow" "$@"

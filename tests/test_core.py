@@ -234,12 +234,11 @@ def test_output_limit_marks_reduced_output() -> None:
 def test_triton_statistics_split_queue_compute_and_batch() -> None:
     from gateway.backends.stats import StatsSample, timing_between
 
-    before = StatsSample(successes=10, queue_ns=0, compute_ns=0, pending=0, inferences=10, executions=10)
+    before = StatsSample(successes=10, queue_ns=0, compute_ns=0, inferences=10, executions=10)
     after = StatsSample(
         successes=30,
         queue_ns=20 * 2_000_000,
         compute_ns=20 * 30_000_000,
-        pending=0,
         inferences=30,
         executions=20,
     )

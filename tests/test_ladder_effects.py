@@ -19,7 +19,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from gateway.backends.local import LocalTriton
-from gateway.overload import LadderState, LadderStep, LoadEvidence
+from gateway.overload import FlowDemand, LadderState, LadderStep, LoadEvidence, plan_flows
 from tests.conftest import ORCHID_KEY, TIME_FACTOR, ThreadedGateway, gateway_config
 
 AUTH = (("authorization", f"Bearer {ORCHID_KEY}"),)
@@ -46,14 +46,18 @@ def request(n: int = 64, **params: Any) -> service_pb2.ModelInferRequest:
     tensor.shape.extend([1, n])
     req.raw_input_contents.append(np.arange(n, dtype=np.int32).tobytes())
     for key, value in params.items():
-        if isinstance(value, int):
+        if isinstance(value, bool):
+            req.parameters[key].bool_param = value
+        elif isinstance(value, int):
             req.parameters[key].int64_param = value
         else:
             req.parameters[key].string_param = value
     return req
 
 
-def pin(running: ThreadedGateway, step: int, utilization: float) -> None:
+def pin(running: ThreadedGateway, step: int, utilization: float, *, lumen: float = 0.0) -> None:
+    """Pin the pool's ladder at ``step`` and its flows' demand (orchid's interactive flow at
+    ``utilization`` of the envelope, lumen's at ``lumen``), planned by the production planner."""
     gw = running.server.gateway
     assert gw is not None
 
@@ -64,11 +68,24 @@ def pin(running: ThreadedGateway, step: int, utilization: float) -> None:
         load.evidence = LoadEvidence(
             now=now,
             evidence_at=now,
-            offered_ms_per_s=utilization * PROTECTED,
+            offered_ms_per_s=(utilization + lumen) * PROTECTED,
             protected_capacity_ms_per_s=PROTECTED,
             healthy_devices=4,
             configured_devices=4,
         )
+        orchid = load.flow("interactive", "orchid", weight=2.0, class_weight=1.0)
+        demands = [FlowDemand(orchid.key, utilization * PROTECTED, 2.0, 1.0)]
+        if lumen:
+            demands.append(FlowDemand(("interactive", "lumen"), lumen * PROTECTED, 1.0, 1.0))
+        plans = plan_flows(
+            demands,
+            {},
+            capacity_ms_per_s=PROTECTED,
+            step=LadderStep(step),
+            reduce_saving=load.reduce_saving,
+            fallback_saving=load.saving,
+        )
+        orchid.plan = plans[orchid.key]
 
     running.call_soon(apply)
 
@@ -97,9 +114,13 @@ def test_each_step_has_its_effect(pinned: ThreadedGateway, monkeypatch: pytest.M
         first = stub.ModelInfer(request(), metadata=AUTH, timeout=10)  # creates the pool's load
         assert first.parameters["orchid.ladder_step"].int64_param == 0
 
-        # Step 2, just over the divert target (0.9 of the envelope): only a share of requests
-        # gets the reduced output, just enough to bring demand back inside.
+        # Step 2 inside the envelope: the step alone degrades nothing; there is no excess.
         pin(pinned, 2, 0.95)
+        assert outcomes(stub, 10, **{"orchid.max_output_tokens": 64}) == Counter({"ok:none": 10})
+
+        # Step 2 just over the envelope: only a share of requests gets the reduced output,
+        # just enough to bring demand back inside.
+        pin(pinned, 2, 1.05)
         seen2 = outcomes(stub, 20, **{"orchid.max_output_tokens": 64})
         assert 1 <= seen2["ok:reduced_output"] <= 12 and seen2["ok:none"] >= 8, seen2
         assert sum(seen2.values()) == 20
@@ -134,17 +155,31 @@ def test_each_step_has_its_effect(pinned: ThreadedGateway, monkeypatch: pytest.M
             == 0
         )
 
-        # Step 5 at twice the envelope: about half of new online work is refused early, the rest served.
+        # Step 5 at twice the envelope: about half of new online work is refused early (callers
+        # who opted out of the fallback), the rest served.
+        no_fallback = {"orchid.max_output_tokens": 16, "orchid.allow_fallback": False}
         pin(pinned, 5, 2.0)
-        seen = outcomes(stub, 40, **{"orchid.max_output_tokens": 16})
+        seen = outcomes(stub, 40, **no_fallback)
         shed = seen["RESOURCE_EXHAUSTED:overload-reject-interactive"]
         assert 12 <= shed <= 28, seen
-        assert seen["ok:none"] + seen["ok:fallback"] + shed == 40
+        assert seen["ok:none"] + shed == 40
 
-        # Step 6 aims at half the envelope: more is refused than at step 5, not everything.
-        pin(pinned, 6, 2.0)
-        seen6 = outcomes(stub, 40, **{"orchid.max_output_tokens": 16})
-        assert shed < seen6["RESOURCE_EXHAUSTED:overload-reject-interactive"] < 40, seen6
+        # A shed request that may use the fallback is judged by the fallback's own pool: it is
+        # answered there (degraded, and saying why), not refused.
+        seen = outcomes(stub, 20, **{"orchid.max_output_tokens": 16})
+        assert seen["ok:fallback"] >= 5 and seen["ok:none"] + seen["ok:fallback"] == 20, seen
+
+        # Step 5 with a tenant inside its share beside: orchid borrows what lumen leaves idle.
+        # Step 6 lends nothing: orchid is held to its own weighted share (2/3), more is refused.
+        pin(pinned, 5, 2.0, lumen=0.2)
+        seen5 = outcomes(stub, 60, **no_fallback)
+        pin(pinned, 6, 2.0, lumen=0.2)
+        seen6 = outcomes(stub, 60, **no_fallback)
+        shed5 = seen5["RESOURCE_EXHAUSTED:overload-reject-interactive"]
+        shed6 = seen6["RESOURCE_EXHAUSTED:overload-reject-interactive"]
+        # Admitted shares: step 5 (1 - 0.2) / 2.0 = 40 %, step 6 (2/3) / 2.0 = 33 %.
+        assert 60 - shed5 == pytest.approx(24, abs=2) and 60 - shed6 == pytest.approx(20, abs=2)
+        assert shed5 < shed6 < 60, (seen5, seen6)
 
 
 def test_step_1_stops_shadow_traffic(pinned: ThreadedGateway, triton: LocalTriton) -> None:

@@ -28,7 +28,7 @@ def test_lint_ok(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["policy", "lint", "policies"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(
-        "ok: 17 rules (1 shadow), 3 variables in 5 files; version orchid-default-2 (sha256:"
+        "ok: 18 rules (1 shadow), 3 variables in 5 files; version orchid-default-2 (sha256:"
     )
 
 
@@ -65,7 +65,7 @@ def test_test_passes_and_reports_coverage(capsys: pytest.CaptureFixture[str]) ->
     assert main(["policy", "test", "policies"]) == 0
     out = capsys.readouterr().out
     assert "PASS privacy: a cell the tenant is not entitled to is denied" in out
-    assert "every rule is exercised by at least one test (17 rules)" in out
+    assert "every rule is exercised by at least one test (18 rules)" in out
     assert "FAIL" not in out
 
 
@@ -85,7 +85,7 @@ def test_test_lists_rules_no_case_exercises(tmp_path: Path, capsys: pytest.Captu
     (policies / "tests" / "admission.yaml").unlink()
     assert main(["policy", "test", str(policies)]) == 0
     out = capsys.readouterr().out
-    assert "rules not exercised by any test (5): class-allowed, model-allowed, deadline-infeasible" in out
+    assert "rules not exercised by any test (6): class-allowed, model-allowed, deadline-infeasible, deadline-behind-queue" in out
     assert main(["policy", "test", str(policies), "--require-coverage"]) == 1
 
 

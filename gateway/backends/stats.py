@@ -22,7 +22,6 @@ class StatsSample:
     successes: int
     queue_ns: int
     compute_ns: int
-    pending: int  # requests Triton holds now (queued + executing), where reported
     inferences: int = 0  # requests executed (Triton's inference_count)
     executions: int = 0  # model executions (batches) that ran them (execution_count)
 
@@ -38,7 +37,7 @@ class StatsSample:
             compute_ns += (
                 int(stats.compute_input.ns) + int(stats.compute_infer.ns) + int(stats.compute_output.ns)
             )
-        return cls(successes, queue_ns, compute_ns, 0, inferences, executions)
+        return cls(successes, queue_ns, compute_ns, inferences, executions)
 
 
 @dataclass(frozen=True, slots=True)
