@@ -43,15 +43,15 @@ Rules
    confidence bound* of utilization (offered - z sigma over any of the spans,
    sigma estimated from the samples) reaches its threshold, skipping steps if
    needed. A flood is certain within a second, a modest sustained surge over the
-   10 s span; Poisson noise inside the envelope climbs nothing (z = 2).
+   10 s span; Poisson noise inside the envelope climbs nothing (z = 2.5).
 4. Descend promptly, but not on one quiet reading: leave step ``s`` once that
    bound has stayed below ``enter(s) - hysteresis`` (with no floor of rules 5-6
    holding it) for ``hold_s`` without a break, straight to the step the evidence
    supports.
 5. Queue evidence can raise the step, never lower it: queue dwell p95 over the
    class's dwell budget means at least step 3, but only while the backend is the
-   bottleneck (admitted work runs at or above the protected envelope) and over
-   enough samples. A dwell spike from the gateway's own CPU, or from one long
+   bottleneck (admitted work keeps the devices at least 90 % busy over 4 s, see
+   ``load.SATURATED``) and over enough samples. A dwell spike from the gateway's own CPU, or from one long
    request in a small pool, is not overload.
 6. Stale evidence fails safe and is visible: evidence older than
    ``stale_after_s`` means at least step 4 and ``LadderState.stale``.
@@ -62,7 +62,7 @@ Rules
    back inside the envelope sheds nothing; only what the fallback cannot absorb
    is deferred or rejected.
 8. Amounts follow the excess, per flow: every update re-plans each flow's
-   allocation (hierarchical weighted water-filling of the envelope: a flow
+   allocation (hierarchical weighted water-filling of the plan capacity: a flow
    inside its share keeps its demand, what it leaves idle is lent to the
    others; at step 6 nothing is lent), and the share of its requests that is
    capped (step 2+), diverted (step 3+) and admitted (step 5+), from a recent
@@ -86,12 +86,17 @@ device), so 1.00 is the planned envelope, not the hardware limit; the hardware
 limit is at 1 / 0.70 = 1.43. With the defaults (judged on the lower bound):
 
     step  enters at  leaves below  the seed's Orchid fleet (24 devices, 16,800 ms/s protected)
-    1     1.00       0.97          normal load 16,368.8 ms/s = 0.974: step 0
-    2     1.02       0.99
-    3     1.04       1.01
-    4     1.08       1.05          the 1.25x surge 20,461 ms/s = 1.218 (bound ~1.14 at 10 s)
-    5     1.12       1.09          ... after the fallback's relief: below, nothing is refused
-    6     1.43       1.40          offered work beyond the devices' raw time
+    1     1.00       0.95          normal load 16,368.8 ms/s = 0.974: step 0
+    2     1.05       1.00
+    3     1.10       1.05          the 1.25x surge 20,461 ms/s = 1.218 (10 s bound ~1.12)
+    4     1.15       1.10
+    5     1.25       1.20          judged after the fallback's relief
+    6     1.43       1.38          offered work beyond the devices' raw time
+
+The amounts are planned against ``plan_utilization`` (0.90) of the devices' raw time,
+not the envelope: the seed's surge (85.3 % of raw time) is served whole, at full
+quality where admission finds each request feasible; only demand beyond the plan
+line is degraded, then refused, and only the excess of the flows over their share.
 """
 
 from __future__ import annotations
@@ -251,9 +256,11 @@ class DemandWindow:
         if self._first is None or bucket < self._first:
             self._first = bucket
 
-    def _live(self, now: float, span_buckets: int | None = None) -> tuple[float, float, int, int]:
-        """(sum of ms, sum of squared ms, count, buckets covered) over the last ``span_buckets``
-        buckets (the whole window by default) ending at ``now``."""
+    def _live(self, now: float, span_buckets: int | None = None) -> tuple[float, float, int, float]:
+        """(sum of ms, sum of squared ms, count, seconds covered) over the last ``span_buckets``
+        buckets (the whole window by default) ending at ``now``. The current bucket counts only
+        for the part of it that has passed: a rate read early in a bucket is not diluted by
+        the rest of it."""
         span = self.buckets if span_buckets is None else max(1, min(self.buckets, span_buckets))
         bucket = self._bucket(now)
         oldest = bucket - span + 1
@@ -266,8 +273,12 @@ class DemandWindow:
         # A young window divides by its age, but never by less than half the span: one burst
         # in the first 100 ms of a gateway's life is not fifty times its rate.
         floor = max(1, math.ceil(span * YOUNG_WINDOW_FLOOR))
-        covered = span if self._first is None else max(floor, min(span, bucket - self._first + 1))
-        return total, squares, count, covered
+        age = span if self._first is None else bucket - self._first + 1
+        if age <= floor:
+            return total, squares, count, floor * self._width_s
+        partial = min(self._width_s, max(0.0, now - bucket * self._width_s))
+        seconds = (min(span, age) - 1) * self._width_s + partial
+        return total, squares, count, max(seconds, 0.5 * self._width_s)
 
     def reading(self, now: float, span_s: float | None = None) -> DemandReading:
         """The offered rate over the last ``span_s`` seconds (the whole window by default), with
@@ -275,8 +286,7 @@ class DemandWindow:
         over ``T`` seconds has variance ``sum(x^2)``, so the rate's standard deviation is
         ``sqrt(sum x^2) / T``, estimated from the samples themselves (no assumed mix)."""
         span_buckets = None if span_s is None else max(1, round(span_s / self._width_s))
-        total, squares, count, covered = self._live(now, span_buckets)
-        seconds = covered * self._width_s
+        total, squares, count, seconds = self._live(now, span_buckets)
         return DemandReading(
             span_s=seconds,
             offered_ms_per_s=total / seconds,
@@ -297,8 +307,8 @@ class DemandWindow:
         first ``window_s`` after the first sample: a gateway that just started
         must not read a surge as a fifth of itself (that would fail open).
         """
-        total, _, _, covered = self._live(now)
-        return total / (covered * self._width_s)
+        total, _, _, seconds = self._live(now)
+        return total / seconds
 
     def mean_ms(self, now: float) -> float:
         """Mean predicted accelerator-ms per request over the window; 0.0 when empty."""
@@ -460,22 +470,23 @@ class LadderConfig(BaseModel):
 
     # Every threshold is judged on the *lower confidence bound* of offered demand (rule 3): a
     # step is entered only when the evidence shows demand above it for certain. Normal load
-    # sits inside the envelope (the seed's 97.43 %), so none of the steps that cost quality
-    # may trigger there; they start just above the envelope, close together, because how much
-    # each step degrades is planned from the excess (Shedder, load.PoolLoad), not by the step.
+    # sits inside the envelope (the seed's 97.43 %), so no step triggers there. Steps are
+    # 5 % apart, with 5 % hysteresis: more than the 10 s bound's noise on the seed's fleet
+    # (~4 %), so a sustained surge holds its step instead of flapping. How much a step
+    # degrades is planned from each flow's excess (plan_flows), not by the step.
     # Step 1 costs no quality (shadow traffic and optional stages return nothing to callers).
     shed_optional_at: float = Field(default=1.00, gt=0)
     # Step 2: cap output within declared quality evidence, for the excess only.
-    reduce_output_at: float = Field(default=1.02, gt=0)
-    # Step 3: route the excess of eligible work to the warm validated fallback.
-    fallback_at: float = Field(default=1.04, gt=0)
+    reduce_output_at: float = Field(default=1.05, gt=0)
+    # Step 3: route the excess of eligible work to the warm validated fallback. The seed's
+    # 1.25x surge (1.218; its 10 s bound ~1.12 on the seed's fleet) sits here, as the seed says.
+    fallback_at: float = Field(default=1.10, gt=0)
     # Step 4 once the excess is certain and larger: asynchronous and batch work can wait
     # without missing a deadline, interactive work cannot.
-    defer_batch_at: float = Field(default=1.08, gt=0)
+    defer_batch_at: float = Field(default=1.15, gt=0)
     # Step 5: refuse the excess of new online work, falling first on flows over their
-    # weighted share. After the fallback's relief (rule 7): the seed's 1.25x surge (1.218),
-    # which the fallback brings back inside the envelope, refuses nobody.
-    reject_interactive_at: float = Field(default=1.12, gt=0)
+    # weighted share; judged after the fallback's relief (rule 7).
+    reject_interactive_at: float = Field(default=1.25, gt=0)
     # Step 6 at 1 / 0.70 = 1.43, where offered work exceeds the devices' raw time: only
     # control work and each flow's reserved share are admitted (no flow borrows idle share).
     protect_admitted_at: float = Field(default=1.43, gt=0)
@@ -484,15 +495,17 @@ class LadderConfig(BaseModel):
     # refuses anything: the steps say the envelope is exceeded (shadow traffic stops, batch
     # waits, degradations are armed); the amounts spend the reserve between the envelope and
     # this line first, because a degraded answer is a cost the caller sees and the reserve is
-    # not. 0.85 is the seed's 1.25x surge (85 % of raw time) served whole; above it each flow's
-    # excess is degraded, then refused. The last 15 % stays for variance and one recovery, and
-    # admission still refuses (or sends to the fallback) any request that cannot finish in time.
-    plan_utilization: float = Field(default=0.85, gt=0, le=1)
-    # z of the lower confidence bound: 2.0 is a one-sided 97.7 % bound per span, so a pool at
-    # the envelope's edge climbs on noise a few percent of the time at most.
-    confidence_z: float = Field(default=2.0, ge=0)
+    # not. 0.90 serves the seed's 1.25x surge (85.3 % of raw time) whole, with room for its
+    # noise; above the line each flow's excess is degraded, then refused. The last 10 % stays
+    # for variance, and admission still refuses (or sends to the fallback) any request that
+    # cannot finish in time, so no admitted request is promised time the devices lack.
+    plan_utilization: float = Field(default=0.90, gt=0, le=1)
+    # z of the lower confidence bound: 2.5 is a one-sided 99.4 % bound per span; with four
+    # spans read every 100 ms (the 1 s span alone gives ten fresh readings a second), 2.0 left
+    # the seed's normal load off step 0 about 5 % of the time on noise alone.
+    confidence_z: float = Field(default=2.5, ge=0)
     # Leave a step only when the bound is below enter - hysteresis.
-    hysteresis: float = Field(default=0.03, ge=0)
+    hysteresis: float = Field(default=0.05, ge=0)
     # The bound must stay under the leave line this long before the ladder descends (directly
     # to the step the evidence supports). After a 1.25x surge ends, the 10 s span's bound falls
     # under the step 4 line within ~2 s; 1 s more (10 updates) filters a single quiet reading
@@ -808,7 +821,17 @@ def fair_allocation(
         name = flow.key[0]
         class_demand[name] = class_demand.get(name, 0.0) + max(0.0, flow.offered_ms_per_s)
         class_weight[name] = flow.class_weight
-    class_alloc = split(class_demand, class_weight, capacity_ms_per_s)
+    if lend_idle:
+        class_alloc = _water_fill(class_demand, class_weight, capacity_ms_per_s)
+    else:
+        # Each active class's own weighted share (not capped at its demand: its tenants split
+        # the share, each keeping at most its own part of it).
+        active = [name for name, d in class_demand.items() if d > 0.0]
+        total = sum(max(class_weight[name], 1e-9) for name in active)
+        class_alloc = {
+            name: capacity_ms_per_s * max(class_weight[name], 1e-9) / total if name in active else 0.0
+            for name in class_demand
+        }
     allocation: dict[FlowKey, float] = {}
     for name, budget in class_alloc.items():
         members = [flow for flow in flows if flow.key[0] == name]

@@ -587,7 +587,10 @@ class Gateway:
                 allow_fallback=config.allow_fallback,
                 max_output_tokens=config.max_output_tokens,
                 accelerator_ms_per_s=quota.refill_ms_per_s or 0.0,
-                available_accelerator_ms=quota.available_accelerator_ms,
+                # The ledger's own answer, borrowing included: what it would grant now. Policy
+                # must not refuse what the ledger would lend (a flooder-free tenant over its
+                # own rate borrows its idle neighbours' share, within the borrowing bound).
+                available_accelerator_ms=quota.available_accelerator_ms + quota.borrowable_ms,
             ),
             route=RouteFacts(
                 model=route.backend_model,

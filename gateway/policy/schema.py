@@ -85,7 +85,9 @@ class TenantFacts:
     weight: float = 1.0  # fair-share weight
     allow_fallback: bool = True  # tenant-level opt-out of approximate answers
     accelerator_ms_per_s: float = 0.0  # quota refill rate
-    available_accelerator_ms: float = math.inf  # current balance; inf: no quota configured
+    # What the quota ledger would grant now: its balance plus what it may borrow from the class's
+    # idle share (negative while in debt); inf: no quota configured.
+    available_accelerator_ms: float = math.inf
     max_output_tokens: int = 0  # 0: no tenant cap
 
 
@@ -371,7 +373,7 @@ FIELDS: tuple[Field, ...] = (
         "tenant.available_accelerator_ms",
         DOUBLE,
         _G,
-        "current quota balance (inf when no quota is configured)",
+        "accelerator-ms the quota ledger would grant now: balance plus borrowable idle share (inf: no quota)",
         lambda r, c: float(c.tenant.available_accelerator_ms),
     ),
     _req(
