@@ -85,7 +85,10 @@ def test_test_lists_rules_no_case_exercises(tmp_path: Path, capsys: pytest.Captu
     (policies / "tests" / "admission.yaml").unlink()
     assert main(["policy", "test", str(policies)]) == 0
     out = capsys.readouterr().out
-    assert "rules not exercised by any test (6): class-allowed, model-allowed, deadline-infeasible, deadline-behind-queue" in out
+    assert (
+        "rules not exercised by any test (6): class-allowed, model-allowed, deadline-infeasible, "
+        "deadline-behind-queue" in out
+    )
     assert main(["policy", "test", str(policies), "--require-coverage"]) == 1
 
 
