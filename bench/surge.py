@@ -1,8 +1,8 @@
-"""Surge benchmark: orchid-gateway against Triton direct (naive FIFO and tuned queue policy).
+"""Surge benchmark: orchid-gateway against Triton direct (FIFO, tuned, tuned + client fallback).
 
 What it measures
     The seed's "Overload needs an honest quality policy" scenario, scaled down to a
-    2-core machine, run side by side against three targets with the *same* arrival
+    2-core machine, run side by side against four targets with the *same* arrival
     schedule (same seed), one after the other, each on a fresh Triton:
 
     * ``triton-fifo``   clients -> Triton on ``examples/orchid/model_repository`` as
@@ -14,16 +14,49 @@ What it measures
                         max_queue_size }``); every request also carries Triton's
                         ``timeout`` parameter (microseconds) = its deadline minus its
                         price, i.e. its latest start: the strongest baseline Triton
-                        alone offers (ARCHITECTURE §7). ``max_queue_size``
-                        (``--tuned-queue-size``) defaults to 4, the best surge goodput
-                        of a sweep over 2, 4, 6, 8, 16 and 32;
+                        alone offers (ARCHITECTURE §7). Its ``max_queue_size`` and
+                        batching are the best of a sweep run first (below);
+    * ``triton-tuned-fallback``  the same tuned Triton, plus the client's own fallback:
+                        when Triton refuses a request with its queue policy ("Exceeds
+                        maximum queue size", or "Request timeout expired") and the
+                        deadline still leaves compact-v11's price, the client resends it
+                        at once to ``compact-v11`` (same tokens; gRPC deadline = the time
+                        left; Triton's ``timeout`` = the time left minus compact-v11's
+                        price). An answer from compact-v11 is a fallback answer. The
+                        strongest client-side baseline: it needs no gateway, only a
+                        client that knows the prices and the fallback. (With shared
+                        devices, Triton's ``timeout`` covers its own queue only: a
+                        resend Triton starts may still wait inside the emulator for a
+                        device held by full-v18, and then miss its deadline rather
+                        than be refused; ``retry%`` vs ``fallbk%`` shows how many);
     * ``gateway``       clients -> ``orchid-gateway serve`` (the repository's tenants,
                         routes and policies) -> Triton on the shipped repository.
 
-    Optionally (``--kill-at``, on by default) a fourth run, ``gateway-kill``: the same
+    Optionally (``--kill-at``, on by default) one more run, ``gateway-kill``: the same
     workload through the gateway, with its Triton SIGKILLed during the surge
     (``LocalTriton.kill()``) and restarted ``--kill-for`` seconds later
     (``LocalTriton.start()``): the loss of a device group (issue 7.5).
+
+Tuned Triton's configuration (the sweep)
+    Before the targets, each configuration of a grid gets a short surge-only run on a
+    fresh Triton (the usual warm-up, then ``--sweep-s`` 12 s at the surge multiplier x
+    the load factor, its own arrival schedule from ``--seed`` + 2), driven by the
+    ``triton-tuned`` client (``--sweep-client triton-tuned-fallback`` to sweep with the
+    fallback client instead). The grid: ``max_queue_size`` in ``--sweep-sizes`` (2 4 8
+    16) x batching ``on`` (the dynamic batcher, batches of up to 8) and ``off`` (the
+    same dynamic batcher and queue policy with ``max_batch_size: 1``: every request
+    runs alone), plus one run with batching ``none`` (the ``dynamic_batching`` block
+    removed: Triton's default scheduler, no batches, but no queue policy either:
+    Triton's queue policy and its ``timeout`` parameter live in the dynamic batcher, so
+    ``max_queue_size`` means nothing there). The table shows per configuration the
+    on-time, full-quality and quality-weighted goodput, the headline ON-TIME % and the
+    refusals; the best on-time goodput (the first of equals, in the grid's order) is
+    used for ``triton-tuned`` and ``triton-tuned-fallback``, and the report says which.
+    ``--tuned-queue-size N`` and ``--tuned-batching on|off|none`` each fix their
+    dimension of the grid; both together fix the configuration and skip the sweep.
+    ``--sweep-s 0`` skips it too (``max_queue_size`` 4, batching on, unless fixed).
+    Every configuration sees the same schedule, but 12 s is short (about 770 requests at
+    1.25x): differences of a few % between configurations may be noise.
 
 Scaling (one consistent rule: the seed's world, on 4 devices, with time compressed by f)
     The emulator holds a Triton instance ("device") for the seed's price times
@@ -62,9 +95,12 @@ Scaling (one consistent rule: the seed's world, on 4 devices, with time compress
       this emulator. Its ladder's controller constants (10 s demand window, 2 s hold)
       are wall-clock and are *not* scaled: the ladder sees a surge after a few seconds.
     * Phases: ``--normal-s`` 20 s at 1x, ``--surge-s`` 30 s at 1.25x arrivals,
-      ``--recover-s`` 10 s at 1x. Each target first gets one concurrent request per
+      ``--recover-s`` 10 s at 1x. ``--load-factor X`` (default 1) multiplies every
+      phase's multiplier: ``--load-factor 0.893 --surge-s 0 --recover-s 0`` is a
+      normal phase alone at 87 % of the protected envelope. A phase of zero length is
+      left out (tables, ratios, plot). Each target first gets one concurrent request per
       instance and shape (instance warm-up) and 3 s of the workload at 0.5x (not
-      measured), then the measured schedule.
+      measured, not scaled by the load factor), then the measured schedule.
 
 Client
     Open loop: Poisson arrivals per class (numpy ``default_rng(--seed)``), sent at their
@@ -75,13 +111,15 @@ Client
     honest only while it stays small. All traffic uses the ``orchid`` demo tenant (the
     tenant entitled to the fallback model, the seed's eligible population) and hints
     ``orchid.class=interactive``, ``orchid.max_output_tokens``; direct targets get
-    Triton's ``max_output_tokens`` parameter.
+    Triton's ``max_output_tokens`` parameter. The fallback client's resend is part of
+    the same request: one outcome, from the first send to the last answer.
 
 Outcome of a request, from the client
     * ``ok``: a response before the deadline (it cannot be later: the deadline is the
       gRPC deadline). Goodput = ok per second; fallback = ok with provenance
       ``orchid.approximation == fallback`` (served by compact-v11 within its quality
-      floor; counted as goodput and shown separately); reduced = ok with
+      floor; counted as goodput and shown separately; for the fallback client: answered
+      by its resend to compact-v11); reduced = ok with
       ``orchid.approximation == reduced_output`` (ladder step 2 capped the output at the
       route's reduced length, within its quality evidence; also goodput, shown
       separately).
@@ -93,10 +131,27 @@ Outcome of a request, from the client
       ``Request timeout expired`` (checked lazily, when an instance frees).
     * ``missed``: anything else, above all the caller's own deadline expiring (no
       answer in time), or a backend failure after admission.
-    ``attain`` = ok / (offered - rejected), as the brief defines it for Triton
+    The headline is ``ON-TIME %`` = ok / ALL offered requests (refusals count against
+    it). ``attain`` = ok / (offered - rejected), as the brief defines it for Triton
     ("everything not rejected counts as admitted"); ``attain*`` = ok / (offered -
     rejected at entry) counts late rejections as admitted work that missed: this is the
     gateway's own meaning of "admitted" (it passed admission) and the issue's target.
+    For the fallback client, a request Triton refused and compact-v11 answered is ok;
+    one whose resend failed is classified by the resend's outcome.
+
+Goodput, per phase and target, side by side (per second of the phase, by send time)
+    * on-time goodput: ok answers;
+    * full-quality goodput: ok answers with ``orchid.approximation == none`` (direct
+      targets: every full-v18 answer is full quality, every compact-v11 answer of the
+      fallback client a fallback);
+    * quality-weighted goodput: the sum over ok answers of their modeled quality, read
+      from the routes (``routes/*.yaml``, never hard-coded): full-v18's
+      ``quality.score`` for full answers, its ``reduced_output.quality.score`` for
+      reduced ones, compact-v11's ``quality.score`` for fallback answers;
+    * degraded share: (fallback + reduced) / ok.
+    The ratios: gateway / each baseline (on-time), and gateway / the BEST baseline (the
+    max over ``triton-fifo``, ``triton-tuned``, ``triton-tuned-fallback``, per phase,
+    class and goodput kind, named in brackets).
 
 Wasted accelerator-ms (device time spent on work whose caller got nothing)
     From Triton's own statistics, sampled at every phase boundary and after the run:
@@ -115,13 +170,18 @@ Wasted accelerator-ms (device time spent on work whose caller got nothing)
 Ladder step
     From the gateway's log (``orchid.overload`` "pool ... ladder step -> N" warnings,
     timestamped) for the full-v18 pool; responses' ``orchid.ladder_step`` (per-second
-    max) is kept as a cross-check.
+    max) is kept as a cross-check. Per gateway run and phase: the share of the phase's
+    time the ladder was at step 0, and the degraded share; then the same over the last
+    10 s of the recovery phase (the whole phase if shorter): is it back to full quality.
 
-Run (about 5 minutes on 2 cores, Triton and gateway startup included)::
+Run (about 11 minutes on 2 cores by estimate, of which the sweep's 9 runs about 4; Triton
+and gateway startup included)::
 
-    python bench/surge.py                       # 3 targets + the kill run, plot docs/img/surge.png
+    python bench/surge.py                       # sweep, 4 targets + the kill run, plot docs/img/surge.png
     python bench/surge.py --kill-at 0           # without the kill run
-    python bench/surge.py --normal-s 5 --surge-s 10 --recover-s 5 --kill-at 0   # quick look
+    python bench/surge.py --tuned-queue-size 4 --tuned-batching on   # no sweep
+    python bench/surge.py --normal-s 5 --surge-s 10 --recover-s 5 --kill-at 0 --sweep-s 4  # quick look
+    python bench/surge.py --load-factor 0.893 --surge-s 0 --recover-s 0 --kill-at 0  # 87 % of protected
 
 Diagnostics (gateway configuration only, never its code)::
 
@@ -130,8 +190,8 @@ Diagnostics (gateway configuration only, never its code)::
         --gateway-ladder reject_interactive_at=1.5 --gateway-ladder protect_admitted_at=1.6
     python bench/surge.py --surge-factor 1.8 --kill-at 0   # 1.25x the devices' raw time
 
-Ports ``--base-port`` (default 16100) +1 to +4 (Triton) and +8 (gateway). Everything started
-is stopped on exit.
+Ports ``--base-port`` (default 16100) +1 to +6 (Triton; +6 for the sweep) and +8 (gateway).
+Everything started is stopped on exit.
 Needs matplotlib for the plot (``pip install matplotlib``; without it the plot is skipped).
 """
 
@@ -151,11 +211,11 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -179,13 +239,39 @@ CLASSES = ("short", "long")
 SHAPES = {"short": (256, 64), "long": (4096, 128)}  # input tokens, output tokens
 SEED_DEADLINE_MS = {"short": 200.0, "long": 1000.0}  # at time factor 1
 PROTECTED_UTILIZATION = 0.70
-TARGETS = ("triton-fifo", "triton-tuned", "gateway")
+FALLBACK_TARGET = "triton-tuned-fallback"
+BASELINES = ("triton-fifo", "triton-tuned", FALLBACK_TARGET)
+TARGETS = (*BASELINES, "gateway")
 KILL_TARGET = "gateway-kill"
+SWEEP_TARGET = "triton-tuned (sweep)"  # work directories and port of the sweep's runs
+# Triton's port is --base-port + this; the gateway listens on --base-port + 8.
+PORT_OFFSETS = {
+    "triton-fifo": 1,
+    "triton-tuned": 2,
+    "gateway": 3,
+    KILL_TARGET: 4,
+    FALLBACK_TARGET: 5,
+    SWEEP_TARGET: 6,
+}
+NAME_W = len(FALLBACK_TARGET)  # width of the target column
+# Details of Triton's own refusals (its queue policy): the fallback client retries these.
+TRITON_QUEUE_FULL = "maximum queue size"
+TRITON_TIMEOUT = "Request timeout expired"
+# Answers on time, by what answered them (orchid.approximation; direct targets: set by the client).
+FULL, REDUCED, DEGRADED_FALLBACK = "none", "reduced_output", "fallback"
 LADDER_LINE = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ orchid\.overload: pool (\S+) ladder step -> (\d+): (.*)$"
 )
 # Gateway rules that refuse a request after it waited in the dispatch queue.
 LATE_RULES = frozenset({"queue.latest_start"})
+
+
+class _Scheduled(Protocol):
+    @property
+    def t(self) -> float: ...
+
+
+ArrivalT = TypeVar("ArrivalT", bound=_Scheduled)
 
 
 # --------------------------------------------------------------------------- scenario
@@ -214,6 +300,7 @@ class Scenario:
     surge_s: float
     recover_s: float
     prices: dict[str, dict[str, float]]  # model -> class -> profile ms (batch of one)
+    load_factor: float = 1.0  # multiplies every phase's arrival multiplier
 
     def rate(self, cls: str) -> float:
         """Arrival rate at 1x: the seed's rate times the fleet share, time-compressed by f."""
@@ -232,17 +319,22 @@ class Scenario:
 
     @property
     def phases(self) -> tuple[Phase, ...]:
+        """The measured phases, times the load factor; phases of zero length are left out."""
         a = self.normal_s
         b = a + self.surge_s
-        return (
-            Phase("normal", 0.0, a, 1.0),
-            Phase("surge", a, b, self.surge_factor),
-            Phase("recovery", b, b + self.recover_s, 1.0),
+        phases = (
+            Phase("normal", 0.0, a, self.load_factor),
+            Phase("surge", a, b, self.surge_factor * self.load_factor),
+            Phase("recovery", b, b + self.recover_s, self.load_factor),
         )
+        return tuple(p for p in phases if p.duration_s > 0)
+
+    def phase(self, name: str) -> Phase | None:
+        return next((p for p in self.phases if p.name == name), None)
 
     @property
     def duration_s(self) -> float:
-        return self.phases[-1].end_s
+        return self.phases[-1].end_s if self.phases else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +362,45 @@ def load_prices() -> dict[str, dict[str, float]]:
         model: {cls: profiles[model].accelerator_ms(*SHAPES[cls]) for cls in CLASSES}
         for model in (PRIMARY, FALLBACK)
     }
+
+
+@dataclass(frozen=True)
+class Quality:
+    """Modeled quality of an on-time answer by what answered it (``orchid.approximation``),
+    from the routes' quality evidence: full-v18 ``quality.score`` (``none``), its
+    ``reduced_output.quality.score`` (``reduced_output``) and its fallback's (compact-v11)
+    ``quality.score`` (``fallback``)."""
+
+    scores: dict[str, float]
+
+    def of(self, approximation: str) -> float:
+        return self.scores[approximation or FULL]
+
+
+def load_quality(directory: Path = REPO / "routes") -> Quality:
+    models = load_routes(directory).models
+    route = models[PRIMARY]
+    fallback = models.get(route.fallback or "")
+    if route.fallback != FALLBACK or fallback is None:
+        raise RuntimeError(f"{directory}: {PRIMARY}'s fallback is {route.fallback!r}, not {FALLBACK!r}")
+    missing = [
+        what
+        for what, evidence in (
+            (f"{PRIMARY}.quality", route.quality),
+            (f"{PRIMARY}.reduced_output", route.reduced_output),
+            (f"{FALLBACK}.quality", fallback.quality),
+        )
+        if evidence is None
+    ]
+    if missing or route.quality is None or route.reduced_output is None or fallback.quality is None:
+        raise RuntimeError(f"{directory}: no quality evidence for {', '.join(missing)}")
+    return Quality(
+        {
+            FULL: route.quality.score,
+            REDUCED: route.reduced_output.quality.score,
+            DEGRADED_FALLBACK: fallback.quality.score,
+        }
+    )
 
 
 def seed_worksheet_data() -> dict[str, Any]:
@@ -311,9 +442,12 @@ def seed_fleet() -> int:
 # --------------------------------------------------------------------------- requests
 
 
-def build_request(cls: str, *, target: str, scenario: Scenario) -> bytes:
+def build_request(cls: str, *, target: str, scenario: Scenario, model: str = PRIMARY) -> bytes:
+    """The serialized ModelInfer request of ``cls`` for ``target``. The tuned targets' requests
+    to ``full-v18`` carry Triton's ``timeout`` (their latest start); ``compact-v11`` requests
+    (the fallback client's retries) get theirs when resent (:class:`Retry`)."""
     tokens, output = SHAPES[cls]
-    request = service_pb2.ModelInferRequest(model_name=PRIMARY, id=cls)
+    request = service_pb2.ModelInferRequest(model_name=model, id=cls)
     tensor = request.inputs.add()
     tensor.name = "INPUT_IDS"
     tensor.datatype = "INT32"
@@ -325,10 +459,44 @@ def build_request(cls: str, *, target: str, scenario: Scenario) -> bytes:
         request.parameters["orchid.max_output_tokens"].int64_param = output
     else:
         request.parameters["max_output_tokens"].int64_param = output
-    if target == "triton-tuned":
+    if target in ("triton-tuned", FALLBACK_TARGET) and model == PRIMARY:
         request.parameters["timeout"].int64_param = tuned_timeout_us(cls, scenario)
     data: bytes = request.SerializeToString()
     return data
+
+
+@dataclass(frozen=True)
+class Retry:
+    """``triton-tuned-fallback``: the client's own fallback. A request Triton refused with its
+    queue policy (queue full, or its ``timeout`` expired in the queue) is resent at once to
+    ``compact-v11``, same tokens, if its deadline still leaves time to run it there: the gRPC
+    deadline is the time left, Triton's ``timeout`` that time minus compact-v11's price (its
+    latest start there), as the tuned target sets it for full-v18."""
+
+    payloads: dict[str, bytes]  # class -> compact-v11 request without ``timeout``
+    price_s: dict[str, float]  # class -> compact-v11 device time, batch of one
+
+    @classmethod
+    def build(cls, target: str, scenario: Scenario) -> Retry:
+        return cls(
+            {c: build_request(c, target=target, scenario=scenario, model=FALLBACK) for c in CLASSES},
+            {c: scenario.device_ms(FALLBACK, c) / 1000.0 for c in CLASSES},
+        )
+
+    @staticmethod
+    def wanted(detail: str) -> bool:
+        return TRITON_QUEUE_FULL in detail or TRITON_TIMEOUT in detail
+
+    def payload(self, cls: str, remaining_s: float) -> bytes | None:
+        """The retry for ``remaining_s`` left before the deadline; ``None``: no time to run it."""
+        slack_s = remaining_s - self.price_s[cls]
+        if slack_s <= 0:
+            return None
+        timeout = service_pb2.ModelInferRequest()
+        timeout.parameters["timeout"].int64_param = max(1, int(slack_s * 1e6))
+        # Serialized protobuf messages concatenate as a merge: this adds the map entry.
+        extra: bytes = timeout.SerializeToString()
+        return self.payloads[cls] + extra
 
 
 def tuned_timeout_us(cls: str, scenario: Scenario) -> int:
@@ -355,20 +523,49 @@ def share_devices(repository: Path, devices: int) -> None:
     path.write_text(text)
 
 
-def tuned_repository(scenario: Scenario, into: Path, max_queue_size: int) -> Path:
-    """A copy of the example repository with a queue policy on full-v18 and compact-v11."""
+@dataclass(frozen=True)
+class TunedConfig:
+    """Tuned Triton's configuration of full-v18 and compact-v11.
+
+    ``batching``: ``on`` = the dynamic batcher (batches of up to 8) with the queue policy;
+    ``off`` = the same dynamic batcher and queue policy with ``max_batch_size: 1`` (every
+    request runs alone); ``none`` = no ``dynamic_batching`` block at all: Triton's default
+    scheduler, which runs requests one at a time but has no queue policy (no
+    ``max_queue_size``, and Triton honours the ``timeout`` parameter only in the dynamic
+    batcher), so ``queue_size`` means nothing there."""
+
+    queue_size: int
+    batching: str  # on | off | none
+
+    @property
+    def label(self) -> str:
+        if self.batching == "none":
+            return "no dynamic_batching block (no queue policy)"
+        return f"max_queue_size {self.queue_size}, batching {self.batching}"
+
+
+def tuned_repository(scenario: Scenario, into: Path, tuned: TunedConfig | int) -> Path:
+    """A copy of the example repository with ``tuned`` applied to full-v18 and compact-v11
+    (an ``int``: that ``max_queue_size`` with batching on)."""
+    if isinstance(tuned, int):
+        tuned = TunedConfig(tuned, "on")
     copy_repository(into)
     default_us = tuned_timeout_us("short", scenario)
     policy = (
         "dynamic_batching { max_queue_delay_microseconds: 0 default_queue_policy { "
         f"timeout_action: REJECT default_timeout_microseconds: {default_us} "
-        f"allow_timeout_override: true max_queue_size: {max_queue_size} }} }}"
+        f"allow_timeout_override: true max_queue_size: {tuned.queue_size} }} }}"
     )
     for model in (PRIMARY, FALLBACK):
         path = into / "model_repository" / model / "config.pbtxt"
-        text, count = re.subn(r"dynamic_batching \{[^}]*\}", policy, path.read_text())
+        replacement = "" if tuned.batching == "none" else policy
+        text, count = re.subn(r"dynamic_batching \{[^}]*\}", replacement, path.read_text())
         if count != 1:
             raise RuntimeError(f"{path}: expected one dynamic_batching block")
+        if tuned.batching == "off":
+            text, count = re.subn(r"max_batch_size: \d+", "max_batch_size: 1", text)
+            if count != 1:
+                raise RuntimeError(f"{path}: expected one max_batch_size")
         path.write_text(text)
     return into / "model_repository"
 
@@ -488,6 +685,7 @@ class Outcome:
     model: str = ""
     ladder_step: int = -1
     predicted_ms: float = 0.0  # gateway provenance: orchid.predicted_accelerator_ms
+    retried: bool = False  # triton-tuned-fallback: resent to compact-v11 after Triton refused it
 
     @property
     def latency_ms(self) -> float:
@@ -541,6 +739,37 @@ def classify_error(error: grpc.aio.AioRpcError) -> tuple[str, str, str]:
     return error.code().name, rule, (error.details() or "")[:80]
 
 
+async def send_open_loop(
+    arrivals: Sequence[ArrivalT],
+    one: Callable[[ArrivalT], Coroutine[Any, Any, None]],
+    hooks: Sequence[tuple[float, Callable[[], Awaitable[None]]]],
+    t0: float,
+    lags: list[float],
+) -> None:
+    """Open loop: start ``one(arrival)`` at each arrival's scheduled time (``t0 + arrival.t``,
+    loop time) whatever is still outstanding, run each hook at its time, and wait for all.
+    The send lag (actual minus scheduled, ms) of every arrival goes into ``lags``."""
+    loop = asyncio.get_running_loop()
+
+    async def hook_at(t: float, fn: Callable[[], Awaitable[None]]) -> None:
+        await asyncio.sleep(max(0.0, t0 + t - loop.time()))
+        await fn()
+
+    hook_tasks = [loop.create_task(hook_at(t, fn)) for t, fn in hooks]
+    tasks: set[asyncio.Task[None]] = set()
+    for arrival in arrivals:
+        delay = t0 + arrival.t - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lags.append((loop.time() - t0 - arrival.t) * 1000.0)
+        task = loop.create_task(one(arrival))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks)
+    await asyncio.gather(*hook_tasks)
+
+
 async def drive(
     address: str,
     arrivals: Sequence[Arrival],
@@ -550,8 +779,10 @@ async def drive(
     metadata: tuple[tuple[str, str], ...] | None,
     provenance: bool,
     hooks: Sequence[tuple[float, Callable[[], Awaitable[None]]]] = (),
+    retry: Retry | None = None,
 ) -> tuple[list[Outcome], list[float], float]:
-    """Send ``arrivals`` open-loop; return outcomes, send lags (ms), and the start (monotonic)."""
+    """Send ``arrivals`` open-loop; return outcomes, send lags (ms), and the start (monotonic).
+    With ``retry``, Triton's queue-policy refusals are resent to compact-v11 (:class:`Retry`)."""
     loop = asyncio.get_running_loop()
     outcomes: list[Outcome] = []
     lags: list[float] = []
@@ -573,29 +804,25 @@ async def drive(
                     outcome.ladder_step = int(params["orchid.ladder_step"].int64_param)
                     outcome.predicted_ms = float(params["orchid.predicted_accelerator_ms"].double_param)
                 else:
-                    outcome.model = PRIMARY
+                    outcome.model, outcome.approximation = PRIMARY, FULL
             except grpc.aio.AioRpcError as error:
                 outcome.t_end = loop.time() - t0
                 outcome.code, outcome.rule, outcome.detail = classify_error(error)
+            if retry is not None and outcome.code != "OK" and Retry.wanted(outcome.detail):
+                remaining_s = deadlines_s[arrival.cls] - (loop.time() - sent)
+                payload = retry.payload(arrival.cls, remaining_s)
+                if payload is not None:
+                    outcome.retried = True
+                    try:
+                        await call(payload, timeout=remaining_s, metadata=metadata)
+                        outcome.code, outcome.rule, outcome.detail = "OK", "", ""
+                        outcome.model, outcome.approximation = FALLBACK, DEGRADED_FALLBACK
+                    except grpc.aio.AioRpcError as error:
+                        outcome.code, outcome.rule, outcome.detail = classify_error(error)
+                    outcome.t_end = loop.time() - t0
             outcomes.append(outcome)
 
-        async def hook_at(t: float, fn: Callable[[], Awaitable[None]]) -> None:
-            await asyncio.sleep(max(0.0, t0 + t - loop.time()))
-            await fn()
-
-        hook_tasks = [loop.create_task(hook_at(t, fn)) for t, fn in hooks]
-        tasks: set[asyncio.Task[None]] = set()
-        for arrival in arrivals:
-            delay = t0 + arrival.t - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            lags.append((loop.time() - t0 - arrival.t) * 1000.0)
-            task = loop.create_task(one(arrival))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.wait(tasks)
-        await asyncio.gather(*hook_tasks)
+        await send_open_loop(arrivals, one, hooks, t0, lags)
     return outcomes, lags, t0
 
 
@@ -613,12 +840,12 @@ async def fetch_stats(address: str, t: float, epoch: int) -> StatsSnapshot | Non
         return stats_snapshot(reply, t, epoch)
 
 
-async def warm_instances(address: str, scenario: Scenario) -> None:
+async def warm_instances(address: str, scenario: Scenario, fallback_instances: int = 2) -> None:
     """One concurrent request per instance and shape, on both models: the first execute of an
     instance is slow (~40 ms), and must not land in the measurement."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.unary_unary(INFER)
-        for model, instances in ((PRIMARY, 4), (FALLBACK, 2)):
+        for model, instances in ((PRIMARY, scenario.fleet), (FALLBACK, fallback_instances)):
             for cls in CLASSES:
                 request = service_pb2.ModelInferRequest.FromString(
                     build_request(cls, target="triton-fifo", scenario=scenario)
@@ -653,27 +880,33 @@ class Options:
     warmup: list[Arrival]
     workdir: Path
     base_port: int
-    tuned_queue_size: int
+    tuned: TunedConfig
     kill_at: float
     kill_for: float
     gateway_pythonpath: str | None
     gateway_inflight: int | None = None
     gateway_ladder: dict[str, float] | None = None
     shared_devices: bool = False
+    seed: int = 0  # the run's --seed (the sweep draws its own schedule from seed + 2)
 
 
-async def run_target(target: str, opts: Options) -> RunResult:
+async def run_target(target: str, opts: Options, run: str | None = None) -> RunResult:
+    """One run of ``target`` on a fresh Triton (and gateway). ``run`` names the run's work
+    directory and port (default: the target's); the sweep's runs are ``triton-tuned`` runs
+    with their own ``opts`` (scenario, arrivals, tuned configuration)."""
     scenario = opts.scenario
     f = scenario.time_factor
-    port = opts.base_port + {"triton-fifo": 1, "triton-tuned": 2, "gateway": 3, KILL_TARGET: 4}[target]
-    work = opts.workdir / target
+    port = opts.base_port + PORT_OFFSETS[SWEEP_TARGET if run else target]
+    work = opts.workdir / (run or target)
     work.mkdir(parents=True)
     repository = EXAMPLES / "model_repository"
-    if target == "triton-tuned":
-        repository = tuned_repository(scenario, work, opts.tuned_queue_size)
+    tuned = target in ("triton-tuned", FALLBACK_TARGET)
+    if tuned:
+        repository = tuned_repository(scenario, work, opts.tuned)
     if opts.shared_devices:
-        # Every target runs on the same emulated devices; only the gateway uses the fallback.
-        if target != "triton-tuned":
+        # Every target runs on the same emulated devices; only the gateway and the fallback
+        # client use the fallback.
+        if not tuned:
             repository = copy_repository(work)
         share_devices(repository, scenario.fleet)
         os.environ["ORCHID_DEVICE_DIR"] = str(work / "devices")
@@ -684,7 +917,7 @@ async def run_target(target: str, opts: Options) -> RunResult:
     await asyncio.to_thread(triton.start)
     try:
         address = triton.address
-        await warm_instances(triton.address, scenario)
+        await warm_instances(triton.address, scenario, scenario.fleet if opts.shared_devices else 2)
         if target.startswith("gateway"):
             listen = f"127.0.0.1:{opts.base_port + 8}"
             config_path = work / "gateway.yaml"
@@ -703,7 +936,11 @@ async def run_target(target: str, opts: Options) -> RunResult:
         payloads = {cls: build_request(cls, target=target, scenario=scenario) for cls in CLASSES}
         deadlines = {cls: scenario.deadline_ms(cls) / 1000.0 for cls in CLASSES}
         metadata = (("authorization", f"Bearer {DEMO_KEY}"),) if gateway else None
-        kwargs: dict[str, Any] = {"metadata": metadata, "provenance": gateway is not None}
+        kwargs: dict[str, Any] = {
+            "metadata": metadata,
+            "provenance": gateway is not None,
+            "retry": Retry.build(target, scenario) if target == FALLBACK_TARGET else None,
+        }
         await drive(address, opts.warmup, payloads, deadlines, **kwargs)
 
         snapshots: list[StatsSnapshot] = []
@@ -797,6 +1034,9 @@ class ClassRow:
     ok: int = 0
     fallback: int = 0
     reduced: int = 0  # on-time answers with ladder step 2's reduced output (orchid.approximation)
+    full: int = 0  # on-time answers of full quality (orchid.approximation == none)
+    quality: float = 0.0  # sum of the modeled quality of on-time answers
+    retried: int = 0  # triton-tuned-fallback: resent to compact-v11 after Triton refused them
     entry: int = 0
     late: int = 0
     missed: int = 0
@@ -811,6 +1051,14 @@ class ClassRow:
     def rejected(self) -> int:
         return self.entry + self.late
 
+    @property
+    def degraded(self) -> int:
+        return self.fallback + self.reduced
+
+    def on_time(self) -> float:
+        """The headline: on-time answers over all offered requests."""
+        return self.ok / self.offered if self.offered else math.nan
+
     def attain(self) -> float:
         admitted = self.offered - self.rejected
         return self.ok / admitted if admitted else math.nan
@@ -820,8 +1068,25 @@ class ClassRow:
         return self.ok / admitted if admitted else math.nan
 
 
+def degraded_share(row: ClassRow) -> float:
+    """(fallback + reduced) / on-time answers."""
+    return row.degraded / row.ok if row.ok else math.nan
+
+
+def total(rows: dict[str, ClassRow]) -> ClassRow:
+    """Both classes together (the counters; not the latency lists)."""
+    row = ClassRow()
+    for r in rows.values():
+        for name in ("offered", "ok", "fallback", "reduced", "full", "retried", "entry", "late", "missed"):
+            setattr(row, name, getattr(row, name) + getattr(r, name))
+        row.quality += r.quality
+        row.caller_timeouts += r.caller_timeouts
+        row.rules.update(r.rules)
+    return row
+
+
 def tabulate(
-    outcomes: Iterable[Outcome], scenario: Scenario, start_s: float, end_s: float
+    outcomes: Iterable[Outcome], scenario: Scenario, quality: Quality, start_s: float, end_s: float
 ) -> dict[str, ClassRow]:
     rows = {cls: ClassRow() for cls in CLASSES}
     for o in outcomes:
@@ -829,12 +1094,15 @@ def tabulate(
             continue
         row = rows[o.cls]
         row.offered += 1
+        row.retried += o.retried
         k = kind(o)
         if k == "ok":
             row.ok += 1
-            fallback = o.approximation == "fallback"
+            fallback = o.approximation == DEGRADED_FALLBACK
             row.fallback += fallback
-            row.reduced += o.approximation == "reduced_output"
+            row.reduced += o.approximation == REDUCED
+            row.full += (o.approximation or FULL) == FULL
+            row.quality += quality.of(o.approximation)
             row.useful_ms += scenario.device_ms(FALLBACK if fallback else PRIMARY, o.cls)
             continue
         row.rules[reason(o)] += 1
@@ -922,11 +1190,11 @@ class PhaseReport:
     waste: Waste | None
 
 
-def analyse(result: RunResult, scenario: Scenario) -> list[PhaseReport]:
+def analyse(result: RunResult, scenario: Scenario, quality: Quality) -> list[PhaseReport]:
     return [
         PhaseReport(
             phase,
-            tabulate(result.outcomes, scenario, phase.start_s, phase.end_s),
+            tabulate(result.outcomes, scenario, quality, phase.start_s, phase.end_s),
             waste(result.snapshots, result.outcomes, scenario, phase.start_s, phase.end_s),
         )
         for phase in scenario.phases
@@ -941,6 +1209,15 @@ def step_at(ladder: Sequence[tuple[float, int]], t: float) -> int:
     return step
 
 
+def step0_share(ladder: Sequence[tuple[float, int]], start_s: float, end_s: float) -> float:
+    """Share of [start_s, end_s) during which the ladder was at step 0."""
+    if end_s <= start_s:
+        return math.nan
+    bounds = [start_s, *sorted(t for t, _ in ladder if start_s < t < end_s), end_s]
+    at_zero = sum(b - a for a, b in itertools.pairwise(bounds) if step_at(ladder, a) == 0)
+    return at_zero / (end_s - start_s)
+
+
 # --------------------------------------------------------------------------- printing
 
 
@@ -952,14 +1229,43 @@ def _med(values: Sequence[float]) -> str:
     return f"{statistics.median(values):6.1f}" if values else "     -"
 
 
+GOODPUTS: tuple[tuple[str, Callable[[ClassRow], float]], ...] = (
+    ("on-time", lambda r: float(r.ok)),
+    ("full-quality", lambda r: float(r.full)),
+    ("quality-weighted", lambda r: r.quality),
+)
+
+
 def print_phase_tables(results: dict[str, RunResult], reports: dict[str, list[PhaseReport]]) -> None:
     names = list(results)
+    w = NAME_W
     for index, phase in enumerate(next(iter(reports.values()))):
         p = phase.phase
+        d = p.duration_s
         print(f"\n== {p.name}: {p.start_s:.0f}-{p.end_s:.0f} s, arrivals x{p.multiplier:g} ==")
         print(
-            f"{'target':<13} {'class':<5} {'offer/s':>7} {'good/s':>6} {'attain%':>7} {'attain*%':>8} "
-            f"{'fallbk%':>7} {'reduc%':>6} {'rej%':>5} {'entry%':>6} {'late%':>5} "
+            "goodput per second of the phase: good = on time; full = on time at full quality "
+            "(approximation none); qual = sum of the modeled quality of on-time answers; "
+            "degr% = (fallback + reduced) / on time; ON-TIME% = on time / ALL offered (headline)"
+        )
+        print(
+            f"{'target':<{w}} {'class':<5} {'offer/s':>7} {'ON-TIME%':>8} {'good/s':>6} {'full/s':>6} "
+            f"{'qual/s':>6} {'degr%':>5}"
+        )
+        for name in names:
+            rows = reports[name][index].rows
+            for cls, r in (*rows.items(), ("all", total(rows))):
+                print(
+                    f"{name:<{w}} {cls:<5} {r.offered / d:7.1f} {_pct(r.on_time()):>8} {r.ok / d:6.1f} "
+                    f"{r.full / d:6.1f} {r.quality / d:6.2f} {_pct(degraded_share(r)):>5}"
+                )
+        print(
+            "outcomes, % of offered unless said: attain% = ok / (offered - rejected); attain*% = ok / "
+            "(offered - rejected at entry); retry% = resent to compact-v11 by the client"
+        )
+        print(
+            f"{'target':<{w}} {'class':<5} {'attain%':>7} {'attain*%':>8} "
+            f"{'fallbk%':>7} {'reduc%':>6} {'retry%':>6} {'rej%':>5} {'entry%':>6} {'late%':>5} "
             f"{'rej p50 ms':>10} {'entry p50':>9} "
             f"{'missed%':>7} {'timeout':>7}"
         )
@@ -969,34 +1275,30 @@ def print_phase_tables(results: dict[str, RunResult], reports: dict[str, list[Ph
                 r = rows[cls]
                 n = max(1, r.offered)
                 print(
-                    f"{name:<13} {cls:<5} {r.offered / p.duration_s:7.1f} {r.ok / p.duration_s:6.1f} "
+                    f"{name:<{w}} {cls:<5} "
                     f"{_pct(r.attain()):>7} {_pct(r.attain_strict()):>8} {_pct(r.fallback / n):>7} "
-                    f"{_pct(r.reduced / n):>6} "
+                    f"{_pct(r.reduced / n):>6} {_pct(r.retried / n):>6} "
                     f"{_pct(r.rejected / n):>5} {_pct(r.entry / n):>6} {_pct(r.late / n):>5} "
                     f"{_med(r.reject_ms):>10} {_med(r.entry_ms):>9} {_pct(r.missed / n):>7} "
                     f"{r.caller_timeouts:7d}"
                 )
         print(
-            f"{'target':<13} {'busy full ms/s':>14} {'busy compact':>12} {'batch full':>10} "
+            f"{'target':<{w}} {'busy full ms/s':>14} {'busy compact':>12} {'batch full':>10} "
             f"{'executed late':>13} {'wasted ms/s':>11} {'% protected':>11}  rules/statuses of non-ok"
         )
         for name in names:
             report = reports[name][index]
-            w = report.waste
-            rules: Counter[str] = Counter()
-            for r in report.rows.values():
-                rules.update(r.rules)
-            top = ", ".join(f"{k} {v}" for k, v in rules.most_common(4))
-            if w is None:
-                print(f"{name:<13} {'(Triton statistics unavailable for this window)':>60}  {top}")
+            waste_ = report.waste
+            top = ", ".join(f"{k} {v}" for k, v in total(report.rows).rules.most_common(4))
+            if waste_ is None:
+                print(f"{name:<{w}} {'(Triton statistics unavailable for this window)':>60}  {top}")
                 continue
-            d = p.duration_s
             protected = PROTECTED_UTILIZATION * 1000.0 * 4
             print(
-                f"{name:<13} {w.busy_ms.get(PRIMARY, 0.0) / d:14.0f} "
-                f"{w.busy_ms.get(FALLBACK, 0.0) / d:12.0f} "
-                f"{w.mean_batch(PRIMARY):10.2f} {w.not_on_time:13d} {w.wasted_ms / d:11.1f} "
-                f"{100 * w.wasted_ms / d / protected:11.2f}  {top}"
+                f"{name:<{w}} {waste_.busy_ms.get(PRIMARY, 0.0) / d:14.0f} "
+                f"{waste_.busy_ms.get(FALLBACK, 0.0) / d:12.0f} "
+                f"{waste_.mean_batch(PRIMARY):10.2f} {waste_.not_on_time:13d} {waste_.wasted_ms / d:11.1f} "
+                f"{100 * waste_.wasted_ms / d / protected:11.2f}  {top}"
             )
 
 
@@ -1004,20 +1306,39 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:5.2f}x" if b > 0 else "   inf"
 
 
+def class_rows(report: PhaseReport) -> dict[str, ClassRow]:
+    return {**report.rows, "all": total(report.rows)}
+
+
 def print_ratios(reports: dict[str, list[PhaseReport]]) -> None:
     if "gateway" not in reports:
         return
-    print("\n== goodput ratios: gateway / baseline (on-time completions, fallback included) ==")
-    print(f"{'phase':<9} {'class':<11} " + " ".join(f"{'vs ' + b:>16}" for b in TARGETS[:2] if b in reports))
+    baselines = [b for b in BASELINES if b in reports]
+    if not baselines:
+        return
+    print("\n== on-time goodput ratios: gateway / each baseline (fallback and reduced answers included) ==")
+    print(f"{'phase':<9} {'class':<5} " + " ".join(f"{'vs ' + b:>{NAME_W + 3}}" for b in baselines))
     for index, phase in enumerate(reports["gateway"]):
-        for cls in (*CLASSES, "interactive"):
-
-            def ok(name: str, cls: str = cls, index: int = index) -> int:
-                rows = reports[name][index].rows
-                return sum(rows[c].ok for c in CLASSES) if cls == "interactive" else rows[cls].ok
-
-            cells = [f"{ratio(ok('gateway'), ok(b)):>16}" for b in TARGETS[:2] if b in reports]
-            print(f"{phase.phase.name:<9} {cls:<11} " + " ".join(cells))
+        gw = class_rows(phase)
+        for cls in (*CLASSES, "all"):
+            cells = [
+                f"{ratio(gw[cls].ok, class_rows(reports[b][index])[cls].ok):>{NAME_W + 3}}" for b in baselines
+            ]
+            print(f"{phase.phase.name:<9} {cls:<5} " + " ".join(cells))
+    print(f"\n== gateway / BEST baseline (the max over {', '.join(baselines)}, per cell; [which one]) ==")
+    cell_w = 9 + NAME_W
+    print(
+        f"{'phase':<9} {'class':<5} " + " ".join(f"{kind_ + ' goodput':>{cell_w}}" for kind_, _ in GOODPUTS)
+    )
+    for index, phase in enumerate(reports["gateway"]):
+        gw = class_rows(phase)
+        for cls in (*CLASSES, "all"):
+            cells = []
+            for _, value in GOODPUTS:
+                of = {b: value(class_rows(reports[b][index])[cls]) for b in baselines}
+                best = max(baselines, key=of.__getitem__)  # the first of equals
+                cells.append(f"{ratio(value(gw[cls]), of[best]) + ' [' + best + ']':>{cell_w}}")
+            print(f"{phase.phase.name:<9} {cls:<5} " + " ".join(cells))
 
 
 def print_arithmetic(
@@ -1045,6 +1366,13 @@ def print_arithmetic(
         f"{sheet['overload.fallback_saving']:.1f} ms/s -> {sheet['overload.remaining_demand']:.1f} ms/s = "
         f"{sheet['overload.remaining_pct']:.2f} %"
     )
+    if scenario.load_factor != 1.0:
+        lf = scenario.load_factor
+        print(
+            f"load factor {lf:g}: every phase's arrivals x{lf:g}: normal "
+            f"{lf * sheet['execution.protected_pct']:.2f} %, surge {lf * sheet['overload.surge_pct']:.2f} % "
+            "of protected (modeled)"
+        )
     for name, phases in reports.items():
         for report in phases:
             p = report.phase
@@ -1052,10 +1380,10 @@ def print_arithmetic(
                 sum(report.rows[c].offered * scenario.device_ms(PRIMARY, c) for c in CLASSES) / p.duration_s
             )
             line = (
-                f"measured {name:<13} {p.name:<8}: "
+                f"measured {name:<{NAME_W}} {p.name:<8}: "
                 f"offered {offered:7.1f} ms/s = {100 * offered / protected:6.2f} %"
             )
-            if name.startswith("gateway"):
+            if name.startswith("gateway") or name == FALLBACK_TARGET:
                 rows = report.rows
                 shares = " / ".join(
                     f"{c} {_pct(rows[c].fallback / max(1, rows[c].offered)).strip()} %" for c in CLASSES
@@ -1097,33 +1425,32 @@ def print_estimates(results: dict[str, RunResult], scenario: Scenario) -> None:
                             f"{cls}@{model} x{statistics.median(ratios):.2f} "
                             f"(max x{max(ratios):.2f}, n={len(ratios)})"
                         )
-            print(f"{name:<13} {phase.name:<8}: " + ("; ".join(cells) or "no responses"))
+            print(f"{name:<{NAME_W}} {phase.name:<8}: " + ("; ".join(cells) or "no responses"))
 
 
 def print_targets(scenario: Scenario, reports: dict[str, list[PhaseReport]]) -> None:
     if "gateway" not in reports:
         return
     gw = reports["gateway"]
-    surge = 1
     print("\n== the issue's targets (gateway) ==")
-    for index, report in enumerate(gw):
-        ok = sum(report.rows[c].ok for c in CLASSES)
-        strict = ok / max(1, sum(report.rows[c].offered - report.rows[c].entry for c in CLASSES))
-        loose = ok / max(1, sum(report.rows[c].offered - report.rows[c].rejected for c in CLASSES))
+    for report in gw:
+        row = total(report.rows)
+        strict, loose = row.attain_strict(), row.attain()
         mark = "met" if strict >= 0.99 else "NOT met"
         print(
-            f"admitted interactive within deadline, {report.phase.name:<8}: {100 * strict:6.2f} % "
-            f"(late rejections as misses; {100 * loose:6.2f} % without them) -> target >= 99 %: {mark}"
+            f"{report.phase.name:<8}: ON TIME of ALL offered {_pct(row.on_time())} % (headline); "
+            f"admitted interactive within deadline {_pct(strict)} % "
+            f"(late rejections as misses; {_pct(loose)} % without them) -> target >= 99 %: {mark}"
         )
-        del index
-    for base in TARGETS[:2]:
-        if base not in reports:
+    surge = next((i for i, r in enumerate(gw) if r.phase.name == "surge"), None)
+    for base in BASELINES:
+        if base not in reports or surge is None:
             continue
-        g = sum(gw[surge].rows[c].ok for c in CLASSES)
-        b = sum(reports[base][surge].rows[c].ok for c in CLASSES)
+        g = total(gw[surge].rows).ok
+        b = total(reports[base][surge].rows).ok
         value = g / b if b else math.inf
         mark = "met" if value >= 1.5 else "NOT met"
-        print(f"surge interactive goodput vs {base:<12}: {value:5.2f}x -> target >= 1.5x: {mark}")
+        print(f"surge on-time goodput vs {base:<{NAME_W}}: {value:5.2f}x -> target >= 1.5x: {mark}")
     wasted = [r.waste.wasted_ms for r in gw if r.waste is not None]
     if len(wasted) == len(gw):
         total_s = sum(r.phase.duration_s for r in gw)
@@ -1132,6 +1459,38 @@ def print_targets(scenario: Scenario, reports: dict[str, list[PhaseReport]]) -> 
         print(
             f"wasted device-ms, whole run: {sum(wasted):.0f} ms = {pct:.2f} % of protected capacity "
             f"-> <= 1 %: {mark}"
+        )
+
+
+def print_ladder_quality(
+    results: dict[str, RunResult], scenario: Scenario, quality: Quality, tail_s: float = 10.0
+) -> None:
+    """Per gateway run and phase: the share of time the ladder was at step 0 (from the log), and
+    the degraded share of on-time answers; then the recovery phase's last ``tail_s`` seconds."""
+    runs = {k: v for k, v in results.items() if k.startswith("gateway")}
+    if not runs:
+        return
+    print("\n== gateway: ladder at step 0 (full-v18 pool, from the log) and degraded answers ==")
+    for name, result in runs.items():
+        for p in scenario.phases:
+            row = total(tabulate(result.outcomes, scenario, quality, p.start_s, p.end_s))
+            share = step0_share(result.ladder, p.start_s, p.end_s)
+            print(
+                f"{name:<{NAME_W}} {p.name:<8}: ladder at step 0 {_pct(share)} % of the phase; degraded "
+                f"{_pct(degraded_share(row))} % of on-time answers "
+                f"(fallback {row.fallback}, reduced {row.reduced} of {row.ok})"
+            )
+        recovery = scenario.phase("recovery")
+        if recovery is None:
+            continue
+        start = max(recovery.start_s, recovery.end_s - tail_s)
+        row = total(tabulate(result.outcomes, scenario, quality, start, recovery.end_s))
+        print(
+            f"{name:<{NAME_W}} recovery, last {recovery.end_s - start:g} s "
+            f"({start:.0f}-{recovery.end_s:.0f} s): degraded {_pct(degraded_share(row))} % of on-time "
+            "answers "
+            f"(fallback {row.fallback}, reduced {row.reduced} of {row.ok}); ladder at step 0 "
+            f"{_pct(step0_share(result.ladder, start, recovery.end_s))} %"
         )
 
 
@@ -1236,18 +1595,18 @@ def print_client(results: dict[str, RunResult], scenario: Scenario) -> None:
         steps = Counter(o.ladder_step for o in result.outcomes if o.ladder_step >= 0)
         ladder = " ".join(f"{t:.1f}s->{s}" for t, s in result.ladder) or "-"
         print(
-            f"{name:<13} requests {len(result.outcomes):5d}  "
+            f"{name:<{NAME_W}} requests {len(result.outcomes):5d}  "
             f"send lag p99 {p99:5.1f} ms max {lags[-1] if lags else 0:6.1f} ms"
             f"  wall {result.wall_s:5.1f} s"
         )
         for note in result.notes:
-            print(f"{'':<13} NOTE: {note}")
+            print(f"{'':<{NAME_W}} NOTE: {note}")
         if name.startswith("gateway"):
-            print(f"{'':<13} ladder (full-v18 pool, from the log): {ladder}")
-            print(f"{'':<13} orchid.ladder_step on responses: {dict(sorted(steps.items()))}")
+            print(f"{'':<{NAME_W}} ladder (full-v18 pool, from the log): {ladder}")
+            print(f"{'':<{NAME_W}} orchid.ladder_step on responses: {dict(sorted(steps.items()))}")
             for t, step, why in result.ladder_log:
                 implied = implied_correction(result, scenario, t, why)
-                print(f"{'':<13}   {t:6.1f} s -> {step}: {why[:150]}{implied}")
+                print(f"{'':<{NAME_W}}   {t:6.1f} s -> {step}: {why[:150]}{implied}")
 
 
 # --------------------------------------------------------------------------- plot
@@ -1290,12 +1649,14 @@ def plot(results: dict[str, RunResult], scenario: Scenario, path: Path) -> bool:
     colors = {
         "triton-fifo": "#d62728",
         "triton-tuned": "#ff7f0e",
+        FALLBACK_TARGET: "#9467bd",
         "gateway": "#1f77b4",
         KILL_TARGET: "#1f77b4",
     }
-    surge = scenario.phases[1]
+    surge = scenario.phase("surge")
     for ax, (title, cls, names) in zip(axes[:, 0], panels, strict=True):
-        ax.axvspan(surge.start_s, surge.end_s, color="0.92", zorder=0)
+        if surge is not None:
+            ax.axvspan(surge.start_s, surge.end_s, color="0.92", zorder=0)
         reference = results[names[0]] if names[0] in results else next(iter(results.values()))
         ax.plot(x, offered_series(reference, cls, seconds), color="0.45", ls="--", lw=1.2, label="offered")
         ladder_owner = "gateway" if cls is not None else KILL_TARGET
@@ -1303,7 +1664,7 @@ def plot(results: dict[str, RunResult], scenario: Scenario, path: Path) -> bool:
             if name not in results:
                 continue
             ax.plot(x, goodput_series(results[name], cls, seconds), color=colors[name], lw=1.8, label=name)
-            if name.startswith("gateway"):
+            if name.startswith("gateway") or name == FALLBACK_TARGET:
                 fallback = np.zeros(seconds)
                 for o in results[name].outcomes:
                     wanted = (
@@ -1338,13 +1699,15 @@ def plot(results: dict[str, RunResult], scenario: Scenario, path: Path) -> bool:
             twin.set_yticks(range(7))
             twin.set_ylabel(f"{ladder_owner} ladder step", color="#2ca02c")
             twin.tick_params(axis="y", colors="#2ca02c")
-        ax.legend(loc="lower left", fontsize=8, ncol=3, framealpha=0.9)
+        ax.legend(loc="lower left", fontsize=8, ncol=4, framealpha=0.9)
+    load = f", load factor {scenario.load_factor:g}" if scenario.load_factor != 1.0 else ""
     axes[-1, 0].set_xlabel(
         f"seconds (grey: surge x{scenario.surge_factor:g}); bins of 1 s by send time; "
-        f"time factor {scenario.time_factor:g}"
+        f"time factor {scenario.time_factor:g}{load}"
     )
     fig.suptitle(
-        "orchid-gateway vs Triton direct under a 1.25x surge (seed's Orchid mix, 4 emulated devices)"
+        f"orchid-gateway vs Triton direct under a {scenario.surge_factor:g}x surge{load} "
+        "(seed's Orchid mix, 4 emulated devices)"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1376,19 +1739,57 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--kill-at",
         type=float,
         default=-1.0,
-        help="seconds into the run to SIGKILL the gateway's Triton in a 4th run "
-        "(default: 1/3 into the surge; 0: no kill run)",
+        help="seconds into the run to SIGKILL the gateway's Triton in an extra run "
+        "(default: 1/3 into the surge; without a surge phase, or 0: no kill run)",
     )
     parser.add_argument(
         "--kill-for", type=float, default=3.0, help="seconds Triton stays down before its restart"
     )
     parser.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.0,
+        help="multiplies every phase's arrival multiplier (e.g. 0.893 puts the normal phase at 87 %% "
+        "of the protected envelope); the warm-up stays at 0.5x",
+    )
+    parser.add_argument(
         "--tuned-queue-size",
         type=int,
-        default=4,
-        help="max_queue_size of the tuned Triton baseline (default 4: the best of a sweep)",
+        default=None,
+        help="max_queue_size of tuned Triton (triton-tuned, triton-tuned-fallback): fixes that "
+        "dimension of the sweep; with --tuned-batching too, no sweep",
     )
-    parser.add_argument("--base-port", type=int, default=16100, help="ports BASE+1..BASE+8 are used")
+    parser.add_argument(
+        "--tuned-batching",
+        choices=("on", "off", "none"),
+        default=None,
+        help="tuned Triton's batching: on (dynamic batcher, batches up to 8), off (dynamic batcher "
+        "with max_batch_size 1: the queue policy without batches), none (no dynamic_batching "
+        "block: no queue policy either); fixes that dimension of the sweep",
+    )
+    parser.add_argument(
+        "--sweep-sizes",
+        type=int,
+        nargs="+",
+        default=[2, 4, 8, 16],
+        help="max_queue_size values of the sweep (default 2 4 8 16)",
+    )
+    parser.add_argument(
+        "--sweep-s",
+        type=float,
+        default=12.0,
+        help="seconds of each sweep run at the surge multiplier (x load factor), after the usual "
+        "warm-up; 0: no sweep (max_queue_size 4, batching on unless fixed by the flags above)",
+    )
+    parser.add_argument(
+        "--sweep-client",
+        choices=("triton-tuned", FALLBACK_TARGET),
+        default="triton-tuned",
+        help="the client of the sweep's runs (default triton-tuned: no client fallback)",
+    )
+    parser.add_argument(
+        "--base-port", type=int, default=16100, help="ports BASE+1..BASE+6 (Triton) and BASE+8 are used"
+    )
     parser.add_argument(
         "--gateway-inflight",
         type=int,
@@ -1420,7 +1821,76 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def run_all(opts: Options, targets: Sequence[str]) -> dict[str, RunResult]:
+@dataclass
+class SweepRun:
+    tuned: TunedConfig
+    result: RunResult
+    row: ClassRow  # both classes, the sweep's one phase
+
+
+def sweep_configs(args: argparse.Namespace) -> list[TunedConfig]:
+    """The grid: queue sizes x batching on/off, plus one run without a dynamic_batching block
+    (queue size meaningless there); a flag fixes its dimension."""
+    sizes = [args.tuned_queue_size] if args.tuned_queue_size is not None else list(args.sweep_sizes)
+    batchings = [args.tuned_batching] if args.tuned_batching else ["on", "off", "none"]
+    grid = [TunedConfig(q, b) for b in batchings if b != "none" for q in sizes]
+    if "none" in batchings:
+        grid.append(TunedConfig(args.tuned_queue_size or 0, "none"))
+    return grid
+
+
+async def run_sweep(
+    opts: Options, configs: Sequence[TunedConfig], client: str, scenario: Scenario, quality: Quality
+) -> list[SweepRun]:
+    """Each configuration on a fresh Triton: the usual warm-up, then ``scenario``'s one phase."""
+    arrivals = poisson_schedule(scenario.phases, {c: scenario.rate(c) for c in CLASSES}, opts.seed + 2)
+    runs: list[SweepRun] = []
+    for index, tuned in enumerate(configs):
+        print(f"sweep {index + 1}/{len(configs)}: {tuned.label} ...", file=sys.stderr, flush=True)
+        run_opts = replace(opts, scenario=scenario, arrivals=arrivals, tuned=tuned)
+        name = f"sweep-{index}-q{tuned.queue_size}-{tuned.batching}"
+        result = await run_target(client, run_opts, run=name)
+        phase = scenario.phases[0]
+        runs.append(
+            SweepRun(tuned, result, total(tabulate(result.outcomes, scenario, quality, 0.0, phase.end_s)))
+        )
+    return runs
+
+
+def print_sweep(runs: Sequence[SweepRun], chosen: TunedConfig, client: str, scenario: Scenario) -> None:
+    phase = scenario.phases[0]
+    d = phase.duration_s
+    print(
+        f"\n== tuned Triton sweep: client {client}, {d:g} s at x{phase.multiplier:g} (surge x load factor) "
+        "after the warm-up, each on a fresh Triton; own arrival schedule (seed + 2) =="
+    )
+    w = max(len(r.tuned.label) for r in runs)
+    print(
+        f"{'configuration':<{w}} {'good/s':>6} {'full/s':>6} {'qual/s':>6} {'ON-TIME%':>8} "
+        f"{'entry%':>6} {'late%':>5} {'retry%':>6} {'missed%':>7} {'batch':>5}  notes"
+    )
+    for run in runs:
+        r = run.row
+        n = max(1, r.offered)
+        mark = "  <- chosen" if run.tuned == chosen else ""
+        notes = "; ".join(note.splitlines()[0] for note in run.result.notes)
+        counters = device_time(run.result.snapshots, phase.start_s, phase.end_s)
+        executed, batches = (counters[1], counters[2]) if counters else ({}, {})
+        batch = executed.get(PRIMARY, 0) / batches[PRIMARY] if batches.get(PRIMARY) else math.nan
+        print(
+            f"{run.tuned.label:<{w}} {r.ok / d:6.1f} {r.full / d:6.1f} {r.quality / d:6.2f} "
+            f"{_pct(r.on_time()):>8} {_pct(r.entry / n):>6} {_pct(r.late / n):>5} {_pct(r.retried / n):>6} "
+            f"{_pct(r.missed / n):>7} {batch:5.2f}{mark}{'  ' + notes if notes else ''}"
+        )
+    print(f"chosen (best on-time goodput in the sweep): {chosen.label}")
+
+
+async def run_all(
+    opts: Options, targets: Sequence[str], sweep: Callable[[], Awaitable[TunedConfig]] | None = None
+) -> dict[str, RunResult]:
+    """The sweep first (it picks ``opts.tuned``), then each target; one event loop for all."""
+    if sweep is not None:
+        opts.tuned = await sweep()
     results: dict[str, RunResult] = {}
     for target in targets:
         print(f"running {target} ...", file=sys.stderr, flush=True)
@@ -1431,6 +1901,7 @@ async def run_all(opts: Options, targets: Sequence[str]) -> dict[str, RunResult]
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     prices = load_prices()
+    quality = load_quality()
     scenario = Scenario(
         time_factor=args.time_factor,
         seed_rates={"short": 140.0, "long": 18.0},
@@ -1441,12 +1912,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         surge_s=args.surge_s,
         recover_s=args.recover_s,
         prices=prices,
+        load_factor=args.load_factor,
     )
+    if not scenario.phases:
+        print("every phase has zero length: nothing to measure", file=sys.stderr)
+        return 2
     rates = {cls: scenario.rate(cls) for cls in CLASSES}
     arrivals = poisson_schedule(scenario.phases, rates, args.seed)
     warmup = poisson_schedule((Phase("warm-up", 0.0, 3.0, 0.5),), rates, args.seed + 1)
-    kill_at = args.kill_at if args.kill_at >= 0 else args.normal_s + args.surge_s / 3.0
+    if args.kill_at >= 0:
+        kill_at = args.kill_at
+    else:
+        kill_at = args.normal_s + args.surge_s / 3.0 if args.surge_s > 0 else 0.0
     targets = list(args.targets) + ([KILL_TARGET] if kill_at > 0 else [])
+    configs = sweep_configs(args)
+    sweeping = (
+        len(configs) > 1 and args.sweep_s > 0 and any(t in targets for t in ("triton-tuned", FALLBACK_TARGET))
+    )
+    if len(configs) == 1:
+        tuned, how = configs[0], "fixed by --tuned-queue-size/--tuned-batching"
+    else:
+        tuned = TunedConfig(args.tuned_queue_size or 4, args.tuned_batching or "on")
+        how = "chosen by the sweep" if sweeping else "default, not swept"
+    sweep_scenario = replace(scenario, normal_s=0.0, surge_s=args.sweep_s, recover_s=0.0)
+    sweep: list[SweepRun] = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="orchid-surge-") as tmp:
         if args.keep:
@@ -1458,33 +1947,50 @@ def main(argv: Sequence[str] | None = None) -> int:
             warmup=warmup,
             workdir=Path(tmp),
             base_port=args.base_port,
-            tuned_queue_size=args.tuned_queue_size,
+            tuned=tuned,
             kill_at=kill_at,
             kill_for=args.kill_for,
             gateway_pythonpath=args.gateway_pythonpath,
             gateway_inflight=args.gateway_inflight,
             gateway_ladder=dict(parse_setting(item) for item in args.gateway_ladder) or None,
             shared_devices=args.fallback_devices == "shared",
+            seed=args.seed,
         )
-        results = asyncio.run(run_all(opts, targets))
+
+        async def do_sweep() -> TunedConfig:
+            sweep.extend(await run_sweep(opts, configs, args.sweep_client, sweep_scenario, quality))
+            return max(sweep, key=lambda run: run.row.ok).tuned  # the first of equals: the grid's order
+
+        results = asyncio.run(run_all(opts, targets, do_sweep if sweeping else None))
+        tuned = opts.tuned
+    phases = "/".join(f"{s:g}" for s in (args.normal_s, args.surge_s, args.recover_s))
     print(
         f"surge benchmark: time factor {scenario.time_factor:g}, seed {args.seed}, "
-        f"{len(arrivals)} requests per target, "
-        f"phases {args.normal_s:g}/{args.surge_s:g}/{args.recover_s:g} s, "
-        f"tuned max_queue_size {args.tuned_queue_size}, total wall {time.monotonic() - started:.0f} s"
+        f"{len(arrivals)} requests per target, phases {phases} s (normal/surge/recovery; zero-length "
+        f"ones left out), load factor {args.load_factor:g}, total wall {time.monotonic() - started:.0f} s"
     )
+    if any(t in targets for t in ("triton-tuned", FALLBACK_TARGET)):
+        print(f"tuned Triton (triton-tuned, {FALLBACK_TARGET}): {tuned.label} ({how})")
+    print(
+        "modeled quality (routes/*.yaml): "
+        + ", ".join(f"{k} {v:g}" for k, v in quality.scores.items())
+        + f" (none: {PRIMARY}; reduced_output: {PRIMARY} capped; fallback: {FALLBACK})"
+    )
+    if sweep:
+        print_sweep(sweep, tuned, args.sweep_client, sweep_scenario)
     if args.fallback_devices == "shared":
         print(
             f"shared devices: {FALLBACK} runs on the same {scenario.fleet} emulated devices as "
             f"{PRIMARY} (one instance of each per device); busy ms/s below add up on those devices"
         )
-    reports = {name: analyse(result, scenario) for name, result in results.items()}
+    reports = {name: analyse(result, scenario, quality) for name, result in results.items()}
     main_reports = {k: v for k, v in reports.items() if k != KILL_TARGET}
     print_phase_tables({k: v for k, v in results.items() if k != KILL_TARGET}, main_reports)
     print_ratios(main_reports)
     print_arithmetic(scenario, scaled_worksheet(scenario), main_reports)
     print_estimates(results, scenario)
     print_targets(scenario, main_reports)
+    print_ladder_quality(results, scenario, quality)
     if KILL_TARGET in results:
         print_phase_tables({KILL_TARGET: results[KILL_TARGET]}, {KILL_TARGET: reports[KILL_TARGET]})
         print_kill(results[KILL_TARGET], scenario)

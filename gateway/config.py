@@ -94,6 +94,12 @@ class LimitsConfig(_Strict):
     reserved_control_slots: int = Field(
         default=1, ge=0, description="slots per pool only control work may use"
     )
+    short_lane_devices: int = Field(
+        default=1,
+        ge=0,
+        description="devices per pool long-bucket work never occupies (0: none): short work "
+        "always finds a device within one short request's time, not behind long ones",
+    )
 
 
 class TlsConfig(_Strict):

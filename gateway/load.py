@@ -43,6 +43,7 @@ from gateway.overload import (
     LoadEvidence,
     OverloadLadder,
     Shedder,
+    certain_rate,
     drain_ms,
     plan_flows,
     protected_capacity_ms_per_s,
@@ -58,7 +59,7 @@ log = logging.getLogger("orchid.overload")
 SATURATED = 0.9
 SATURATION_SPAN_S = 4.0
 
-# Per-flow windows only need the plan span (a point estimate of the recent rate).
+# A flow's admitted work (and what degrading it saved) is measured over the plan span only.
 _FLOW_BUCKETS = max(1, round(DEFAULT_BUCKETS * DEFAULT_PLAN_SPAN_S / 10.0))
 
 
@@ -74,7 +75,7 @@ class FlowLoad:
     key: FlowKey
     weight: float = 1.0
     class_weight: float = 1.0
-    demand: DemandWindow = field(default_factory=_plan_window)
+    demand: DemandWindow = field(default_factory=DemandWindow)  # offered, over every plan span
     admitted_offered: DemandWindow = field(default_factory=_plan_window)
     admitted_running: DemandWindow = field(default_factory=_plan_window)
     admitted_reduction: DemandWindow = field(default_factory=_plan_window)
@@ -194,10 +195,10 @@ class PoolLoad:
         self.reduce_quality_loss, self.fallback_quality_loss = reduce_loss, fallback_loss
 
     def _plan(self, now: float, capacity: float) -> None:
-        # Flows idle for a whole plan span drop out of the plan (and of memory's hot path).
+        # Flows idle for a whole window drop out of the plan (and of memory's hot path).
         active = [flow for flow in self.flows.values() if flow.demand.count(now) > 0]
         demands = [
-            FlowDemand(flow.key, flow.demand.rate_ms_per_s(now), flow.weight, flow.class_weight)
+            FlowDemand(flow.key, certain_rate(flow.demand, now), flow.weight, flow.class_weight)
             for flow in active
         ]
         plans = plan_flows(

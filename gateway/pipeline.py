@@ -65,6 +65,7 @@ from gateway.record import (
 from gateway.scheduler import DeviceSet, DispatchQueue, Slot
 from gateway.shape import (
     GATEWAY_OWNED_PARAMETERS,
+    LONG_BUCKET,
     check_backend_controls,
     extract_shape,
     payload_bytes,
@@ -250,6 +251,7 @@ class Gateway:
                 reserved_control=self.config.limits.reserved_control_slots,
                 device_set=device_set,
             )
+            queue.device_set.short_lane = self.config.limits.short_lane_devices
             self._queues[key] = queue
         return queue
 
@@ -527,6 +529,7 @@ class Gateway:
                 flow=(identity.request_class, identity.tenant),
                 weight=tenant.config.weight if tenant is not None else 1.0,
                 cost_ms=demand.accelerator_ms,
+                long=shape.bucket == LONG_BUCKET,
             ),
         )
         record = RequestRecord(
@@ -789,6 +792,7 @@ class Gateway:
             tenant=identity.tenant,
             weight=tenant.config.weight if tenant else 1.0,
             class_weight=request_class.weight if request_class else 1.0,
+            long=admitted.record.shape.bucket == LONG_BUCKET,
         )
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:
@@ -873,21 +877,40 @@ class ShadowTraffic:
         else:
             self.skipped += 1  # no warm candidate in the request's cell: never cold-load
             return
+        # On a backend whose models share their devices the candidate runs on production's
+        # accelerators: it may take only a device that is idle now, and holds it in the
+        # device set's schedule while it runs, so dispatch predicts around it (it never waits
+        # in, or delays, a production queue).
+        device_set = self.gateway._device_sets.get(name)
+        slot: Slot | None = None
+        if device_set is not None and device_set.queues:
+            if len(device_set.bound) >= device_set.devices:
+                self.skipped += 1
+                return
+            now = time.monotonic()
+            slot = Slot(device_set.queues[0], admitted.record.demand.accelerator_ms, now, now)
+            device_set.bound[slot] = None
         mirrored = service_pb2.ModelInferRequest()
         mirrored.CopyFrom(admitted.backend_request)
         mirrored.model_name = shadow.backend_model
         mirrored.model_version = ""
         remaining_s = admitted.deadline_at - time.monotonic()
         if remaining_s <= 0:
+            if slot is not None:
+                slot.release()
             return
         self.inflight[shadow.backend_model] = self.inflight.get(shadow.backend_model, 0) + 1
         self.sent += 1
-        task = asyncio.get_running_loop().create_task(self._send(client, mirrored, remaining_s))
+        task = asyncio.get_running_loop().create_task(self._send(client, mirrored, remaining_s, slot))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _send(
-        self, client: TritonBackend, request: service_pb2.ModelInferRequest, timeout_s: float
+        self,
+        client: TritonBackend,
+        request: service_pb2.ModelInferRequest,
+        timeout_s: float,
+        slot: Slot | None = None,
     ) -> None:
         try:
             await client.infer(request, timeout_s=timeout_s, logical=request.model_name)
@@ -895,6 +918,8 @@ class ShadowTraffic:
             pass  # a candidate's failure is evidence about the candidate, never the caller's problem
         finally:
             self.inflight[request.model_name] -= 1
+            if slot is not None:
+                slot.release()
 
 
 def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:

@@ -46,6 +46,15 @@ Rules (everything that decides who goes next lives here):
    device frees: a short request is never stuck in Triton's queue behind a
    long one.
 
+7. **A short lane.** Long-bucket work (inputs over the route's ``long_input_tokens``) holds
+   at most ``devices - short_lane`` devices of a device set at once (at least one), and is
+   bound only onto a device free now, never ahead into the backend's queue (there it would
+   take whichever device frees first). Short work may use every device. A burst of long
+   requests therefore never leaves a short one behind them all: the seed's "dispatch the
+   long input separately". A long request's predicted start counts the lane too. The lane
+   is kept only while short work has asked for a device in the last SHORT_LANE_IDLE_S:
+   long-only traffic uses every device.
+
 Several pools can run on the same devices (a fallback model placed beside the
 primary on each accelerator): their queues then share one ``DeviceSet``, which
 list-schedules the work of all of them, so one pool's prediction counts the
@@ -63,11 +72,16 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.errors import DeadlineExpired, ResourceExhausted
 
 CONTROL_CLASS = "control"
+# The short lane is kept only while short work has asked for a device this recently: a few
+# short requests' worth of time at the seed's rates (140 short/s), so a lull between two short
+# arrivals does not hand the lane to a long request that would then hold it for ~470 ms.
+SHORT_LANE_IDLE_S = 1.0
 
 
 @dataclass(order=True)
@@ -78,6 +92,7 @@ class _Waiter:
     future: asyncio.Future[Slot] = field(compare=False)
     flow: tuple[str, str] = field(compare=False, default=("", ""))
     live: bool = field(compare=False, default=True)
+    long: bool = field(compare=False, default=False)
 
 
 @dataclass(eq=False)
@@ -89,6 +104,7 @@ class Slot:
     started_at: float  # bound to the backend
     predicted_start: float  # when a device is predicted to start it (later if bound ahead)
     released: bool = False
+    long: bool = False  # long-bucket work: never on the short lane
 
     def release(self) -> None:
         if not self.released:
@@ -99,10 +115,39 @@ class Slot:
 class DeviceSet:
     """The devices one or more pools run on, and the work bound to them (in binding order)."""
 
-    def __init__(self, devices: int) -> None:
+    def __init__(self, devices: int, short_lane: int = 0) -> None:
         self.devices = max(1, devices)
         self.bound: dict[Slot, None] = {}
         self.queues: list[DispatchQueue] = []
+        self.short_lane = short_lane  # devices long work never occupies (rule 7)
+        self.short_seen_at = -math.inf  # when short work last asked for a device
+
+    def long_cap(self, now: float) -> int:
+        """How many devices long work may hold at once: all but the short lane (at least one)
+        while short work has asked for a device within SHORT_LANE_IDLE_S; all of them when
+        there is no short work to keep the lane for (the lane is not left idle for nobody)."""
+        if now - self.short_seen_at > SHORT_LANE_IDLE_S:
+            return self.devices
+        return max(1, self.devices - max(0, self.short_lane))
+
+    def long_bound(self) -> int:
+        return sum(1 for slot in self.bound if slot.long)
+
+    def long_start(self, now: float, ahead_ms: Sequence[float] = ()) -> float:
+        """When a new long request may start, by the short lane alone: list scheduling over the
+        ``long_cap(now)`` devices long work may hold, of the long work bound now and then the queued
+        long work ahead of it (``ahead_ms``). Work that overran its prediction ends now
+        (corrected at release)."""
+        cap = self.long_cap(now)
+        free = [now] * cap
+        ends = sorted(
+            max(now, slot.predicted_start + slot.cost_ms / 1000.0) for slot in self.bound if slot.long
+        )
+        for end in ends[-cap:]:
+            heapq.heapreplace(free, end)
+        for cost_ms in ahead_ms:
+            heapq.heappush(free, heapq.heappop(free) + cost_ms / 1000.0)
+        return free[0]
 
     def free_times(self, now: float, *, replan: bool = False) -> list[float]:
         """A heap of the times each device is predicted to finish the work bound to it:
@@ -122,10 +167,15 @@ class DeviceSet:
             heapq.heappush(free, device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0)
         return free
 
-    def bind_start(self, now: float, latest_start: float) -> float | None:
+    def bind_start(self, now: float, latest_start: float, *, long: bool = False) -> float | None:
         """When work bound now would start on a device, or None if it must not be bound yet:
         every device is busy and either it would start after ``latest_start`` or work bound
-        earlier is still waiting in the backend's queue (the two would be co-batched)."""
+        earlier is still waiting in the backend's queue (the two would be co-batched). Long
+        work binds only onto a device free now, and only while the short lane stays free: in
+        the backend's queue it would take whichever device frees first, the lane's included."""
+        if long:
+            free_now = len(self.bound) < self.devices and self.long_bound() < self.long_cap(now)
+            return now if free_now else None
         if len(self.bound) < self.devices:
             return now
         # One request at most waits in the backend's queue: by prediction (a bound slot not
@@ -194,6 +244,7 @@ class DispatchQueue:
         flow: tuple[str, str] | None = None,
         weight: float = 1.0,
         cost_ms: float = 0.0,
+        long: bool = False,
     ) -> float:
         """How long a new arrival would wait for a device: the work bound to the backend,
         then the queued work that goes before it, list-scheduled over the pool's devices. On
@@ -210,18 +261,30 @@ class DispatchQueue:
         """
         now = time.monotonic() if now is None else now
         free = self.device_set.free_times(now)
-        if any(queue.queued for queue in self.device_set.queues):
-            for _, cost in self._ahead(latest_start, flow, weight, cost_ms):
-                heapq.heappush(free, heapq.heappop(free) + cost / 1000.0)
-        return max(0.0, (free[0] - now) * 1000.0)
+        queued = any(queue.queued for queue in self.device_set.queues)
+        ahead = self._ahead(latest_start, flow, weight, cost_ms) if queued else []
+        # Queued long work beyond what the short lane lets start takes no device here (it
+        # waits for a long device: rule 7).
+        long_room = self.device_set.long_cap(now) - self.device_set.long_bound()
+        for _, cost, is_long in ahead:
+            if is_long:
+                if long_room <= 0:
+                    continue
+                long_room -= 1
+            heapq.heappush(free, heapq.heappop(free) + cost / 1000.0)
+        start = free[0]
+        if long:  # and not before a long device frees, whatever the short lane holds
+            longs_ahead = [cost for _, cost, is_long in ahead if is_long]
+            start = max(start, self.device_set.long_start(now, longs_ahead))
+        return max(0.0, (start - now) * 1000.0)
 
     def _ahead(
         self, latest_start: float | None, flow: tuple[str, str] | None, weight: float, cost_ms: float
-    ) -> list[tuple[float, float]]:
+    ) -> list[tuple[float, float, bool]]:
         def earlier(w: _Waiter) -> bool:
             return w.live and (latest_start is None or w.latest_start <= latest_start)
 
-        ahead: list[tuple[float, float]] = []
+        ahead: list[tuple[float, float, bool]] = []
         fair: list[tuple[_Flow, list[_Waiter]]] = []
         for queue in self.device_set.queues:
             for key, f in queue._flows.items():
@@ -230,7 +293,7 @@ class DispatchQueue:
                 if flow is not None and queue is self and key[0] == flow[0] and key != flow:
                     fair.append((f, sorted(w for w in f.heap if w.live)))
                 else:
-                    ahead.extend((w.latest_start, w.cost_ms) for w in f.heap if earlier(w))
+                    ahead.extend((w.latest_start, w.cost_ms, w.long) for w in f.heap if earlier(w))
         if fair and flow is not None:
             own = self._flows.get(flow)
             siblings = {k: f for k, f in self._flows.items() if k[0] == flow[0]}
@@ -246,7 +309,7 @@ class DispatchQueue:
                 for w in waiters:
                     if allowance <= 0.0:
                         break
-                    ahead.append((w.latest_start, w.cost_ms))
+                    ahead.append((w.latest_start, w.cost_ms, w.long))
                     allowance -= w.cost_ms
         ahead.sort()
         return ahead
@@ -260,17 +323,20 @@ class DispatchQueue:
         tenant: str = "",
         weight: float = 1.0,
         class_weight: float = 1.0,
+        long: bool = False,
     ) -> Slot:
         """Wait for a slot. ``latest_start`` (``time.monotonic()`` seconds: the deadline minus
         the predicted execution) orders the flow and bounds the wait; weights set the class's
         and tenant's shares."""
         flow_key = (request_class, tenant)
         now = time.monotonic()
+        if not long:
+            self.device_set.short_seen_at = now
         if self._free(request_class) > 0 and self.queued == 0:
-            start = self.device_set.bind_start(now, latest_start)
+            start = self.device_set.bind_start(now, latest_start, long=long)
             if start is not None:
                 self._charge(flow_key, cost_ms, weight, class_weight)
-                return self._grant(cost_ms, now, start)
+                return self._grant(cost_ms, now, start, long=long)
         if self.queued >= self.max_queued and not self._push_out(flow_key, cost_ms, weight):
             raise ResourceExhausted(
                 "the model's queue is full",
@@ -278,7 +344,7 @@ class DispatchQueue:
                 retry_after_ms=max(1, int(self.predicted_wait_ms())),
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(latest_start, next(self._seq), cost_ms, loop.create_future(), flow_key)
+        waiter = _Waiter(latest_start, next(self._seq), cost_ms, loop.create_future(), flow_key, long=long)
         self._enqueue(waiter, weight, class_weight)
         self._wake_next()  # a slot may be free with only ineligible waiters ahead
         try:
@@ -374,8 +440,10 @@ class DispatchQueue:
         else:
             self._last_tenant, self._consecutive = flow_key, 1
 
-    def _next_waiter(self) -> _Waiter | None:
-        """The waiter to wake: least-virtual-time class, then tenant, then earliest latest start."""
+    def _next_waiter(self, *, long_ok: bool = True, prefer_long: bool = False) -> _Waiter | None:
+        """The waiter to wake: least-virtual-time class, then tenant, then earliest latest start;
+        without ``long_ok`` (no device long work may take now) a flow's earliest short waiter;
+        with ``prefer_long`` (a long request's device just freed) its earliest long waiter."""
         free_for_ordinary = self._free("") > 0
         classes = sorted(
             (f.vtime, name)
@@ -394,14 +462,22 @@ class DispatchQueue:
                 heap = self._flows[key].heap
                 while heap and not heap[0].live:
                     heapq.heappop(heap)
-                if heap:
+                if heap and prefer_long and not heap[0].long:
+                    waiting_long = [w for w in heap if w.live and w.long]
+                    if waiting_long:
+                        return min(waiting_long)
+                if heap and (long_ok or not heap[0].long):
                     return heap[0]
+                if heap:
+                    short = [w for w in heap if w.live and not w.long]
+                    if short:
+                        return min(short)
         return None
 
     # ------------------------------------------------------------------ slots
 
-    def _grant(self, cost_ms: float, now: float, start: float) -> Slot:
-        slot = Slot(self, cost_ms, now, start)
+    def _grant(self, cost_ms: float, now: float, start: float, *, long: bool = False) -> Slot:
+        slot = Slot(self, cost_ms, now, start, long=long)
         self._inflight.add(slot)
         self.device_set.bound[slot] = None
         return slot
@@ -411,12 +487,15 @@ class DispatchQueue:
         devices = self.device_set
         devices.bound.pop(slot, None)
         devices.free_times(time.monotonic(), replan=True)
+        # A device freed by long work goes to waiting long work first (rule 7: short work has
+        # its lane; without this, shorts with nearer latest starts would take every device a
+        # long request frees, and queued long work would start later than predicted).
         if len(devices.queues) == 1:
-            self._wake_next()
+            self._wake_next(prefer_long=slot.long)
             return
         # A device freed: the pool whose next waiter must start soonest goes first.
         for queue in sorted(devices.queues, key=DispatchQueue._head_latest_start):
-            queue._wake_next()
+            queue._wake_next(prefer_long=slot.long)
 
     def _head_latest_start(self) -> float:
         waiter = self._next_waiter() if self.queued else None
@@ -426,20 +505,22 @@ class DispatchQueue:
         free = self.slots - len(self._inflight)
         return free if request_class == CONTROL_CLASS else free - self.reserved_control
 
-    def _wake_next(self) -> None:
+    def _wake_next(self, *, prefer_long: bool = False) -> None:
         while self._free(CONTROL_CLASS) > 0:
-            waiter = self._next_waiter()
+            now = time.monotonic()
+            devices = self.device_set
+            long_ok = len(devices.bound) < devices.devices and devices.long_bound() < devices.long_cap(now)
+            waiter = self._next_waiter(long_ok=long_ok, prefer_long=prefer_long and long_ok)
+            prefer_long = False  # only for the device that just freed
             if waiter is None:
                 return
-            now = time.monotonic()
-            start = self.device_set.bind_start(now, waiter.latest_start)
+            start = devices.bind_start(now, waiter.latest_start, long=waiter.long)
             if start is None:
                 # Held: bound now, it would wait in the backend's queue past its latest start
                 # or be co-batched with work already waiting there. A device freeing wakes it.
                 self.held_back += 1
                 return
-            heapq.heappop(self._flows[waiter.flow].heap)
-            self._forget(waiter)
+            self._forget(waiter)  # leaves its heap lazily (it need not be the head)
             flow = self._flows[waiter.flow]
             self._charge(waiter.flow, waiter.cost_ms, flow.weight, self._classes[waiter.flow[0]].weight)
-            waiter.future.set_result(self._grant(waiter.cost_ms, now, start))
+            waiter.future.set_result(self._grant(waiter.cost_ms, now, start, long=waiter.long))

@@ -63,6 +63,11 @@ _CONTENTS_FIELD = {
     "BYTES": "bytes_contents",
 }
 
+# Shape buckets: inputs longer than the route's ``long_input_tokens`` are "long". The bucket is
+# part of the batching-compatibility key, and dispatch keeps long work off the short lane.
+SHORT_BUCKET = "short"
+LONG_BUCKET = "long"
+
 
 @dataclass(frozen=True, slots=True)
 class RequestHints:
@@ -275,7 +280,7 @@ def extract_shape(
             f"parameter orchid.max_output_tokens: {max_output} exceeds the limit of {spec.max_output_tokens} "
             f"for {model!r}"
         )
-    bucket = "long" if tokens > spec.long_input_tokens else "short"
+    bucket = LONG_BUCKET if tokens > spec.long_input_tokens else SHORT_BUCKET
     return Shape(
         items=items,
         input_tokens=tokens,

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from gateway.errors import DeadlineExpired, ResourceExhausted
-from gateway.scheduler import DeviceSet, DispatchQueue
+from gateway.scheduler import DeviceSet, DispatchQueue, Slot
 
 
 async def test_waiters_are_served_least_slack_first() -> None:
@@ -294,3 +294,69 @@ async def test_a_long_request_goes_before_short_ones_that_can_still_wait() -> No
     holder.release()
     await asyncio.gather(*tasks)
     assert order[0] == "long"
+
+
+async def test_long_work_never_takes_the_short_lane() -> None:
+    """Rule 7: with a one-device short lane, long requests hold at most 3 of 4 devices; a
+    fourth long request waits for a long one to end while a short request starts at once."""
+    queue = DispatchQueue("q", devices=4, slots=8, max_queued=10)
+    queue.device_set.short_lane = 1
+    now = time.monotonic()
+    (await queue.acquire(latest_start=now + 10, cost_ms=28)).release()  # short work is about
+    longs = [await queue.acquire(latest_start=now + 10, cost_ms=200, long=True) for _ in range(3)]
+    assert queue.device_set.long_bound() == 3
+    fourth = asyncio.create_task(queue.acquire(latest_start=now + 10, cost_ms=200, long=True))
+    await asyncio.sleep(0)  # let it reach the queue (a yield, not a wait)
+    assert queue.queued == 1 and not fourth.done()
+    # Its predicted start is when the first long request ends, not now (a device is free).
+    assert queue.predicted_wait_ms(time.monotonic(), cost_ms=200, long=True) > 150
+    assert queue.predicted_wait_ms(time.monotonic(), cost_ms=28) == 0.0
+    short = await queue.acquire(latest_start=now + 10, cost_ms=28)  # the lane is free: at once
+    assert queue.queued == 1 and not fourth.done()
+    longs[0].release()  # a long device frees: the waiting long request takes it
+    granted = await fourth
+    assert queue.device_set.long_bound() == 3
+    for slot in (*longs[1:], granted, short):
+        slot.release()
+    assert queue.inflight == 0 and queue.queued == 0
+
+
+async def test_without_short_work_the_lane_is_not_kept_idle() -> None:
+    """The lane is kept only while short work asks for devices: long-only traffic uses all."""
+    queue = DispatchQueue("q", devices=4, slots=8, max_queued=10)
+    queue.device_set.short_lane = 1
+    now = time.monotonic()
+    longs = [await queue.acquire(latest_start=now + 10, cost_ms=200, long=True) for _ in range(4)]
+    assert queue.device_set.long_bound() == 4 and queue.queued == 0
+    for slot in longs:
+        slot.release()
+
+
+async def test_a_full_queue_makes_room_by_refusing_the_flooders_least_urgent_waiter() -> None:
+    """Longest-queue drop: a tenant with less queued work per unit of weight is not refused
+    because a flooder filled the queue; the flooder's least urgent waiter leaves instead."""
+    queue = DispatchQueue("q", devices=1, slots=1, max_queued=3)
+    now = time.monotonic()
+    held = await queue.acquire(latest_start=now + 10, cost_ms=10)
+    flood = [
+        asyncio.create_task(queue.acquire(latest_start=now + 5 + i, cost_ms=10, tenant="lumen"))
+        for i in range(3)
+    ]
+    await asyncio.sleep(0)
+    assert queue.queued == 3
+    mine = asyncio.create_task(queue.acquire(latest_start=now + 6, cost_ms=10, tenant="orchid", weight=2))
+    await asyncio.sleep(0)
+    assert queue.queued == 3 and queue.pushed_out == 1
+    with pytest.raises(ResourceExhausted) as pushed:
+        await flood[2]  # the flooder's latest latest-start
+    assert pushed.value.rule == "queue.full" and (pushed.value.retry_after_ms or 0) > 0
+    # The flooder cannot push out the tenant with less queued work.
+    with pytest.raises(ResourceExhausted):
+        await queue.acquire(latest_start=now + 5, cost_ms=10, tenant="lumen")
+    held.release()
+    pending: set[asyncio.Task[Slot]] = {*flood[:2], mine}
+    while pending:  # each granted in turn as the one before releases
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result().release()
+    assert queue.inflight == 0 and queue.queued == 0
