@@ -169,10 +169,16 @@ class DemandReading:
 
 
 def certain_rate(window: DemandWindow, now: float, spans: Sequence[float] = PLAN_SPANS_S) -> float:
-    """The highest lower bound (``PLAN_Z`` standard errors) of the window's rate over ``spans``
-    (those the window holds), at least 0: the demand the plan is sure of."""
-    usable = [span for span in spans if span <= window.window_s] or [window.window_s]
-    return max(0.0, max(window.reading(now, span).lower_bound(PLAN_Z) for span in usable))
+    """The demand the plan is sure of: the highest lower bound (``PLAN_Z`` standard errors) of
+    the window's rate over ``spans`` (those the window holds), but never more than the upper
+    bound of the shortest span, at least 0. The cap is what lets a flow that has calmed down
+    out of its past: a flood that ended 2 s ago is still in the 10 s span's bound, not in the
+    recent evidence, and a tenant back inside its share must not be refused for it."""
+    usable = sorted(span for span in spans if span <= window.window_s) or [window.window_s]
+    readings = [window.reading(now, span) for span in usable]
+    recent = readings[0]
+    ceiling = recent.offered_ms_per_s + PLAN_Z * recent.sigma_ms_per_s
+    return max(0.0, min(ceiling, max(r.lower_bound(PLAN_Z) for r in readings)))
 
 
 class LadderStep(IntEnum):
@@ -486,10 +492,11 @@ class LadderConfig(BaseModel):
     # step is entered only when the evidence shows demand above it for certain. Normal load
     # sits inside the envelope (the seed's 97.43 %), so no step triggers there. The steps
     # that only arm a degradation (1-3) sit close above the envelope; the seed's 1.25x surge
-    # (its 10 s bound ~1.11 on the seed's fleet) lands inside step 3's band, 5 % from both
-    # its enter line and the next step's, and with 5 % hysteresis (more than the bound's
-    # ~4 % noise) it holds step 3 instead of flapping. How much a step degrades is planned
-    # from each flow's excess (plan_flows), not by the step.
+    # (its 10 s bound ~1.11 on the seed's fleet) enters step 3's band and, with 5 %
+    # hysteresis (more than the bound's ~4 % noise), does not fall out of it; its upward
+    # wobbles reach step 4 (deferring batch work, as the seed's ladder does under a surge)
+    # about half the time in simulation. How much a step degrades is planned from each
+    # flow's excess (plan_flows), not by the step.
     # Step 1 costs no quality (shadow traffic and optional stages return nothing to callers).
     shed_optional_at: float = Field(default=1.00, gt=0)
     # Step 2: cap output within declared quality evidence, for the excess only.
@@ -525,7 +532,7 @@ class LadderConfig(BaseModel):
     hysteresis: float = Field(default=0.05, ge=0)
     # The bound must stay under the leave line this long before the ladder descends (directly
     # to the step the evidence supports). After a 1.25x surge ends, the 10 s span still holds
-    # surge samples for several seconds (back at step 0 after a median 6.7 s, simulated); 1 s
+    # surge samples for several seconds (back at step 0 after a median 7.4 s, simulated); 1 s
     # more (10 updates) filters a single quiet reading, and a longer hold would only keep the
     # steps armed: the amounts follow the 2 s plan span anyway, so a held step degrades nothing
     # once the excess is gone.
@@ -664,7 +671,10 @@ def next_state(
             # Down to the step the evidence supports, at once (a recovered pool must not stay
             # degraded one hold period per step), landing with the same hysteresis: on the
             # step whose leave line the bound is above, so one reading does not climb back.
-            landing = config.step_for(judged + config.hysteresis)
+            # Rule 7 for the landing too: steps 1-3 by the bound, 4-6 after the relief.
+            landing = config.step_for(bound + config.hysteresis)
+            if landing > LadderStep.FALLBACK:
+                landing = max(LadderStep.FALLBACK, config.step_for(effective + config.hysteresis))
             step = LadderStep(min(current - 1, max(target, landing)))
             notes.append(f"descend {current} -> {step}")
             calm_since = None

@@ -1,8 +1,10 @@
-"""The overload ladder: thresholds, hysteresis, hold, fail-safe evidence, windows, retry-after (pure)."""
+"""The overload ladder (pure): thresholds on the lower confidence bound, hysteresis, hold and
+direct descent, fail-safe evidence, windows and their standard errors, retry-after, and the
+per-flow fair-share plans (water-filling, what each flow's excess gets capped, diverted,
+refused). Virtual time only: every ``now`` is passed in."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 
@@ -11,17 +13,25 @@ from pydantic import ValidationError
 
 from gateway.overload import (
     DEFAULT_LADDER,
+    DEFAULT_SPANS_S,
     EFFECTS,
+    DemandReading,
     DemandWindow,
     DwellWindow,
+    FlowDemand,
+    FlowPlan,
+    FlowRelief,
     LadderConfig,
     LadderState,
     LadderStep,
     LoadEvidence,
     OverloadLadder,
+    Shedder,
     drain_ms,
     effects,
+    fair_allocation,
     next_state,
+    plan_flows,
     protected_capacity_ms_per_s,
     retry_after_ms,
 )
@@ -29,6 +39,9 @@ from gateway.overload import (
 SEED_DEVICES = 24
 SEED_CAPACITY = 16_800.0  # 24 devices x 0.70 x 1000 ms/s
 SHORT_MS, LONG_MS = 56.8, 467.6
+SEED_NORMAL = 140 * SHORT_MS + 18 * LONG_MS  # 16,368.8 ms/s
+SEED_SURGE = 20_461.0  # 1.25x
+SEED_RELIEF = 15_287.5 / 20_461.0  # the seed's fallback (60 % of short, 50 % of long) on the surge
 
 
 def evidence(
@@ -39,7 +52,7 @@ def evidence(
     capacity: float = SEED_CAPACITY,
     age_s: float = 0.0,
     healthy: int = SEED_DEVICES,
-    **extra: float,
+    **extra: object,
 ) -> LoadEvidence:
     if offered is None:
         assert utilization is not None
@@ -55,6 +68,13 @@ def evidence(
     )
 
 
+def reading(
+    span_s: float, utilization: float, sigma: float, capacity: float = SEED_CAPACITY
+) -> DemandReading:
+    """A reading of ``utilization`` +- ``sigma`` (both as fractions of ``capacity``)."""
+    return DemandReading(span_s, utilization * capacity, sigma * capacity)
+
+
 def fresh_step(utilization: float) -> LadderStep:
     return OverloadLadder().update(evidence(utilization)).step
 
@@ -66,60 +86,112 @@ def fresh_step(utilization: float) -> LadderStep:
     ("utilization", "step"),
     [
         (0.0, 0),
-        (0.84, 0),
-        (0.85, 1),
-        (0.91, 1),
-        (0.92, 2),
-        (0.99, 2),
-        (1.00, 3),
-        (1.09, 3),
-        (1.10, 4),
-        (1.24, 4),
+        (0.99, 0),
+        (1.00, 1),
+        (1.029, 1),
+        (1.03, 2),
+        (1.059, 2),
+        (1.06, 3),
+        (1.149, 3),
+        (1.15, 4),
+        (1.249, 4),
         (1.25, 5),
-        (1.39, 5),
-        (1.40, 6),
+        (1.429, 5),
+        (1.43, 6),
         (5.0, 6),
     ],
 )
 def test_each_step_is_entered_at_its_threshold(utilization: float, step: int) -> None:
+    # Without readings the point estimate is taken as certain: it is the bound.
     assert fresh_step(utilization) == step
 
 
 def test_every_step_is_reachable_and_thresholds_increase() -> None:
     enters = DEFAULT_LADDER.thresholds
+    assert enters == pytest.approx((0.0, 1.00, 1.03, 1.06, 1.15, 1.25, 1.43))
     assert list(enters) == sorted(enters) and len(set(enters)) == len(LadderStep)
     assert {fresh_step(enters[step]) for step in LadderStep} == set(LadderStep)
+    assert DEFAULT_LADDER.confidence_z == 2.5 and DEFAULT_LADDER.hysteresis == 0.05
+    assert DEFAULT_LADDER.plan_utilization == 0.90
+    assert DEFAULT_LADDER.hold_s == 1.0 and DEFAULT_LADDER.dwell_min_samples == 20
+    # Step 6 sits just past the devices' raw time: 1 / 0.70 of protected.
+    assert 1 / 0.70 < DEFAULT_LADDER.protect_admitted_at < 1 / 0.70 + 0.01
 
 
 def test_seed_arithmetic_normal_and_surge() -> None:
     # The seed: 140 short x 56.8 + 18 long x 467.6 = 16,368.8 accelerator-ms/s on 24 devices at 70 %.
-    offered = 140 * SHORT_MS + 18 * LONG_MS
-    assert offered == pytest.approx(16_368.8)
+    normal_ms_per_s = 140 * SHORT_MS + 18 * LONG_MS
+    assert normal_ms_per_s == pytest.approx(16_368.8)
     capacity = protected_capacity_ms_per_s(SEED_DEVICES)
     assert capacity == pytest.approx(SEED_CAPACITY)
-    normal = evidence(offered=offered, capacity=capacity)
+    normal = evidence(offered=SEED_NORMAL, capacity=capacity)
     assert normal.utilization == pytest.approx(0.9743, abs=1e-4)
-    # 97.43 % is inside the envelope but past the 8 % headroom line: step 2, shorter outputs
-    # within declared quality evidence; no fallback, nobody refused.
+    # 97.43 % is inside the envelope: step 0, nothing degraded, not even shadow traffic stopped.
     normal_state = OverloadLadder().update(normal)
-    assert normal_state.step == LadderStep.REDUCE_OUTPUT
+    assert normal_state.step == LadderStep.NORMAL
     assert "97.4% of protected 16800 ms/s" in normal_state.reason
 
-    # 1.25x arrivals: 20,461 ms/s = 121.8 %: step 4 (fallback for eligible classes, defer batch);
-    # below step 5, so no interactive caller is refused for a surge the seed shows fallback absorbs.
-    surge = evidence(offered=1.25 * offered, capacity=capacity)
-    assert surge.offered_ms_per_s == pytest.approx(20_461.0)
+    # 1.25x arrivals: 20,461 ms/s = 121.8 %. Taken as certain and with no relief measured yet,
+    # that is step 4 (defer batch; refusals start at 125 %); the seed's fallback relief
+    # (15,287.5 / 20,461) leaves 91.0 % effective, so rule 7 holds the surge at step 3.
+    surge = evidence(offered=1.25 * SEED_NORMAL, capacity=capacity)
+    assert surge.offered_ms_per_s == pytest.approx(SEED_SURGE)
     assert surge.utilization == pytest.approx(1.218, abs=1e-3)
     surge_state = OverloadLadder().update(surge)
     assert surge_state.step == LadderStep.DEFER_BATCH
     assert "offered 20461 ms/s = 121.8% of protected 16800 ms/s" in surge_state.reason
+    relieved = evidence(offered=SEED_SURGE, capacity=capacity, relief=SEED_RELIEF)
+    assert relieved.effective_utilization == pytest.approx(0.90997, abs=1e-5)
+    assert OverloadLadder().update(relieved).step == LadderStep.FALLBACK
 
-    # The seed's fallback (60 % of short, 50 % of long to the smaller model) leaves 15,287.5 ms/s =
-    # 91.0 %. Fed to the ladder that would read as step 1 and switch the fallback off again, which is
-    # why the ladder takes offered demand priced before any ladder action (rule 1).
+    # Over the 10 s span the surge's standard error is sqrt(1.25 x 10 x sum x^2 per s) / 10 =
+    # 740.6 ms/s (4.41 % of protected): at z = 2.5 the lower bound is 110.77 % (at z = 2.0 it was
+    # 112.98 %), inside step 3's band: 4.8 points over its enter line (106 %), 9.8 over its leave
+    # line (101 %) and 4.2 under step 4's line (115 %).
+    sigma = math.sqrt(1.25 * 10 * (140 * SHORT_MS**2 + 18 * LONG_MS**2)) / 10
+    assert sigma == pytest.approx(740.6, abs=0.1)
+    assert sigma / capacity == pytest.approx(0.0441, abs=1e-4)
+
+    def surge_reading(k: float) -> LoadEvidence:
+        """The surge's 10 s reading with its mean ``k`` standard errors off the expected rate."""
+        mean = SEED_SURGE + k * sigma
+        return evidence(offered=mean, capacity=capacity, readings=(DemandReading(10.0, mean, sigma),))
+
+    certain = surge_reading(0.0)
+    assert certain.utilization_bound(DEFAULT_LADDER.confidence_z) == pytest.approx(1.1077, abs=1e-4)
+    assert certain.utilization_bound(2.0) == pytest.approx(1.1298, abs=1e-4)
+    assert OverloadLadder().update(certain).step == LadderStep.FALLBACK
+    # Its sampling noise moves the bound by a standard error (4.41 points) per standard error of
+    # the mean. A mean one standard error lower (117.4 %) still has a bound of 106.4 %, step 3 (it
+    # was step 2 with step 3 at 110 %); step 3 is entered down to 1.08 standard errors low. Once
+    # at step 3 it is left only when the mean is 2.2 standard errors low (112.0 %: bound 101 %).
+    lower = surge_reading(-1.0)
+    assert lower.utilization_bound(2.5) == pytest.approx(1.0636, abs=1e-4)
+    assert OverloadLadder().update(lower).step == LadderStep.FALLBACK
+    assert surge_reading(-1.1).utilization_bound(2.5) < DEFAULT_LADDER.fallback_at
+    assert surge_reading(-2.2).utilization_bound(2.5) > DEFAULT_LADDER.leaves_below(LadderStep.FALLBACK)
+    assert surge_reading(-2.3).utilization_bound(2.5) < DEFAULT_LADDER.leaves_below(LadderStep.FALLBACK)
+    # Upward the band is narrower: 0.96 standard errors high (126.0 %) the bound reaches step 4's
+    # line (115.2 % one standard error high), and with no relief measured that defers batch work;
+    # with the seed's relief (x 0.747: 86.0 %) rule 7 holds it at step 3.
+    higher = surge_reading(1.0)
+    assert higher.utilization_bound(2.5) == pytest.approx(1.1518, abs=1e-4)
+    assert surge_reading(0.95).utilization_bound(2.5) < DEFAULT_LADDER.defer_batch_at
+    assert OverloadLadder().update(higher).step == LadderStep.DEFER_BATCH
+    relieved_higher = evidence(
+        offered=SEED_SURGE + sigma,
+        capacity=capacity,
+        relief=SEED_RELIEF,
+        readings=(DemandReading(10.0, SEED_SURGE + sigma, sigma),),
+    )
+    assert OverloadLadder().update(relieved_higher).step == LadderStep.FALLBACK
+
+    # What the fallback leaves, 15,287.5 ms/s = 91.0 %, fed to the ladder would read as step 0 and
+    # switch the fallback off again: the ladder takes offered demand, priced before any ladder
+    # action (rule 1).
     after_fallback = evidence(offered=15_287.5, capacity=capacity)
     assert after_fallback.utilization == pytest.approx(0.90997, abs=1e-5)
-    assert OverloadLadder().update(after_fallback).step == LadderStep.SHED_OPTIONAL
+    assert OverloadLadder().update(after_fallback).step == LadderStep.NORMAL
 
 
 def test_time_scale_does_not_change_utilization() -> None:
@@ -139,6 +211,72 @@ def test_time_scale_does_not_change_utilization() -> None:
         protected_capacity_ms_per_s(-1)
 
 
+# --------------------------------------------------------------------------- the lower bound
+
+
+def test_utilization_bound_is_the_highest_lower_bound_over_the_spans() -> None:
+    spans = (reading(1.0, 1.10, 0.08), reading(2.0, 1.05, 0.02), reading(10.0, 0.98, 0.01))
+    load = evidence(offered=1.05 * SEED_CAPACITY, readings=spans)
+    # (1.10 - 2 x 0.08, 1.05 - 2 x 0.02, 0.98 - 2 x 0.01) = (0.94, 1.01, 0.96): the 2 s span decides.
+    assert load.utilization_bound(2.0) == pytest.approx(1.01)
+    # At the default z = 2.5: (0.90, 1.00, 0.955), the 2 s span still decides.
+    assert load.utilization_bound(DEFAULT_LADDER.confidence_z) == pytest.approx(1.00)
+    assert load.utilization_bound(0.0) == pytest.approx(1.10)  # z = 0: the highest point estimate
+    assert load.utilization == pytest.approx(1.05)  # the point estimate is not the bound
+    # No readings: the point estimate is the bound.
+    assert evidence(1.05).utilization_bound(2.0) == pytest.approx(1.05)
+    # A bound below zero is no demand, not negative demand.
+    assert evidence(0.1, readings=(reading(1.0, 0.1, 0.2),)).utilization_bound(2.0) == 0.0
+    # Fail safe: no capacity, unreadable demand or an unreadable reading is infinitely loaded.
+    assert evidence(offered=100.0, capacity=0.0, readings=spans).utilization_bound(2.0) == math.inf
+    assert evidence(offered=math.nan, readings=spans).utilization_bound(2.0) == math.inf
+    broken = (reading(1.0, 0.5, 0.01), DemandReading(2.0, math.nan, 0.0))
+    assert evidence(0.5, readings=broken).utilization_bound(2.0) == math.inf
+
+
+def test_a_noisy_short_reading_does_not_climb() -> None:
+    """A 1 s reading of 130 % whose standard error is 20 % (a few long requests) is not certain:
+    its lower bound is 80 %, and the 10 s span says 87 %. The same point estimate taken as
+    certain would be step 5."""
+    noisy = (reading(1.0, 1.30, 0.20), reading(10.0, 0.97, 0.04))
+    state = OverloadLadder().update(evidence(1.30, readings=noisy))
+    assert state.step == LadderStep.NORMAL
+    assert "certain (z=2.5): 87.0%" in state.reason
+    assert fresh_step(1.30) == LadderStep.REJECT_INTERACTIVE
+    # At a lower confidence (z = 1) the same reading is certain enough to climb (110 %: step 3).
+    assert OverloadLadder(LadderConfig(confidence_z=1.0)).update(evidence(1.30, readings=noisy)).step == 3
+
+
+def test_a_huge_sudden_flood_climbs_at_once() -> None:
+    """A flood is certain in the 1 s span while the 10 s span still averages it with the calm
+    before: one update is enough to reach step 6."""
+    flood = (reading(1.0, 3.0, 0.13), reading(2.0, 2.0, 0.07), reading(10.0, 1.2, 0.03))
+    state = OverloadLadder(now=0.0).update(evidence(3.0, now=0.1, readings=flood))
+    assert state.step == LadderStep.PROTECT_ADMITTED and state.changed
+    assert "certain (z=2.5): 267.5%" in state.reason
+    # A modest sustained surge is certain only once the long span holds enough of it.
+    early = (reading(1.0, 1.22, 0.13), reading(10.0, 1.04, 0.04))
+    assert OverloadLadder().update(evidence(1.22, readings=early)).step == 0
+    late = (reading(1.0, 1.22, 0.13), reading(10.0, 1.218, 0.044))  # bound 1.108
+    assert OverloadLadder().update(evidence(1.22, readings=late)).step == LadderStep.FALLBACK
+
+
+def test_the_bound_also_decides_the_descent() -> None:
+    """Once the evidence no longer shows the load above the step for certain (the point estimate
+    may still be above it), the ladder leaves the step after the hold."""
+    ladder = OverloadLadder(now=0.0)
+    certain = (reading(1.0, 1.12, 0.005), reading(10.0, 1.12, 0.005))  # bound 1.1075
+    assert ladder.update(evidence(1.12, now=0.0, readings=certain)).step == LadderStep.FALLBACK
+    # bound max(1.12 - 2.5 x 0.08, 1.00 - 2.5 x 0.03) = max(0.92, 0.925): under step 3's leave line
+    # (1.01) and, plus the hysteresis (0.975), under step 1's enter line: straight to step 0.
+    uncertain = (reading(1.0, 1.12, 0.08), reading(10.0, 1.00, 0.03))
+    for i in range(1, 10):
+        assert ladder.update(evidence(1.12, now=i * 0.1, readings=uncertain)).step == LadderStep.FALLBACK
+    state = ladder.update(evidence(1.12, now=1.1, readings=uncertain))
+    assert state.step == LadderStep.NORMAL and "descend 3 -> 0" in state.reason
+    assert "certain (z=2.5): 92.5%" in state.reason
+
+
 # --------------------------------------------------------------------------- climbing and descending
 
 
@@ -150,123 +288,266 @@ def test_climbs_immediately_skipping_steps() -> None:
     assert state.step == LadderStep.PROTECT_ADMITTED and state.changed and state.since == 0.2
 
 
-def test_descends_one_step_per_hold_period() -> None:
+def test_descends_straight_to_the_supported_step_after_the_hold() -> None:
     ladder = OverloadLadder(now=0.0)
     ladder.update(evidence(2.0, now=0.0))
     assert ladder.step == 6
-    t = 0.0
-    history: list[tuple[float, int]] = []
-    while t < 20.0:
-        t = round(t + 0.1, 1)
-        state = ladder.update(evidence(0.1, now=t))
+    history: list[tuple[float, int, str]] = []
+    for i in range(1, 50):
+        state = ladder.update(evidence(0.1, now=i * 0.1))
         if state.changed:
-            history.append((t, state.step))
-    # One step down per 2 s hold, never two at once, all the way to 0.
-    assert [step for _, step in history] == [5, 4, 3, 2, 1, 0]
-    times = [at for at, _ in history]
-    assert times[0] == pytest.approx(2.1)  # calm from the first quiet reading at 0.1 s
-    assert all(b - a == pytest.approx(2.0) for a, b in itertools.pairwise(times))
+            history.append((round(i * 0.1, 1), state.step, state.reason))
+    # Calm from the first quiet reading at 0.1 s; 1 s later straight from 6 to 0, in one change.
+    assert [(at, step) for at, step, _ in history] == [(1.1, 0)]
+    assert "descend 6 -> 0" in history[0][2]
+
+    # To an intermediate step: load falls from 200 % to 108 %, which step 3 (enters 1.06) supports;
+    # plus the hysteresis (1.13) it is still under step 4's line, so it lands on step 3.
+    ladder = OverloadLadder(now=0.0)
+    ladder.update(evidence(2.0, now=0.0))
+    steps = [ladder.update(evidence(1.08, now=i * 0.1)).step for i in range(1, 60)]
+    assert steps[:10] == [6] * 10 and set(steps[10:]) == {LadderStep.FALLBACK}
+    # Landing with the hysteresis: 112 % is step 3 by its enter lines, but it is above step 4's
+    # leave line (1.10; 1.12 + 0.05 reaches step 4's 1.15), so the descent stops at step 4 and
+    # holds there: a reading at 115 % would otherwise climb straight back.
+    ladder = OverloadLadder(now=0.0)
+    ladder.update(evidence(2.0, now=0.0))
+    steps = [ladder.update(evidence(1.12, now=i * 0.1)).step for i in range(1, 60)]
+    assert DEFAULT_LADDER.step_for(1.12) == LadderStep.FALLBACK
+    assert steps[:10] == [6] * 10 and set(steps[10:]) == {LadderStep.DEFER_BATCH}
+    assert "hold step 4: leaves below 110.0%" in ladder.state.reason
+
+    # The target is the one supported when the hold ends, not when it began.
+    ladder = OverloadLadder(now=0.0)
+    ladder.update(evidence(1.3, now=0.0))
+    assert ladder.step == 5
+    for i in range(1, 6):
+        ladder.update(evidence(1.12, now=i * 0.1))  # would land on step 4, under step 5's leave line (1.20)
+    for i in range(6, 11):
+        ladder.update(evidence(0.5, now=i * 0.1))
+    assert ladder.step == 5
+    state = ladder.update(evidence(0.5, now=1.1))
+    assert state.step == 0 and "descend 5 -> 0" in state.reason
 
 
 def test_hold_is_reported_and_climb_restarts_it() -> None:
     ladder = OverloadLadder(now=0.0)
-    ladder.update(evidence(1.05, now=0.0))
-    state = ladder.update(evidence(0.5, now=1.0))
-    assert state.step == 3 and not state.changed and "hold step 3 for 2.0 s more" in state.reason
-    ladder.update(evidence(1.12, now=1.5))  # climb to 4 restarts the hold
+    ladder.update(evidence(1.12, now=0.0))
+    state = ladder.update(evidence(0.5, now=0.5))
+    assert state.step == 3 and not state.changed and "hold step 3 for 1.0 s more" in state.reason
+    assert state.calm_since == 0.5
+    ladder.update(evidence(1.16, now=0.8))  # climb to 4 restarts the hold
     assert ladder.step == 4 and ladder.state.calm_since is None
-    assert ladder.update(evidence(0.5, now=3.0)).step == 4
-    assert ladder.update(evidence(0.5, now=4.9)).step == 4
-    assert ladder.update(evidence(0.5, now=5.0)).step == 3
+    assert ladder.update(evidence(0.5, now=1.0)).step == 4
+    assert ladder.update(evidence(0.5, now=1.9)).step == 4
+    assert ladder.update(evidence(0.5, now=2.0)).step == 0
 
 
 def test_descent_needs_sustained_calm() -> None:
     ladder = OverloadLadder(now=0.0)
-    ladder.update(evidence(1.05, now=0.0))
+    ladder.update(evidence(1.12, now=0.0))
     ladder.update(evidence(0.5, now=10.0))
-    # One reading back inside the hysteresis band breaks the calm; the hold starts again.
-    state = ladder.update(evidence(0.95, now=11.9))
-    assert state.step == 3 and state.calm_since is None
-    assert ladder.update(evidence(0.5, now=12.0)).step == 3
-    assert ladder.update(evidence(0.5, now=13.9)).step == 3
-    assert ladder.update(evidence(0.5, now=14.0)).step == 2
+    # One reading back inside the hysteresis band [1.01, 1.06) breaks the calm; the hold starts again.
+    state = ladder.update(evidence(1.03, now=10.9))
+    assert state.step == 3 and state.calm_since is None and "leaves below 101.0%" in state.reason
+    assert ladder.update(evidence(0.5, now=11.0)).step == 3
+    assert ladder.update(evidence(0.5, now=11.9)).step == 3
+    assert ladder.update(evidence(0.5, now=12.0)).step == 0
 
 
 def test_hysteresis_band_holds_the_step() -> None:
     ladder = OverloadLadder(now=0.0)
-    ladder.update(evidence(1.00, now=0.0))
-    # Below the step 3 threshold but not below 1.00 - 0.08: stays at 3 however long it lasts.
-    state = ladder.update(evidence(0.93, now=60.0))
-    assert state.step == 3 and "leaves below 92.0%" in state.reason
-    assert ladder.update(evidence(0.919, now=61.0)).step == 3
-    assert ladder.update(evidence(0.919, now=63.0)).step == 2
+    ladder.update(evidence(1.10, now=0.0))
+    assert ladder.step == 3
+    # Below the step 3 threshold but not below 1.06 - 0.05: stays at 3 however long it lasts.
+    state = ladder.update(evidence(1.011, now=60.0))
+    assert state.step == 3 and "leaves below 101.0%" in state.reason
+    assert ladder.update(evidence(1.009, now=61.0)).step == 3
+    # Straight down after the hold, but onto step 2, not the step 1 that 100.9 % enters: it is
+    # above step 2's leave line (0.98), so step 2 is where the hysteresis holds it.
+    state = ladder.update(evidence(1.009, now=62.0))
+    assert state.step == 2 and "descend 3 -> 2" in state.reason
+    # Step 2 (enters 1.03) leaves below 0.98; 0.96 is above step 1's leave line: lands on 1.
+    assert ladder.update(evidence(0.985, now=100.0)).step == 2
+    assert ladder.update(evidence(0.96, now=101.0)).step == 2
+    assert ladder.update(evidence(0.96, now=102.0)).step == 1
+    # Step 1 (enters 1.00) leaves below 0.95.
+    assert ladder.update(evidence(0.96, now=103.0)).step == 1
+    assert ladder.update(evidence(0.949, now=104.0)).step == 1
+    assert ladder.update(evidence(0.949, now=105.0)).step == 0
 
 
 def test_threshold_oscillation_does_not_flap() -> None:
-    # Utilization oscillating +-0.02 around the step 3 threshold for 60 s, sampled every 100 ms.
+    # Utilization oscillating +-0.04 around 1.10 for 60 s, sampled every 100 ms: the low readings
+    # (1.06, step 3's enter line) stay above its leave line (1.01), the high ones (1.14) under step 4.
     ladder = OverloadLadder(now=0.0)
     changes = 0
     for i in range(600):
-        utilization = 1.00 + (0.02 if i % 2 == 0 else -0.02)
+        utilization = 1.10 + (0.04 if i % 2 == 0 else -0.04)
         if ladder.update(evidence(utilization, now=i * 0.1)).changed:
             changes += 1
     assert changes == 1
     assert ladder.step == LadderStep.FALLBACK
 
 
-def _poisson_seed_load(seed: int, utilization: float, window_s: float, seconds: float = 60.0) -> int:
-    """Step changes in ``seconds`` of the seed's short/long mix arriving as a Poisson process at
-    ``utilization`` of protected capacity, read through a DemandWindow every 100 ms."""
-    rng = random.Random(seed)
-    rate = 158 * utilization * SEED_CAPACITY / 16_368.8  # requests/s
-    window = DemandWindow(window_s=window_s, buckets=round(window_s * 10))
+# The seed's 1.25x surge: the standard error of its 10 s rate, 740.6 ms/s (see the seed arithmetic).
+SURGE_SIGMA_10S = math.sqrt(1.25 * 10 * (140 * SHORT_MS**2 + 18 * LONG_MS**2)) / 10
+
+
+def test_the_seed_surge_wobbling_inside_step_3s_band_holds_step_3() -> None:
+    """The seed's surge read over the 10 s span, its mean wobbling by up to 2.1 standard errors
+    below and 0.9 above the expected 20,461 ms/s: the bound ranges 101.5-114.7 %, inside step 3's
+    band (left below 101 %, step 4 from 115 %). One climb, then step 3 for the whole minute:
+    no flapping. Once at step 3 the order of the readings does not matter: every one of them
+    is under step 4's line and none under step 3's leave line."""
+    wobble = (0.0, -2.1, 0.9, -1.0, 0.5, -2.1, 0.9, -0.5, -1.8, 0.2)  # standard errors off the mean
+    bounds = []
     ladder = OverloadLadder(now=0.0)
-    arrival, changes = rng.expovariate(rate), 0
-    for tick in range(1, round((seconds + window_s) * 10) + 1):
-        now = tick / 10
-        while arrival < now:
-            window.add(arrival, SHORT_MS if rng.random() < 140 / 158 else LONG_MS)
-            arrival += rng.expovariate(rate)
-        if now < window_s:
-            continue  # let the window fill once
-        state = ladder.update(evidence(offered=window.rate_ms_per_s(now), now=now))
-        changes += state.changed and now > window_s  # the first reading places the ladder
-    return changes
+    changes = 0
+    for i in range(600):
+        mean = SEED_SURGE + wobble[(i * 7) % len(wobble)] * SURGE_SIGMA_10S
+        load = evidence(offered=mean, now=i * 0.1, readings=(DemandReading(10.0, mean, SURGE_SIGMA_10S),))
+        bounds.append(load.utilization_bound(DEFAULT_LADDER.confidence_z))
+        state = ladder.update(load)
+        changes += state.changed
+        assert state.step == LadderStep.FALLBACK, i
+    assert changes == 1
+    assert min(bounds) == pytest.approx(1.0151, abs=1e-4) and max(bounds) == pytest.approx(1.1474, abs=1e-4)
+    assert DEFAULT_LADDER.leaves_below(LadderStep.FALLBACK) < min(bounds)
+    assert max(bounds) < DEFAULT_LADDER.defer_batch_at
+    # The low end alone, read on a fresh ladder, would be step 1: only the hysteresis holds it.
+    assert DEFAULT_LADDER.step_for(min(bounds)) == LadderStep.SHED_OPTIONAL
 
 
-def test_poisson_load_on_a_threshold_does_not_flap() -> None:
-    # Honest noise: the seed's mix sitting on the step 3 threshold. The default 10 s window keeps
-    # it to a step change or two a minute; a 5 s window, whose noise (5.6 % of capacity) is close
-    # to the step spacing, walks the ladder about twice as often (the reason for the default).
-    seeds = range(12)
-    default = [_poisson_seed_load(seed, 1.00, DemandWindow().window_s) for seed in seeds]
-    short = [_poisson_seed_load(seed, 1.00, 5.0) for seed in seeds]
-    assert sum(default) / len(default) <= 2.5
-    assert max(default) <= 5
-    assert sum(short) > 1.5 * sum(default)
+def test_descent_lands_with_the_hysteresis() -> None:
+    """After the hold the ladder goes straight down, but lands on the step whose leave line the
+    judged load is above (``step_for(judged + hysteresis)``), not on the one whose enter line it
+    is above: a descent from step 3 with the bound at 97 %, just under step 1's enter line
+    (100 %) and above its leave line (95 %), lands on step 1, one step above the step 0 that
+    step_for(0.97) says, and one reading at 100 % then changes nothing. Without the landing
+    hysteresis that reading would climb back."""
+    ladder = OverloadLadder(now=0.0)
+    assert ladder.update(evidence(1.10, now=0.0)).step == LadderStep.FALLBACK
+    for i in range(1, 11):
+        assert ladder.update(evidence(0.97, now=i * 0.1)).step == LadderStep.FALLBACK
+    state = ladder.update(evidence(0.97, now=1.1))
+    assert DEFAULT_LADDER.step_for(0.97) == LadderStep.NORMAL
+    assert state.step == LadderStep.SHED_OPTIONAL and "descend 3 -> 1" in state.reason
+    at_the_line = ladder.update(evidence(1.00, now=1.2))
+    assert at_the_line.step == LadderStep.SHED_OPTIONAL and not at_the_line.changed
+    # Hysteresis is a setting: with none, the same descent lands on step 0 and the same single
+    # reading at 100 % climbs straight back to 1 (a flap).
+    bare = OverloadLadder(LadderConfig(hysteresis=0.0), now=0.0)
+    bare.update(evidence(1.10, now=0.0))
+    for i in range(1, 12):
+        bare.update(evidence(0.97, now=i * 0.1))
+    assert bare.step == LadderStep.NORMAL
+    climbed = bare.update(evidence(1.00, now=1.2))
+    assert climbed.changed and climbed.step == LadderStep.SHED_OPTIONAL
+    # 99 % is above step 2's leave line (98 %): the descent stops at step 2, two above the 0 that
+    # step_for(0.99) says, where a ladder already at step 2 would stay. A reading at step 2's
+    # enter line (103 %) does not climb.
+    ladder = OverloadLadder(now=0.0)
+    ladder.update(evidence(1.10, now=0.0))
+    for i in range(1, 12):
+        state = ladder.update(evidence(0.99, now=i * 0.1))
+    assert state.step == LadderStep.REDUCE_OUTPUT and "descend 3 -> 2" in state.reason
+    assert not ladder.update(evidence(1.03, now=1.2)).changed
+    # The landing is always below the step being left: just under step 3's leave line
+    # (1.009 + 0.05 < 1.06) it lands one step down.
+    ladder = OverloadLadder(now=0.0)
+    ladder.update(evidence(1.10, now=0.0))
+    for i in range(1, 12):
+        ladder.update(evidence(1.009, now=i * 0.1))
+    assert ladder.step == LadderStep.REDUCE_OUTPUT
+    # Above step 3 the judged load is the bound x the relief (rule 7): from step 6, 130 % relieved
+    # x 0.87 is 113.1 % effective, step 3 by its enter lines but above step 4's leave line (110 %):
+    # it lands on step 4, and a reading at 115 % effective does not climb.
+    ladder = OverloadLadder(now=0.0)
+    ladder.update(evidence(2.0, now=0.0))
+    for i in range(1, 12):
+        state = ladder.update(evidence(1.30, now=i * 0.1, relief=0.87))
+    assert state.step == LadderStep.DEFER_BATCH and "descend 6 -> 4" in state.reason
+    assert not ladder.update(evidence(1.15 / 0.87, now=1.2, relief=0.87)).changed
 
 
 def test_transition_function_is_pure() -> None:
     start = LadderState(step=LadderStep.NORMAL, changed=False, reason="", stale=False, since=0.0)
-    load = evidence(1.3, now=5.0)
+    load = evidence(1.3, now=5.0, readings=(reading(1.0, 1.3, 0.01),))
     assert next_state(start, load) == next_state(start, load)
     assert start.step == 0
+
+
+def test_fallback_relief_keeps_a_surge_at_step_3() -> None:
+    """Rule 7: the seed's 1.25x surge (121.8 %) with the fallback relieving 25 % of the price
+    stays at step 3 (91 % effective) instead of climbing to deferral (step 4)."""
+    ladder = OverloadLadder(DEFAULT_LADDER)
+
+    def surge(now: float, relief: float, offered: float = SEED_SURGE) -> LoadEvidence:
+        return evidence(offered=offered, now=now, relief=relief)
+
+    assert ladder.update(surge(0.0, 1.0)).step == LadderStep.DEFER_BATCH  # no relief yet
+    state = ladder.state
+    for i in range(1, 40):
+        state = ladder.update(surge(i * 0.5, SEED_RELIEF))
+        if i == 2:
+            assert state.step == LadderStep.DEFER_BATCH  # calm since 0.5 s, held 0.5 s
+    assert state.step == LadderStep.FALLBACK  # descended to 3 and holds there
+    assert "after fallback relief" in state.reason
+    # Steps up to 3 follow offered demand: relief never takes the surge below the fallback.
+    assert OverloadLadder().update(surge(0.0, 0.1)).step == LadderStep.FALLBACK
+    # Relief that does not suffice still defers: 121.8 % x 0.95 = 115.7 % -> step 4; x 0.94 -> 3.
+    assert OverloadLadder().update(surge(0.0, 0.95)).step == LadderStep.DEFER_BATCH
+    assert OverloadLadder().update(surge(0.0, 0.94)).step == LadderStep.FALLBACK
+    # The seed's surge alone never reaches refusals (125 %); 1.5x the seed's load (146.2 %) does,
+    # unless the fallback relieves it enough: x 0.9 = 131.6 % -> step 5, x 0.8 = 117.0 % -> 4.
+    larger = 1.5 * SEED_NORMAL
+    assert OverloadLadder().update(surge(0.0, 0.9, larger)).step == LadderStep.REJECT_INTERACTIVE
+    assert OverloadLadder().update(surge(0.0, 0.8, larger)).step == LadderStep.DEFER_BATCH
+    # Unreadable relief is no relief.
+    assert OverloadLadder().update(surge(0.0, math.nan)).step == LadderStep.DEFER_BATCH
+    assert OverloadLadder().update(surge(0.0, math.nan, larger)).step == LadderStep.PROTECT_ADMITTED
 
 
 # --------------------------------------------------------------------------- fail-safe evidence
 
 
-def test_dwell_over_budget_raises_to_at_least_step_3() -> None:
-    state = OverloadLadder().update(evidence(0.5, queue_dwell_p95_ms=35.0, dwell_budget_ms=20.0))
-    assert state.step == LadderStep.FALLBACK
-    assert "queue dwell p95 35 ms over budget 20 ms" in state.reason
+def test_dwell_raises_to_step_3_only_on_a_saturated_backend_with_enough_samples() -> None:
+    def step(
+        p95_ms: float,
+        *,
+        saturated: bool,
+        samples: int,
+        budget_ms: float | None = 20.0,
+        utilization: float = 0.5,
+        config: LadderConfig = DEFAULT_LADDER,
+    ) -> LadderState:
+        load = evidence(
+            utilization,
+            queue_dwell_p95_ms=p95_ms,
+            dwell_budget_ms=budget_ms,
+            backend_saturated=saturated,
+            dwell_samples=samples,
+        )
+        return OverloadLadder(config).update(load)
+
+    saturated = step(35.0, saturated=True, samples=20)
+    assert saturated.step == LadderStep.FALLBACK
+    assert "queue dwell p95 35 ms over budget 20 ms on a saturated backend" in saturated.reason
+    # The backend is not the bottleneck: dwell is ordinary queueing, not overload.
+    assert step(35.0, saturated=False, samples=500).step == 0
+    # Too few samples for a p95 (one slow request is not a percentile).
+    assert step(35.0, saturated=True, samples=19).step == 0
+    assert step(35.0, saturated=True, samples=5, config=LadderConfig(dwell_min_samples=5)).step == 3
     # Never lowers: a higher utilization step stands.
-    assert OverloadLadder().update(evidence(1.3, queue_dwell_p95_ms=35.0, dwell_budget_ms=20.0)).step == 5
+    assert step(35.0, saturated=True, samples=20, utilization=1.3).step == 5
     # Within budget, or no budget: no effect.
-    assert OverloadLadder().update(evidence(0.5, queue_dwell_p95_ms=19.0, dwell_budget_ms=20.0)).step == 0
-    assert OverloadLadder().update(evidence(0.5, queue_dwell_p95_ms=500.0)).step == 0
-    # Unreadable dwell fails safe.
-    assert OverloadLadder().update(evidence(0.5, queue_dwell_p95_ms=math.nan, dwell_budget_ms=20.0)).step == 3
+    assert step(19.0, saturated=True, samples=99).step == 0
+    assert step(500.0, saturated=True, samples=99, budget_ms=None).step == 0
+    # Unreadable dwell on a saturated backend fails safe; the configured dwell step applies.
+    assert step(math.nan, saturated=True, samples=20).step == 3
+    two = LadderConfig(dwell_step=LadderStep.REDUCE_OUTPUT)
+    assert step(35.0, saturated=True, samples=20, config=two).step == 2
 
 
 def test_stale_evidence_fails_safe_and_is_visible() -> None:
@@ -281,14 +562,14 @@ def test_stale_evidence_fails_safe_and_is_visible() -> None:
     assert OverloadLadder().update(evidence(0.3, age_s=math.inf)).stale
 
 
-def test_recovery_from_stale_descends_slowly() -> None:
+def test_recovery_from_stale_waits_for_the_hold() -> None:
     ladder = OverloadLadder(now=0.0)
     assert ladder.update(evidence(0.3, now=0.0, age_s=5.0)).step == 4
     # Calm read on stale evidence does not count toward the hold: it starts with fresh evidence.
     state = ladder.update(evidence(0.3, now=0.5))
     assert state.step == 4 and not state.stale and state.calm_since == 0.5
-    assert ladder.update(evidence(0.3, now=2.4)).step == 4
-    assert ladder.update(evidence(0.3, now=2.5)).step == 3
+    assert ladder.update(evidence(0.3, now=1.4)).step == 4
+    assert ladder.update(evidence(0.3, now=1.5)).step == 0
 
 
 def test_zero_capacity_is_maximally_loaded() -> None:
@@ -345,10 +626,13 @@ def test_retry_after_follows_the_drain() -> None:
     calm = evidence(0.5, queued_accelerator_ms=8_400.0)
     assert drain_ms(calm) == pytest.approx(500.0)
     assert retry_after_ms(calm).ms == 500
-    # More backlog, longer wait; Triton's pending requests count at their mean predicted cost.
-    more = evidence(0.5, queued_accelerator_ms=8_400.0, backend_pending=40, mean_request_ms=105.0)
+    # More backlog, longer wait. The backlog is the predicted work queued in or bound through
+    # the gateway (everything in Triton's queue for the pool came through it): no separate
+    # count of Triton's pending requests is added, whatever the mean request costs.
+    more = evidence(0.5, queued_accelerator_ms=12_600.0, mean_request_ms=105.0)
     assert more.backlog_ms == pytest.approx(12_600.0)
     assert retry_after_ms(more).ms == 750
+    assert "backend_pending" not in LoadEvidence.__dataclass_fields__
     # The seed's surge: 3,661 ms/s excess over the 10 s window adds 36,610 ms of work ahead.
     surge = evidence(offered=20_461.0, queued_accelerator_ms=8_400.0)
     assert surge.window_s == 10.0
@@ -386,8 +670,12 @@ def test_demand_window_rate_over_the_window() -> None:
             window.add(now, SHORT_MS)
         for _ in range(2 if tick % 10 else 0):
             window.add(now, LONG_MS)
-    end = 1000.0 + 99 * 0.1
+    # Near the end of the last tick's bucket the window covers 4.999 s of its last 50 buckets.
+    end = 1000.0 + 99 * 0.1 + 0.099
     assert window.count(end) == 5 * (140 + 18)
+    last_5_s = 700 * SHORT_MS + 90 * LONG_MS  # ticks 50-99: 9 of every 10 carry two long
+    assert window.total_ms(end) == pytest.approx(last_5_s)
+    assert window.rate_ms_per_s(end) == pytest.approx(last_5_s / 4.999)
     assert window.rate_ms_per_s(end) == pytest.approx(16_368.8, rel=0.02)
     assert window.mean_ms(end) == pytest.approx(16_368.8 / 158, rel=0.02)
     # Everything ages out after one window of silence.
@@ -400,12 +688,17 @@ def test_demand_window_exact_arithmetic() -> None:
     window.add(10.00, 100.0)
     window.add(10.05, 50.0)
     window.add(10.95, 250.0)
-    # The window has existed for all 10 buckets by 10.95: 400 ms over 1 s.
-    assert window.rate_ms_per_s(10.95) == pytest.approx(400.0)
+    # By 10.95 the window spans all 10 buckets, the current one [10.9, 11.0) only for the half of
+    # it that has passed: 400 ms over 0.95 s, not diluted over the whole bucket.
+    assert window.rate_ms_per_s(10.95) == pytest.approx(400.0 / 0.95)
     assert window.total_ms(10.95) == pytest.approx(400.0) and window.count(10.95) == 3
-    # At 11.05 the bucket [10.0, 10.1) has left the window.
+    # At the bucket's very end, the whole second: 400 ms/s.
+    assert window.rate_ms_per_s(10.99999) == pytest.approx(400.0, rel=1e-4)
+    # At 11.05 the bucket [10.0, 10.1) has left the window: 250 ms over [11.0 - 0.9, 11.05).
     assert window.total_ms(11.05) == pytest.approx(250.0)
-    assert window.rate_ms_per_s(11.05) == pytest.approx(250.0)
+    assert window.rate_ms_per_s(11.05) == pytest.approx(250.0 / 0.95)
+    # At a bucket's very start the current bucket counts for no time: 0.9 s of whole buckets.
+    assert window.rate_ms_per_s(11.0) == pytest.approx(250.0 / 0.9)
     # A sample older than the window is dropped, not counted into a newer bucket.
     window.add(9.0, 1e6)
     assert window.total_ms(11.05) == pytest.approx(250.0)
@@ -413,10 +706,12 @@ def test_demand_window_exact_arithmetic() -> None:
 
 def test_demand_window_young_window_is_not_diluted() -> None:
     window = DemandWindow(window_s=5.0, buckets=50)
-    for i in range(30):  # 3 s of 1,000 ms/s
+    for i in range(30):  # 3 s of 1,000 ms/s, 100 ms at the start of every bucket
         window.add(50.0 + i * 0.1, 100.0)
-    # Measured over the 3 s it has existed, not over 5 s (which would read 600 ms/s: fail open).
-    assert window.rate_ms_per_s(52.95) == pytest.approx(1000.0)
+    # Measured over the 2.95 s since its first bucket began, not over 5 s (which would read
+    # 600 ms/s: fail open).
+    assert window.rate_ms_per_s(52.95) == pytest.approx(3000.0 / 2.95)
+    assert window.rate_ms_per_s(52.95) > 1000.0
 
 
 def test_demand_window_damps_a_start_up_burst() -> None:
@@ -434,7 +729,7 @@ def test_demand_window_memory_is_bounded() -> None:
     for _ in range(200_000):
         now += rng.expovariate(2_000.0)
         window.add(now, rng.choice((SHORT_MS, LONG_MS)))
-    assert len(window._sums) == len(window._counts) == len(window._epochs) == 50
+    assert len(window._sums) == len(window._sumsq) == len(window._counts) == len(window._epochs) == 50
     assert not hasattr(window, "__dict__")
     assert window.count(now) == pytest.approx(2_000 * 5, rel=0.05)
     with pytest.raises(ValueError):
@@ -451,12 +746,13 @@ def test_dwell_window_p95_and_bounds() -> None:
     dwell = DwellWindow(window_s=5.0, capacity=100)
     for i in range(100):
         dwell.add(10.0 + i * 0.01, float(i + 1))  # 1..100 ms
-    assert dwell.p95_ms(11.0) == 95.0
+    assert dwell.p95_ms(11.0) == 95.0 and dwell.count(11.0) == 100
     assert dwell.quantile_ms(11.0, 0.5) == 50.0
-    assert dwell.p95_ms(20.0) == 0.0  # all aged out
+    assert dwell.count(15.505) == 49  # the samples after 10.505 s are still inside the 5 s window
+    assert dwell.p95_ms(20.0) == 0.0 and dwell.count(20.0) == 0  # all aged out
     for i in range(1000):
         dwell.add(30.0 + i * 0.001, 5.0)
-    assert len(dwell._dwell_ms) == 100 and dwell.p95_ms(31.0) == 5.0
+    assert len(dwell._dwell_ms) == 100 and dwell.p95_ms(31.0) == 5.0 and dwell.count(31.0) == 100
     with pytest.raises(ValueError):
         dwell.add(31.0, -1.0)
 
@@ -464,25 +760,101 @@ def test_dwell_window_p95_and_bounds() -> None:
 # --------------------------------------------------------------------------- configuration
 
 
+def test_demand_reading_is_the_rate_with_its_compound_poisson_standard_error() -> None:
+    window = DemandWindow(window_s=10.0, buckets=100)
+    window.add(9.05, 100.0)
+    window.add(9.55, 50.0)
+    window.add(9.95, 250.0)
+    window.add(5.05, 400.0)
+    # The 1 s span at 9.99 s: the nine whole buckets [9.0, 9.9) and the 0.09 s of [9.9, 10.0)
+    # that has passed, 0.99 s.
+    one = window.reading(9.99, 1.0)
+    assert one.span_s == pytest.approx(0.99) and one.count == 3
+    assert one.offered_ms_per_s == pytest.approx(400.0 / 0.99)
+    assert one.sigma_ms_per_s == pytest.approx(math.sqrt(100**2 + 50**2 + 250**2) / 0.99)
+    assert one.lower_bound(2.5) == pytest.approx((400.0 - 2.5 * math.sqrt(75_000.0)) / 0.99)
+    # Over 10 s the window's age (first sample at 5.05 s, in bucket 50) is 50 buckets, half the
+    # span: the young-window floor, 5 s whatever part of the current bucket has passed.
+    whole = window.reading(9.99)
+    assert whole.span_s == pytest.approx(5.0) and whole.count == 4
+    assert whole.offered_ms_per_s == pytest.approx(800.0 / 5.0)
+    assert whole.sigma_ms_per_s == pytest.approx(math.sqrt(75_000.0 + 400.0**2) / 5.0)
+    # Older than the floor, it is read over its age: at 10.06 s (bucket 100, age 51) the 50
+    # whole buckets since 5.0 s and the 0.06 s of the current one, 5.06 s.
+    assert window.reading(10.06).span_s == pytest.approx(5.06)
+    assert window.reading(10.0).span_s == pytest.approx(5.0)  # no jump at the floor's end
+    # The span is whole buckets: 4 s are the last 40, the current one as far as it has passed.
+    four = window.reading(9.99, 4.0)
+    assert four.span_s == pytest.approx(3.99) and four.count == 3
+    # A young window reads a span over its age, never less than half the span.
+    young = DemandWindow(window_s=10.0, buckets=100)
+    young.add(0.05, 300.0)
+    assert young.reading(0.29, 1.0).span_s == pytest.approx(0.5)  # age 3 buckets: the floor (5)
+    assert young.reading(0.49, 1.0).span_s == pytest.approx(0.5)  # age 5: still the floor
+    assert young.reading(0.59, 1.0).span_s == pytest.approx(0.59)  # age 6: 0.5 s + 0.09 s
+    assert young.reading(0.79, 1.0).span_s == pytest.approx(0.79)
+    assert young.reading(0.79, 1.0).offered_ms_per_s == pytest.approx(300.0 / 0.79)
+    # Empty: no demand, no error.
+    empty = DemandWindow().reading(50.0, 2.0)
+    assert (empty.offered_ms_per_s, empty.sigma_ms_per_s, empty.count) == (0.0, 0.0, 0)
+    assert DEFAULT_SPANS_S == (1.0, 2.0, 4.0, 10.0)
+
+
+def test_seed_mix_standard_errors_match_the_documented_figures() -> None:
+    """The module's figures for the seed's fleet: 662 ms/s (3.9 % of protected) at 10 s and
+    1,480 ms/s (8.8 %) at 2 s, read off a window filled with the seed's mix at the very end of
+    its last bucket (each span then covers all of its seconds)."""
+    window = DemandWindow()
+    for tick in range(100):  # 14 short every tick, 2 long on 9 ticks of 10: 140 + 18 per second
+        now = 100.0 + tick * 0.1 + 0.05
+        for _ in range(14):
+            window.add(now, SHORT_MS)
+        for _ in range(2 if tick % 10 else 0):
+            window.add(now, LONG_MS)
+    end = 110.0 - 1e-9
+    ten, two = window.reading(end, 10.0), window.reading(end, 2.0)
+    assert ten.span_s == pytest.approx(10.0) and two.span_s == pytest.approx(2.0)
+    assert ten.offered_ms_per_s == pytest.approx(SEED_NORMAL)
+    assert ten.sigma_ms_per_s == pytest.approx(662.4, abs=0.1)
+    assert ten.sigma_ms_per_s / SEED_CAPACITY == pytest.approx(0.039, abs=0.001)
+    assert two.sigma_ms_per_s == pytest.approx(1481.1, abs=0.1)
+    assert two.sigma_ms_per_s / SEED_CAPACITY == pytest.approx(0.088, abs=0.001)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
 def test_config_rejects_inconsistent_ladders() -> None:
     with pytest.raises(ValidationError):
-        LadderConfig(fallback_at=0.90)  # below reduce_output_at
+        LadderConfig(fallback_at=1.02)  # below reduce_output_at (1.03)
     with pytest.raises(ValidationError):
-        LadderConfig(hysteresis=0.9)  # step 0 unreachable
+        LadderConfig(hysteresis=1.0)  # step 0 unreachable: nothing is below 1.00 - 1.00
+    assert LadderConfig(hysteresis=0.99).leaves_below(LadderStep.SHED_OPTIONAL) == pytest.approx(0.01)
     with pytest.raises(ValidationError):
         LadderConfig(retry_after_min_ms=5_000, retry_after_max_ms=1_000)
+    with pytest.raises(ValidationError):
+        LadderConfig(confidence_z=-1.0)
+    with pytest.raises(ValidationError):
+        LadderConfig(dwell_min_samples=0)
+    for bad in (0.0, 1.01):
+        with pytest.raises(ValidationError):
+            LadderConfig(plan_utilization=bad)
     with pytest.raises(ValidationError):
         LadderConfig.model_validate({"surprise": 1})
     config = LadderConfig.model_validate({"stale_step": 5, "dwell_step": 2})
     assert config.stale_step is LadderStep.REJECT_INTERACTIVE
     with pytest.raises(ValidationError):
         DEFAULT_LADDER.hold_s = 0.0
-    assert DEFAULT_LADDER.leaves_below(LadderStep.FALLBACK) == pytest.approx(0.92)
+    assert DEFAULT_LADDER.leaves_below(LadderStep.SHED_OPTIONAL) == pytest.approx(0.95)
+    assert DEFAULT_LADDER.leaves_below(LadderStep.REDUCE_OUTPUT) == pytest.approx(0.98)
+    assert DEFAULT_LADDER.leaves_below(LadderStep.FALLBACK) == pytest.approx(1.01)
+    assert DEFAULT_LADDER.leaves_below(LadderStep.PROTECT_ADMITTED) == pytest.approx(1.38)
+
+
+# --------------------------------------------------------------------------- shedder
 
 
 def test_shedder_sheds_the_excess_not_everything() -> None:
-    from gateway.overload import Shedder
-
     shedder = Shedder()
     # The seed's surge: 20,461 ms/s offered on a 16,800 ms/s envelope -> admit 82.1 %.
     admitted = sum(shedder.admit(20_461.0, 16_800.0) for _ in range(10_000))
@@ -491,27 +863,287 @@ def test_shedder_sheds_the_excess_not_everything() -> None:
     assert not any(Shedder().admit(5_000.0, 0.0) for _ in range(100))  # no capacity: everything shed
 
 
-def test_fallback_relief_keeps_a_surge_at_step_3() -> None:
-    """Rule 7: the seed's 1.25x surge (121.8 %) with the fallback relieving 25 % of the price
-    stays at step 3 (91 % effective) instead of climbing to shedding."""
-    ladder = OverloadLadder(DEFAULT_LADDER)
+def test_shedder_picks_a_share_evenly() -> None:
+    picker = Shedder()
+    picked = [picker.pick(0.25) for _ in range(10_000)]
+    assert sum(picked) == 2_500
+    # Evenly spread: every run of four calls holds exactly one pick (no bursts).
+    assert all(sum(picked[i : i + 4]) == 1 for i in range(0, 10_000, 4))
+    assert all(Shedder().pick(1.0) for _ in range(100)) and all(Shedder().pick(1.5) for _ in range(100))
+    for nothing in (0.0, -0.5, math.nan):
+        assert not any(Shedder().pick(nothing) for _ in range(100))
 
-    def evidence(now: float, relief: float) -> LoadEvidence:
-        return LoadEvidence(
-            now=now,
-            evidence_at=now,
-            offered_ms_per_s=20_461.0,
-            protected_capacity_ms_per_s=16_800.0,
-            healthy_devices=24,
-            configured_devices=24,
-            relief=relief,
-        )
 
-    assert ladder.update(evidence(0.0, 1.0)).step == LadderStep.DEFER_BATCH  # no relief yet: 121.8 %
-    state = ladder.state
-    for i in range(1, 40):
-        state = ladder.update(evidence(i * 0.5, 15_287.5 / 20_461.0))  # the seed's modeled saving
-    assert state.step == LadderStep.FALLBACK  # descended to 3 and holds there
-    assert "after fallback relief" in state.reason
-    # Relief that does not suffice still sheds: 121.8 % x 0.95 = 115.7 % -> step 4.
-    assert OverloadLadder(DEFAULT_LADDER).update(evidence(0.0, 0.95)).step == LadderStep.DEFER_BATCH
+# --------------------------------------------------------------------------- fair shares
+
+
+def flows(*specs: tuple[str, str, float, float, float]) -> list[FlowDemand]:
+    """(class, tenant, offered, tenant weight, class weight) per flow."""
+    return [
+        FlowDemand((c, t), offered, weight, class_weight) for c, t, offered, weight, class_weight in specs
+    ]
+
+
+def test_water_filling_gives_an_in_share_flow_all_it_asks() -> None:
+    # Equal weights, capacity 1.0: a asks 0.2 (under its half) and gets it; b gets the rest.
+    alloc = fair_allocation(flows(("i", "a", 0.2, 1, 1), ("i", "b", 5.0, 1, 1)), 1.0)
+    assert alloc[("i", "a")] == pytest.approx(0.2) and alloc[("i", "b")] == pytest.approx(0.8)
+    # Both over their share: split 2 : 1 by weight.
+    alloc = fair_allocation(flows(("i", "a", 5.0, 2, 1), ("i", "b", 5.0, 1, 1)), 1.0)
+    assert alloc[("i", "a")] == pytest.approx(2 / 3) and alloc[("i", "b")] == pytest.approx(1 / 3)
+    # Several levels: c (0.1) is satisfied, then b and d split the rest 1 : 2 at level 0.3.
+    alloc = fair_allocation(flows(("i", "c", 0.1, 1, 1), ("i", "b", 0.5, 1, 1), ("i", "d", 0.9, 2, 1)), 1.0)
+    assert [alloc[("i", t)] for t in "cbd"] == pytest.approx([0.1, 0.3, 0.6])
+    # Everyone fits: everyone gets its demand, nothing more.
+    alloc = fair_allocation(flows(("i", "a", 0.2, 1, 1), ("i", "b", 0.3, 5, 1)), 1.0)
+    assert alloc == pytest.approx({("i", "a"): 0.2, ("i", "b"): 0.3})
+    # An idle flow gets nothing and takes no share from the others.
+    alloc = fair_allocation(flows(("i", "a", 0.0, 100, 1), ("i", "b", 5.0, 1, 1)), 1.0)
+    assert alloc == pytest.approx({("i", "a"): 0.0, ("i", "b"): 1.0})
+
+
+def test_fair_allocation_is_hierarchical() -> None:
+    # Classes first (interactive 3 : batch 1), then tenants inside each class by tenant weight.
+    # batch's tenant weight (5) counts only inside batch.
+    spec = flows(
+        ("interactive", "a", 10.0, 1, 3), ("interactive", "b", 10.0, 2, 3), ("batch", "c", 10.0, 5, 1)
+    )
+    alloc = fair_allocation(spec, 8.0)
+    assert alloc[("interactive", "a")] == pytest.approx(2.0)
+    assert alloc[("interactive", "b")] == pytest.approx(4.0)
+    assert alloc[("batch", "c")] == pytest.approx(2.0)
+    # A class under its share lends the rest to the other class.
+    quiet = flows(
+        ("interactive", "a", 1.0, 1, 3), ("interactive", "b", 0.0, 2, 3), ("batch", "c", 10.0, 5, 1)
+    )
+    alloc = fair_allocation(quiet, 8.0)
+    assert alloc == pytest.approx({("interactive", "a"): 1.0, ("interactive", "b"): 0.0, ("batch", "c"): 7.0})
+
+
+def test_without_lending_each_flow_is_capped_at_its_weighted_share() -> None:
+    # Step 6: a gets its 0.2; b gets its own half, not the 0.8 water-filling would lend it.
+    two = flows(("i", "a", 0.2, 1, 1), ("i", "b", 5.0, 1, 1))
+    assert fair_allocation(two, 1.0, lend_idle=False) == pytest.approx({("i", "a"): 0.2, ("i", "b"): 0.5})
+    weighted = flows(("i", "orchid", 0.5, 2, 1), ("i", "lumen", 3.9, 1, 1))
+    alloc = fair_allocation(weighted, 1.0, lend_idle=False)
+    assert alloc == pytest.approx({("i", "orchid"): 0.5, ("i", "lumen"): 1 / 3})
+    # Hierarchical too: batch holds to its class share (1/4 of 8) though interactive asks for 1.
+    quiet = flows(("interactive", "a", 1.0, 1, 3), ("batch", "c", 10.0, 5, 1))
+    alloc = fair_allocation(quiet, 8.0, lend_idle=False)
+    assert alloc == pytest.approx({("interactive", "a"): 1.0, ("batch", "c"): 2.0})
+
+
+def test_fair_allocation_without_usable_capacity_allocates_nothing() -> None:
+    spec = flows(("i", "a", 0.2, 1, 1), ("i", "b", 5.0, 1, 1))
+    for capacity in (0.0, -1.0, math.nan, math.inf):
+        for lend in (True, False):
+            assert fair_allocation(spec, capacity, lend_idle=lend) == {("i", "a"): 0.0, ("i", "b"): 0.0}
+    assert fair_allocation([], 1.0) == {}
+
+
+def test_water_filling_properties_on_random_flows() -> None:
+    """Work-conserving weighted max-min fairness, on 300 random single-class cases: nobody gets
+    more than it asks, the envelope is filled up to the total demand, and a flow that gets less
+    than it asks has at least the weighted level of every other flow. Without lending, each
+    flow gets exactly the lesser of its demand and its own weighted share, never more than
+    with lending."""
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 6)
+        demand = [rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(n)]
+        weight = [rng.uniform(0.1, 5.0) for _ in range(n)]
+        capacity = rng.uniform(0.5, 5.0)
+        spec = [FlowDemand(("i", str(k)), demand[k], weight[k]) for k in range(n)]
+        lent = fair_allocation(spec, capacity)
+        alloc = [lent[("i", str(k))] for k in range(n)]
+        assert all(-1e-9 <= a <= d + 1e-9 for a, d in zip(alloc, demand, strict=True))
+        assert sum(alloc) == pytest.approx(min(capacity, sum(demand)), abs=1e-6)
+        for k in range(n):
+            if alloc[k] < demand[k] - 1e-6:
+                assert all(alloc[k] / weight[k] >= alloc[j] / weight[j] - 1e-6 for j in range(n))
+        kept = fair_allocation(spec, capacity, lend_idle=False)
+        active = sum(w for w, d in zip(weight, demand, strict=True) if d > 0)
+        for k in range(n):
+            own_share = capacity * weight[k] / active if demand[k] > 0 else 0.0
+            # Each flow gets exactly its own weighted share, or its demand if that is less.
+            assert kept[("i", str(k))] == pytest.approx(min(demand[k], own_share), abs=1e-9)
+            assert kept[("i", str(k))] <= alloc[k] + 1e-9
+
+
+def test_without_lending_a_flow_inside_its_own_share_keeps_its_demand() -> None:
+    # One class, equal weights, capacity 1.0: b's own share is 0.5 and it asks 0.5; a asks 0.1.
+    # Step 6 lends nothing, but b is inside its own share and gets all of it (0.4 stays idle):
+    # the class keeps its whole weighted share (1.0), not its demand (0.6), for its tenants
+    # to split, each up to its own part.
+    spec = flows(("i", "a", 0.1, 1, 1), ("i", "b", 0.5, 1, 1))
+    assert fair_allocation(spec, 1.0, lend_idle=False) == pytest.approx({("i", "a"): 0.1, ("i", "b"): 0.5})
+    # Across classes too: a quiet class's idle share is not lent, a class under its share keeps
+    # what its tenants ask. interactive (weight 3) holds 6 of 8, batch (weight 1) 2.
+    spec = flows(("interactive", "a", 1.0, 1, 3), ("interactive", "b", 4.0, 1, 3), ("batch", "c", 10.0, 1, 1))
+    alloc = fair_allocation(spec, 8.0, lend_idle=False)
+    assert alloc == pytest.approx({("interactive", "a"): 1.0, ("interactive", "b"): 3.0, ("batch", "c"): 2.0})
+
+
+# --------------------------------------------------------------------------- per-flow plans
+
+
+def plan(
+    spec: list[FlowDemand],
+    step: int,
+    *,
+    capacity: float = SEED_CAPACITY,
+    reliefs: dict[tuple[str, str], FlowRelief] | None = None,
+    reduce_saving: float = 0.2,
+    fallback_saving: float = 0.45,
+    reduce_quality_loss: float = 0.0,
+    fallback_quality_loss: float = 0.0,
+) -> dict[tuple[str, str], FlowPlan]:
+    return plan_flows(
+        spec,
+        reliefs or {},
+        capacity_ms_per_s=capacity,
+        step=LadderStep(step),
+        reduce_saving=reduce_saving,
+        fallback_saving=fallback_saving,
+        reduce_quality_loss=reduce_quality_loss,
+        fallback_quality_loss=fallback_quality_loss,
+        exempt_classes=frozenset({"control"}),
+    )
+
+
+NEIGHBOURS = flows(
+    ("interactive", "orchid", 0.5 * SEED_CAPACITY, 2, 1), ("interactive", "lumen", 3.9 * SEED_CAPACITY, 1, 1)
+)
+ORCHID, LUMEN = ("interactive", "orchid"), ("interactive", "lumen")
+
+
+def test_noisy_neighbour_plan_step_by_step() -> None:
+    """orchid (weight 2) at 0.5 of the plan's capacity, lumen (weight 1) at 3.9x: every step's
+    mechanism falls on lumen's excess only; orchid, inside its share, is never touched. Lumen's
+    allocation is what orchid leaves (0.5) up to step 5, its own third at step 6."""
+    for step in LadderStep:
+        plans = plan(NEIGHBOURS, step)
+        orchid = plans[ORCHID]
+        assert orchid.allocation_ms_per_s == pytest.approx(0.5 * SEED_CAPACITY), step
+        assert (orchid.excess_ms_per_s, orchid.reduce_share, orchid.divert_share) == (0.0, 0.0, 0.0), step
+        assert orchid.admit_share == 1.0, step
+        lumen = plans[LUMEN]
+        allocation = SEED_CAPACITY / 3 if step == 6 else 0.5 * SEED_CAPACITY
+        assert lumen.allocation_ms_per_s == pytest.approx(allocation), step
+        assert lumen.excess_ms_per_s == pytest.approx(3.9 * SEED_CAPACITY - allocation), step
+        assert lumen.reduce_share == (1.0 if step >= 2 else 0.0), step
+        assert lumen.divert_share == (1.0 if step >= 3 else 0.0), step
+        admit = allocation / (3.9 * SEED_CAPACITY) if step >= 5 else 1.0
+        assert lumen.admit_share == pytest.approx(admit), step
+    assert plan(NEIGHBOURS, 5)[LUMEN].admit_share == pytest.approx(0.5 / 3.9)
+    assert plan(NEIGHBOURS, 6)[LUMEN].admit_share == pytest.approx((1 / 3) / 3.9)
+
+
+def test_admit_share_counts_what_admitted_work_measurably_runs_at() -> None:
+    # lumen's admitted work runs at 60 % of its offered price (diverted to the fallback): its
+    # allocation carries 1 / 0.6 as many requests.
+    relief = {LUMEN: FlowRelief(offered_ms_per_s=1000.0, running_ms_per_s=600.0)}
+    assert plan(NEIGHBOURS, 5, reliefs=relief)[LUMEN].admit_share == pytest.approx(0.5 / (3.9 * 0.6))
+    assert FlowRelief().relief == 1.0  # nothing admitted yet: no relief
+    assert FlowRelief(offered_ms_per_s=100.0, running_ms_per_s=150.0).relief == 1.0  # never above 1
+    # Of 1,000 ms/s admitted running at 600, capping saved 100: the fallback the other 300.
+    measured = FlowRelief(offered_ms_per_s=1000.0, running_ms_per_s=600.0, reduced_ms_per_s=100.0)
+    assert measured.diverted_ms_per_s == pytest.approx(300.0)
+    assert FlowRelief(offered_ms_per_s=100.0, running_ms_per_s=150.0).diverted_ms_per_s == 0.0
+
+
+SURGE_FLOW = flows(("interactive", "orchid", SEED_SURGE, 1, 1))
+SOLO = ("interactive", "orchid")
+SURGE_EXCESS = SEED_SURGE - SEED_CAPACITY  # over a plan capacity of 16,800 ms/s
+
+
+def test_surge_plan_diverts_first_when_quality_costs_are_equal() -> None:
+    """The seed's surge (20,461 ms/s) on a plan capacity of 16,800: step 2 caps (1.218 - 1) /
+    (1.218 x 0.2) = 89.5 % of the requests' output; from step 3, with no modeled quality
+    difference, the fallback goes first (it saves 45 % of a price, a cap 20 %: fewer answers
+    degraded) and diverts (1.218 - 1) / (1.218 x 0.45) = 39.8 %; capping is planned only for
+    what diverting has not measurably saved. Nobody is refused before step 5."""
+    at_2 = plan(SURGE_FLOW, 2)[SOLO]
+    assert at_2.excess_ms_per_s == pytest.approx(SURGE_EXCESS)
+    assert at_2.reduce_share == pytest.approx(SURGE_EXCESS / (SEED_SURGE * 0.2))
+    assert at_2.reduce_share == pytest.approx(0.8946, abs=1e-4)
+    assert at_2.divert_share == 0.0 and at_2.admit_share == 1.0
+    at_3 = plan(SURGE_FLOW, 3)[SOLO]
+    assert at_3.divert_share == pytest.approx(SURGE_EXCESS / (SEED_SURGE * 0.45))
+    assert at_3.divert_share == pytest.approx(0.3976, abs=1e-4) and at_3.admit_share == 1.0
+    assert at_3.reduce_share == pytest.approx(at_2.reduce_share)  # nothing measured yet
+    # Diverted work measurably saved 2,000 of the 3,661 ms/s excess: cap for the rest only.
+    saved = {SOLO: FlowRelief(offered_ms_per_s=SEED_SURGE, running_ms_per_s=SEED_SURGE - 2_000.0)}
+    partly = plan(SURGE_FLOW, 3, reliefs=saved)[SOLO]
+    assert partly.reduce_share == pytest.approx((SURGE_EXCESS - 2_000.0) / (SEED_SURGE * 0.2))
+    assert partly.divert_share == pytest.approx(at_3.divert_share)
+    covered = {SOLO: FlowRelief(offered_ms_per_s=SEED_SURGE, running_ms_per_s=SEED_SURGE - SURGE_EXCESS)}
+    assert plan(SURGE_FLOW, 4, reliefs=covered)[SOLO].reduce_share == 0.0
+
+
+def test_measured_reduction_comes_first_and_lowers_the_divert_share() -> None:
+    """When a capped output costs less modeled quality per accelerator-ms saved than a fallback
+    answer (0.01 / 0.2 < 0.1 / 0.45), capping goes first, and what it measurably saved is taken
+    off the excess before the fallback's share is planned."""
+    at_3 = plan(SURGE_FLOW, 3, reduce_quality_loss=0.01, fallback_quality_loss=0.1)[SOLO]
+    assert at_3.reduce_share == pytest.approx(SURGE_EXCESS / (SEED_SURGE * 0.2))
+    assert at_3.divert_share == pytest.approx(SURGE_EXCESS / (SEED_SURGE * 0.45))  # nothing measured yet
+    reduced = {SOLO: FlowRelief(reduced_ms_per_s=0.1 * SEED_CAPACITY)}
+    after = plan(SURGE_FLOW, 3, reliefs=reduced, reduce_quality_loss=0.01, fallback_quality_loss=0.1)[SOLO]
+    assert after.divert_share == pytest.approx((SURGE_EXCESS - 0.1 * SEED_CAPACITY) / (SEED_SURGE * 0.45))
+    assert after.divert_share == pytest.approx(0.2152, abs=1e-4) and after.divert_share < at_3.divert_share
+    assert after.reduce_share == pytest.approx(at_3.reduce_share)
+    # Reduction that saved the whole excess leaves nothing to divert.
+    covered = {SOLO: FlowRelief(reduced_ms_per_s=SURGE_EXCESS)}
+    reduced_first = plan(SURGE_FLOW, 4, reliefs=covered, reduce_quality_loss=0.01, fallback_quality_loss=0.1)
+    assert reduced_first[SOLO].divert_share == 0.0
+    # The other way round (a fallback answer costs less quality per ms saved): fallback first,
+    # and measured reduction no longer lowers its share.
+    first = plan(SURGE_FLOW, 3, reliefs=reduced, reduce_quality_loss=0.1, fallback_quality_loss=0.01)[SOLO]
+    assert first.divert_share == pytest.approx(at_3.divert_share)
+
+
+def test_learned_savings_are_floored_at_5_percent() -> None:
+    # A saving of ~0 would make every request a candidate for a mechanism that saves nothing.
+    small = flows(("interactive", "orchid", 17_000.0, 1, 1))
+    reduce_only = plan(small, 2, reduce_saving=0.0)[SOLO]
+    assert reduce_only.reduce_share == pytest.approx(200.0 / (17_000.0 * 0.05))
+    both = plan(small, 3, reduce_saving=0.2, fallback_saving=0.01)[SOLO]
+    assert both.divert_share == pytest.approx(200.0 / (17_000.0 * 0.05))
+
+
+def test_in_share_flows_pay_only_when_the_pool_cannot_carry_them() -> None:
+    # Two tenants, equal weight, each at 0.8: each is over its half, so each sheds its own excess.
+    pair = flows(
+        ("interactive", "a", 0.8 * SEED_CAPACITY, 1, 1), ("interactive", "b", 0.8 * SEED_CAPACITY, 1, 1)
+    )
+    plans = plan(pair, 5)
+    assert plans[("interactive", "a")].admit_share == pytest.approx(0.5 / 0.8)
+    assert plans[("interactive", "b")].admit_share == pytest.approx(0.5 / 0.8)
+    # Inside the envelope in total, nobody has an excess at steps 0-5. At step 6 nothing is
+    # lent: a (inside its half) keeps all it asks, b is held to its own half.
+    fit = flows(
+        ("interactive", "a", 0.3 * SEED_CAPACITY, 1, 1), ("interactive", "b", 0.6 * SEED_CAPACITY, 1, 1)
+    )
+    for step in range(6):
+        assert all(p.excess_ms_per_s == 0.0 and p.admit_share == 1.0 for p in plan(fit, step).values())
+    protected = plan(fit, 6)
+    assert protected[("interactive", "a")].excess_ms_per_s == 0.0
+    assert protected[("interactive", "a")].admit_share == 1.0
+    assert protected[("interactive", "b")].allocation_ms_per_s == pytest.approx(0.5 * SEED_CAPACITY)
+    assert protected[("interactive", "b")].admit_share == pytest.approx(0.5 / 0.6)
+    # No capacity at all: every flow is all excess, refused from step 5.
+    assert plan(pair, 5, capacity=0.0)[("interactive", "a")].admit_share == 0.0
+
+
+def test_control_work_is_never_planned_to_shed() -> None:
+    spec = flows(
+        ("control", "ops", 2.0 * SEED_CAPACITY, 1, 1), ("interactive", "lumen", 2.0 * SEED_CAPACITY, 1, 1)
+    )
+    for step in LadderStep:
+        control = plan(spec, step)[("control", "ops")]
+        assert (control.reduce_share, control.divert_share, control.admit_share) == (0.0, 0.0, 1.0), step
+        assert control.excess_ms_per_s == 0.0
+    # It still counts for its class's share: lumen is held to the other half.
+    assert plan(spec, 6)[("interactive", "lumen")].allocation_ms_per_s == pytest.approx(0.5 * SEED_CAPACITY)
+    assert plan(spec, 6, capacity=0.0)[("control", "ops")].admit_share == 1.0
