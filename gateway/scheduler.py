@@ -78,6 +78,18 @@ from dataclasses import dataclass, field
 from gateway.errors import DeadlineExpired, ResourceExhausted
 
 CONTROL_CLASS = "control"
+
+
+def _now() -> float:
+    """The event loop's clock (``time.monotonic()`` for asyncio's own loops, so the request
+    path's timestamps agree with it; virtual time in the core's tests), or the monotonic
+    clock outside a loop."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
 # The short lane is kept only while short work has asked for a device this recently: a few
 # short requests' worth of time at the seed's rates (140 short/s), so a lull between two short
 # arrivals does not hand the lane to a long request that would then hold it for ~470 ms.
@@ -259,7 +271,7 @@ class DispatchQueue:
           will finish at: rule 1); other classes and other pools by latest start. A flooder's
           backlog therefore does not make an in-share tenant's request look infeasible.
         """
-        now = time.monotonic() if now is None else now
+        now = _now() if now is None else now
         free = self.device_set.free_times(now)
         queued = any(queue.queued for queue in self.device_set.queues)
         ahead = self._ahead(latest_start, flow, weight, cost_ms) if queued else []
@@ -325,11 +337,11 @@ class DispatchQueue:
         class_weight: float = 1.0,
         long: bool = False,
     ) -> Slot:
-        """Wait for a slot. ``latest_start`` (``time.monotonic()`` seconds: the deadline minus
+        """Wait for a slot. ``latest_start`` (event-loop seconds: the deadline minus
         the predicted execution) orders the flow and bounds the wait; weights set the class's
         and tenant's shares."""
         flow_key = (request_class, tenant)
-        now = time.monotonic()
+        now = _now()
         if not long:
             self.device_set.short_seen_at = now
         if self._free(request_class) > 0 and self.queued == 0:
@@ -348,7 +360,7 @@ class DispatchQueue:
         self._enqueue(waiter, weight, class_weight)
         self._wake_next()  # a slot may be free with only ineligible waiters ahead
         try:
-            timeout = latest_start - time.monotonic()
+            timeout = latest_start - _now()
             if timeout <= 0:
                 raise TimeoutError
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
@@ -486,7 +498,7 @@ class DispatchQueue:
         self._inflight.discard(slot)
         devices = self.device_set
         devices.bound.pop(slot, None)
-        devices.free_times(time.monotonic(), replan=True)
+        devices.free_times(_now(), replan=True)
         # A device freed by long work goes to waiting long work first (rule 7: short work has
         # its lane; without this, shorts with nearer latest starts would take every device a
         # long request frees, and queued long work would start later than predicted).
@@ -507,7 +519,7 @@ class DispatchQueue:
 
     def _wake_next(self, *, prefer_long: bool = False) -> None:
         while self._free(CONTROL_CLASS) > 0:
-            now = time.monotonic()
+            now = _now()
             devices = self.device_set
             long_ok = len(devices.bound) < devices.devices and devices.long_bound() < devices.long_cap(now)
             waiter = self._next_waiter(long_ok=long_ok, prefer_long=prefer_long and long_ok)

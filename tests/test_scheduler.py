@@ -3,69 +3,73 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from gateway.errors import DeadlineExpired, ResourceExhausted
 from gateway.scheduler import DeviceSet, DispatchQueue, Slot
+from tests.virtual_time import now, virtual_time
 
 
+@virtual_time
 async def test_waiters_are_served_least_slack_first() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=10)
-    now = time.monotonic()
-    holder = await queue.acquire(latest_start=now + 10, cost_ms=5)
+    t0 = now()
+    holder = await queue.acquire(latest_start=t0 + 10, cost_ms=5)
     order: list[str] = []
 
     async def wait(name: str, latest_start: float) -> None:
-        slot = await queue.acquire(latest_start=now + latest_start, cost_ms=1)
+        slot = await queue.acquire(latest_start=t0 + latest_start, cost_ms=1)
         order.append(name)
         slot.release()
 
     tasks = [asyncio.create_task(wait(n, d)) for n, d in (("late", 9), ("early", 2), ("mid", 5))]
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)
     assert queue.queued == 3
-    assert queue.predicted_wait_ms(time.monotonic()) > 0
+    assert queue.predicted_wait_ms(now()) > 0
     holder.release()
     await asyncio.gather(*tasks)
     assert order == ["early", "mid", "late"]
     assert (queue.inflight, queue.queued, queue.queued_ms) == (0, 0, 0.0)
 
 
+@virtual_time
 async def test_queue_is_bounded() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=1)
-    now = time.monotonic()
-    held = await queue.acquire(latest_start=now + 5, cost_ms=1)
-    waiting = asyncio.create_task(queue.acquire(latest_start=now + 5, cost_ms=1))
-    await asyncio.sleep(0.01)
+    t0 = now()
+    held = await queue.acquire(latest_start=t0 + 5, cost_ms=1)
+    waiting = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=1))
+    await asyncio.sleep(0)
     with pytest.raises(ResourceExhausted) as full:
-        await queue.acquire(latest_start=now + 5, cost_ms=1)
+        await queue.acquire(latest_start=t0 + 5, cost_ms=1)
     assert full.value.rule == "queue.full"
     held.release()
     (await waiting).release()
 
 
+@virtual_time
 async def test_latest_start_bounds_the_wait_and_leaves_nothing_behind() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=4)
-    now = time.monotonic()
-    held = await queue.acquire(latest_start=now + 5, cost_ms=1)
+    t0 = now()
+    held = await queue.acquire(latest_start=t0 + 5, cost_ms=1)
     with pytest.raises(DeadlineExpired):
-        await queue.acquire(latest_start=now + 0.05, cost_ms=1)
+        await queue.acquire(latest_start=t0 + 0.05, cost_ms=1)
     assert queue.queued == 0
     held.release()
     # The slot is free again for a new arrival: no stale waiter blocks it.
-    again = await queue.acquire(latest_start=time.monotonic() + 0.05, cost_ms=1)
+    again = await queue.acquire(latest_start=now() + 0.05, cost_ms=1)
     again.release()
     assert queue.inflight == 0
 
 
+@virtual_time
 async def test_cancelled_waiter_is_removed_and_slot_passes_on() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=4)
-    now = time.monotonic()
-    held = await queue.acquire(latest_start=now + 5, cost_ms=1)
-    cancelled = asyncio.create_task(queue.acquire(latest_start=now + 5, cost_ms=1))
-    patient = asyncio.create_task(queue.acquire(latest_start=now + 5, cost_ms=1))
-    await asyncio.sleep(0.01)
+    t0 = now()
+    held = await queue.acquire(latest_start=t0 + 5, cost_ms=1)
+    cancelled = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=1))
+    patient = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=1))
+    await asyncio.sleep(0)
     cancelled.cancel()
     await asyncio.sleep(0)
     held.release()
@@ -90,14 +94,15 @@ async def _drain(queue: DispatchQueue, waiters: list[asyncio.Task[object]], gran
     return order
 
 
+@virtual_time
 async def test_tenants_share_a_pool_by_weight_not_by_request_size() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=1000)
-    now = time.monotonic()
-    holder = await queue.acquire(latest_start=now + 60, cost_ms=1)
+    t0 = now()
+    holder = await queue.acquire(latest_start=t0 + 60, cost_ms=1)
 
     async def one(tenant: str, weight: float, cost: float) -> tuple[str, object]:
         slot = await queue.acquire(
-            latest_start=now + 60,
+            latest_start=t0 + 60,
             cost_ms=cost,
             request_class="interactive",
             tenant=tenant,
@@ -108,7 +113,7 @@ async def test_tenants_share_a_pool_by_weight_not_by_request_size() -> None:
     # "big" sends requests 4x the size of "small"'s; weights are 2 : 1.
     tasks: list[asyncio.Task[object]] = [asyncio.create_task(one("big", 2.0, 40.0)) for _ in range(60)]
     tasks += [asyncio.create_task(one("small", 1.0, 10.0)) for _ in range(200)]
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)
     holder.release()
     order = await _drain(queue, tasks, 120)
     granted = {t: queue.granted_ms.get(("interactive", t), 0.0) for t in ("big", "small")}
@@ -120,14 +125,15 @@ async def test_tenants_share_a_pool_by_weight_not_by_request_size() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@virtual_time
 async def test_large_job_is_not_starved_by_a_stream_of_small_ones() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=1000)
-    now = time.monotonic()
-    holder = await queue.acquire(latest_start=now + 60, cost_ms=1)
+    t0 = now()
+    holder = await queue.acquire(latest_start=t0 + 60, cost_ms=1)
 
     async def one(tenant: str, cost: float, deadline_s: float) -> tuple[str, object]:
         slot = await queue.acquire(
-            latest_start=now + deadline_s,
+            latest_start=t0 + deadline_s,
             cost_ms=cost,
             request_class="interactive",
             tenant=tenant,
@@ -137,7 +143,7 @@ async def test_large_job_is_not_starved_by_a_stream_of_small_ones() -> None:
     # The large job has the latest start and 20x the cost; the other tenant floods.
     tasks: list[asyncio.Task[object]] = [asyncio.create_task(one("flood", 5.0, 1.0)) for _ in range(300)]
     tasks.append(asyncio.create_task(one("large", 100.0, 59.0)))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)
     holder.release()
     order = await _drain(queue, tasks, 40)
     assert "large" in order  # served within 40 turns, not after all 300 small ones
@@ -146,15 +152,16 @@ async def test_large_job_is_not_starved_by_a_stream_of_small_ones() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@virtual_time
 async def test_control_slice_is_reserved() -> None:
     queue = DispatchQueue("q", devices=2, slots=2, max_queued=10, reserved_control=1)
-    now = time.monotonic()
-    first = await queue.acquire(latest_start=now + 5, cost_ms=1, request_class="interactive")
+    t0 = now()
+    first = await queue.acquire(latest_start=t0 + 5, cost_ms=1, request_class="interactive")
     # The last slot is control's: ordinary work waits (here: until its latest start) ...
     with pytest.raises(DeadlineExpired):
-        await queue.acquire(latest_start=time.monotonic() + 0.05, cost_ms=1, request_class="batch")
+        await queue.acquire(latest_start=now() + 0.05, cost_ms=1, request_class="batch")
     # ... control work gets it at once.
-    control = await queue.acquire(latest_start=now + 5, cost_ms=1, request_class="control")
+    control = await queue.acquire(latest_start=t0 + 5, cost_ms=1, request_class="control")
     control.release()
     first.release()
     assert queue.inflight == 0 and queue.queued == 0
@@ -163,155 +170,163 @@ async def test_control_slice_is_reserved() -> None:
 # -------------------------------------------------------------- binding ahead (rule 6)
 
 
+@virtual_time
 async def test_work_is_bound_ahead_only_when_it_starts_in_time() -> None:
     """Two devices busy with long work and two free dispatch slots: a short request whose
     latest start comes before either device frees waits here, not in the backend's queue,
     and binds the moment a device frees."""
     queue = DispatchQueue("q", devices=2, slots=4, max_queued=10)
-    now = time.monotonic()
-    longs = [await queue.acquire(latest_start=now + 60, cost_ms=10_000) for _ in range(2)]
-    short = asyncio.create_task(queue.acquire(latest_start=now + 5, cost_ms=10))
-    await asyncio.sleep(0.02)
+    t0 = now()
+    longs = [await queue.acquire(latest_start=t0 + 60, cost_ms=10_000) for _ in range(2)]
+    short = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=10))
+    await asyncio.sleep(0)
     assert not short.done(), "bound behind 10 s of work although its latest start is 5 s away"
     assert (queue.inflight, queue.queued) == (2, 1) and queue.held_back >= 1
     longs[0].release()  # a device frees: the short one starts on it at once
     slot = await asyncio.wait_for(short, 1)
-    assert slot.predicted_start <= time.monotonic()
+    assert slot.predicted_start <= now()
     slot.release()
     longs[1].release()
 
 
+@virtual_time
 async def test_binding_ahead_predicts_the_start_from_the_devices_work() -> None:
     """One device busy for ~50 ms: a request with room binds ahead into the second slot,
     predicted to start when the device frees; a new arrival's predicted wait counts both."""
     queue = DispatchQueue("q", devices=1, slots=2, max_queued=10)
-    now = time.monotonic()
-    running = await queue.acquire(latest_start=now + 5, cost_ms=50)
-    ahead = await queue.acquire(latest_start=now + 5, cost_ms=30)
-    assert ahead.predicted_start == pytest.approx(running.predicted_start + 0.05, abs=0.005)
-    assert queue.predicted_wait_ms(time.monotonic()) == pytest.approx(80, abs=10)
+    t0 = now()
+    running = await queue.acquire(latest_start=t0 + 5, cost_ms=50)
+    ahead = await queue.acquire(latest_start=t0 + 5, cost_ms=30)
+    assert ahead.predicted_start == pytest.approx(running.predicted_start + 0.05, abs=1e-9)
+    assert queue.predicted_wait_ms(now()) == pytest.approx(80)
     running.release()  # early: the bound-ahead work starts now, not at its predicted time
-    assert ahead.predicted_start <= time.monotonic()
-    assert queue.predicted_wait_ms(time.monotonic()) == pytest.approx(30, abs=10)
+    assert ahead.predicted_start <= now()
+    assert queue.predicted_wait_ms(now()) == pytest.approx(30)
     ahead.release()
-    assert queue.predicted_wait_ms(time.monotonic()) == 0.0
+    assert queue.predicted_wait_ms(now()) == 0.0
 
 
+@virtual_time
 async def test_one_request_at_a_time_waits_in_the_backends_queue() -> None:
     """Unstarted work already bound ahead: the next request is not bound behind it (Triton
     would co-batch the two when the device frees, and the first would finish with the
     whole padded batch, later than predicted)."""
     queue = DispatchQueue("q", devices=1, slots=3, max_queued=10)
-    now = time.monotonic()
-    running = await queue.acquire(latest_start=now + 60, cost_ms=20)
-    bound_ahead = await queue.acquire(latest_start=now + 60, cost_ms=200)
-    third = asyncio.create_task(queue.acquire(latest_start=now + 60, cost_ms=20))
-    await asyncio.sleep(0.02)
+    t0 = now()
+    running = await queue.acquire(latest_start=t0 + 60, cost_ms=20)
+    bound_ahead = await queue.acquire(latest_start=t0 + 60, cost_ms=200)
+    third = asyncio.create_task(queue.acquire(latest_start=t0 + 60, cost_ms=20))
+    await asyncio.sleep(0)
     assert not third.done(), "bound into the backend's queue beside unstarted work"
     running.release()  # the bound-ahead request starts on the device; the third may queue behind it
     slot = await asyncio.wait_for(third, 1)
-    assert slot.predicted_start == pytest.approx(bound_ahead.predicted_start + 0.2, abs=0.01)
+    assert slot.predicted_start == pytest.approx(bound_ahead.predicted_start + 0.2, abs=1e-9)
     slot.release()
     bound_ahead.release()
 
 
+@virtual_time
 async def test_predicted_wait_counts_earlier_latest_starts_only() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=10)
-    now = time.monotonic()
-    holder = await queue.acquire(latest_start=now + 60, cost_ms=100)
-    late = asyncio.create_task(queue.acquire(latest_start=now + 30, cost_ms=500))
-    await asyncio.sleep(0.01)
-    t = time.monotonic()
-    assert queue.predicted_wait_ms(t, latest_start=now + 1) < 150  # goes before the 500 ms
-    assert queue.predicted_wait_ms(t, latest_start=now + 40) > 500
+    t0 = now()
+    holder = await queue.acquire(latest_start=t0 + 60, cost_ms=100)
+    late = asyncio.create_task(queue.acquire(latest_start=t0 + 30, cost_ms=500))
+    await asyncio.sleep(0)
+    t = now()
+    assert queue.predicted_wait_ms(t, latest_start=t0 + 1) < 150  # goes before the 500 ms
+    assert queue.predicted_wait_ms(t, latest_start=t0 + 40) > 500
     assert queue.predicted_wait_ms(t) > 500
     holder.release()
     (await late).release()
 
 
+@virtual_time
 async def test_pools_on_shared_devices_see_each_others_work() -> None:
     """The fallback placed on the primary's device: its queue counts the primary's work,
     holds a request that would start too late, and wakes when the primary's slot frees."""
     devices = DeviceSet(1)
     primary = DispatchQueue("full", devices=1, slots=2, max_queued=10, device_set=devices)
     fallback = DispatchQueue("compact", devices=1, slots=2, max_queued=10, device_set=devices)
-    now = time.monotonic()
-    running = await primary.acquire(latest_start=now + 60, cost_ms=5_000)
-    assert fallback.predicted_wait_ms(time.monotonic()) > 4_000
-    waiting = asyncio.create_task(fallback.acquire(latest_start=now + 2, cost_ms=10))
-    await asyncio.sleep(0.02)
+    t0 = now()
+    running = await primary.acquire(latest_start=t0 + 60, cost_ms=5_000)
+    assert fallback.predicted_wait_ms(now()) > 4_000
+    waiting = asyncio.create_task(fallback.acquire(latest_start=t0 + 2, cost_ms=10))
+    await asyncio.sleep(0)
     assert not waiting.done(), "bound onto a device the other pool holds for 5 s"
     running.release()
     slot = await asyncio.wait_for(waiting, 1)
-    assert slot.predicted_start <= time.monotonic()
+    assert slot.predicted_start <= now()
     slot.release()
-    assert fallback.predicted_wait_ms(time.monotonic()) == 0.0
+    assert fallback.predicted_wait_ms(now()) == 0.0
 
 
+@virtual_time
 async def test_a_freed_shared_device_goes_to_the_most_urgent_pool() -> None:
     """Two pools on one shared device, each with a waiter: when the primary's slot frees,
     the fallback's waiter with the earlier latest start gets the device, not the primary's own."""
     devices = DeviceSet(1)
     primary = DispatchQueue("full", devices=1, slots=1, max_queued=10, device_set=devices)
     fallback = DispatchQueue("compact", devices=1, slots=1, max_queued=10, device_set=devices)
-    now = time.monotonic()
-    running = await primary.acquire(latest_start=now + 60, cost_ms=5_000)
-    relaxed = asyncio.create_task(primary.acquire(latest_start=now + 30, cost_ms=10))
-    urgent = asyncio.create_task(fallback.acquire(latest_start=now + 2, cost_ms=10))
-    await asyncio.sleep(0.02)
-    t = time.monotonic()
-    with_urgent = primary.predicted_wait_ms(t, latest_start=now + 10)
-    bound_only = primary.predicted_wait_ms(t, latest_start=now + 1)
+    t0 = now()
+    running = await primary.acquire(latest_start=t0 + 60, cost_ms=5_000)
+    relaxed = asyncio.create_task(primary.acquire(latest_start=t0 + 30, cost_ms=10))
+    urgent = asyncio.create_task(fallback.acquire(latest_start=t0 + 2, cost_ms=10))
+    await asyncio.sleep(0)
+    t = now()
+    with_urgent = primary.predicted_wait_ms(t, latest_start=t0 + 10)
+    bound_only = primary.predicted_wait_ms(t, latest_start=t0 + 1)
     assert bound_only > 4_000 and fallback.queued == 1
-    assert with_urgent - bound_only == pytest.approx(10, abs=1)  # the other pool's urgent waiter
+    assert with_urgent - bound_only == pytest.approx(10)  # the other pool's urgent waiter
     running.release()
     slot = await asyncio.wait_for(urgent, 1)
     behind = await asyncio.wait_for(relaxed, 1)  # bound ahead, behind the urgent one
-    assert slot.predicted_start <= time.monotonic() < behind.predicted_start
-    assert behind.predicted_start == pytest.approx(slot.predicted_start + 0.01, abs=0.002)
+    assert slot.predicted_start <= now() < behind.predicted_start
+    assert behind.predicted_start == pytest.approx(slot.predicted_start + 0.01, abs=1e-9)
     slot.release()
     behind.release()
 
 
+@virtual_time
 async def test_a_long_request_goes_before_short_ones_that_can_still_wait() -> None:
     """Least slack first: a long request near its latest start goes before short requests
     that arrived later with nearer deadlines but more slack (plain EDF would keep the long
     one waiting until its latest start had passed)."""
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=10)
-    now = time.monotonic()
-    holder = await queue.acquire(latest_start=now + 60, cost_ms=5)
+    t0 = now()
+    holder = await queue.acquire(latest_start=t0 + 60, cost_ms=5)
     order: list[str] = []
 
     async def wait(name: str, deadline_s: float, cost_ms: float) -> None:
-        slot = await queue.acquire(latest_start=now + deadline_s - cost_ms / 1000.0, cost_ms=cost_ms)
+        slot = await queue.acquire(latest_start=t0 + deadline_s - cost_ms / 1000.0, cost_ms=cost_ms)
         order.append(name)
         slot.release()
 
     # Deadline 0.5 s, 0.4 s of work: latest start 0.1 s. Shorts: deadline 0.2 s, 10 ms of work.
     tasks = [asyncio.create_task(wait("long", 0.5, 400.0))]
     tasks += [asyncio.create_task(wait(f"short{i}", 0.2, 10.0)) for i in range(3)]
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)
     holder.release()
     await asyncio.gather(*tasks)
     assert order[0] == "long"
 
 
+@virtual_time
 async def test_long_work_never_takes_the_short_lane() -> None:
     """Rule 7: with a one-device short lane, long requests hold at most 3 of 4 devices; a
     fourth long request waits for a long one to end while a short request starts at once."""
     queue = DispatchQueue("q", devices=4, slots=8, max_queued=10)
     queue.device_set.short_lane = 1
-    now = time.monotonic()
-    (await queue.acquire(latest_start=now + 10, cost_ms=28)).release()  # short work is about
-    longs = [await queue.acquire(latest_start=now + 10, cost_ms=200, long=True) for _ in range(3)]
+    t0 = now()
+    (await queue.acquire(latest_start=t0 + 10, cost_ms=28)).release()  # short work is about
+    longs = [await queue.acquire(latest_start=t0 + 10, cost_ms=200, long=True) for _ in range(3)]
     assert queue.device_set.long_bound() == 3
-    fourth = asyncio.create_task(queue.acquire(latest_start=now + 10, cost_ms=200, long=True))
+    fourth = asyncio.create_task(queue.acquire(latest_start=t0 + 10, cost_ms=200, long=True))
     await asyncio.sleep(0)  # let it reach the queue (a yield, not a wait)
     assert queue.queued == 1 and not fourth.done()
     # Its predicted start is when the first long request ends, not now (a device is free).
-    assert queue.predicted_wait_ms(time.monotonic(), cost_ms=200, long=True) > 150
-    assert queue.predicted_wait_ms(time.monotonic(), cost_ms=28) == 0.0
-    short = await queue.acquire(latest_start=now + 10, cost_ms=28)  # the lane is free: at once
+    assert queue.predicted_wait_ms(now(), cost_ms=200, long=True) > 150
+    assert queue.predicted_wait_ms(now(), cost_ms=28) == 0.0
+    short = await queue.acquire(latest_start=t0 + 10, cost_ms=28)  # the lane is free: at once
     assert queue.queued == 1 and not fourth.done()
     longs[0].release()  # a long device frees: the waiting long request takes it
     granted = await fourth
@@ -321,30 +336,32 @@ async def test_long_work_never_takes_the_short_lane() -> None:
     assert queue.inflight == 0 and queue.queued == 0
 
 
+@virtual_time
 async def test_without_short_work_the_lane_is_not_kept_idle() -> None:
     """The lane is kept only while short work asks for devices: long-only traffic uses all."""
     queue = DispatchQueue("q", devices=4, slots=8, max_queued=10)
     queue.device_set.short_lane = 1
-    now = time.monotonic()
-    longs = [await queue.acquire(latest_start=now + 10, cost_ms=200, long=True) for _ in range(4)]
+    t0 = now()
+    longs = [await queue.acquire(latest_start=t0 + 10, cost_ms=200, long=True) for _ in range(4)]
     assert queue.device_set.long_bound() == 4 and queue.queued == 0
     for slot in longs:
         slot.release()
 
 
+@virtual_time
 async def test_a_full_queue_makes_room_by_refusing_the_flooders_least_urgent_waiter() -> None:
     """Longest-queue drop: a tenant with less queued work per unit of weight is not refused
     because a flooder filled the queue; the flooder's least urgent waiter leaves instead."""
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=3)
-    now = time.monotonic()
-    held = await queue.acquire(latest_start=now + 10, cost_ms=10)
+    t0 = now()
+    held = await queue.acquire(latest_start=t0 + 10, cost_ms=10)
     flood = [
-        asyncio.create_task(queue.acquire(latest_start=now + 5 + i, cost_ms=10, tenant="lumen"))
+        asyncio.create_task(queue.acquire(latest_start=t0 + 5 + i, cost_ms=10, tenant="lumen"))
         for i in range(3)
     ]
     await asyncio.sleep(0)
     assert queue.queued == 3
-    mine = asyncio.create_task(queue.acquire(latest_start=now + 6, cost_ms=10, tenant="orchid", weight=2))
+    mine = asyncio.create_task(queue.acquire(latest_start=t0 + 6, cost_ms=10, tenant="orchid", weight=2))
     await asyncio.sleep(0)
     assert queue.queued == 3 and queue.pushed_out == 1
     with pytest.raises(ResourceExhausted) as pushed:
@@ -352,7 +369,7 @@ async def test_a_full_queue_makes_room_by_refusing_the_flooders_least_urgent_wai
     assert pushed.value.rule == "queue.full" and (pushed.value.retry_after_ms or 0) > 0
     # The flooder cannot push out the tenant with less queued work.
     with pytest.raises(ResourceExhausted):
-        await queue.acquire(latest_start=now + 5, cost_ms=10, tenant="lumen")
+        await queue.acquire(latest_start=t0 + 5, cost_ms=10, tenant="lumen")
     held.release()
     pending: set[asyncio.Task[Slot]] = {*flood[:2], mine}
     while pending:  # each granted in turn as the one before releases

@@ -1,0 +1,55 @@
+"""Virtual time for asyncio tests of the decision core.
+
+``VirtualTimeLoop`` is an event loop whose clock (``loop.time()``) starts at 0 and moves only
+when nothing is ready to run: it then jumps straight to the next scheduled timer. A timeout,
+``asyncio.sleep`` or ``wait_for`` deadline therefore fires after exactly its virtual duration,
+at once in wall time, and a test's timings are deterministic whatever the machine's load.
+Code under test must read ``loop.time()`` (the scheduler does), not ``time.monotonic()``.
+
+``@virtual_time`` turns an ``async def`` test into a plain test run on a fresh such loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self) -> None:
+        super().__init__()
+        self._virtual_now = 0.0
+
+    def time(self) -> float:
+        return self._virtual_now
+
+    def _run_once(self) -> None:
+        # Nothing ready: jump to the earliest live timer, so the selector is polled without
+        # waiting and that timer is due. (CPython's BaseEventLoop keeps ready callbacks in
+        # ``_ready`` and timers in the heap ``_scheduled``.)
+        ready: Any = self._ready
+        scheduled: Any = self._scheduled
+        if not ready:
+            due = [handle.when() for handle in scheduled if not handle.cancelled()]
+            if due:
+                self._virtual_now = max(self._virtual_now, min(due))
+        super()._run_once()  # type: ignore[misc]
+
+
+def virtual_time(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    @functools.wraps(test)
+    def run() -> None:
+        loop = VirtualTimeLoop()
+        try:
+            loop.run_until_complete(test())
+        finally:
+            loop.close()
+
+    return run
+
+
+def now() -> float:
+    """The running loop's (virtual) time."""
+    return asyncio.get_running_loop().time()
