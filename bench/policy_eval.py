@@ -33,11 +33,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gateway.core.record import RequestRecord
 from gateway.policy import PolicyContext, PolicySnapshot, load_policies
 from gateway.policy.engine import CompiledExpression, Engine, get_engine
 from gateway.policy.schema import FIELDS, flat_inputs
 from gateway.policy.suites import build_inputs
-from gateway.record import RequestRecord
 
 TARGET_P50_US = 50.0
 TARGET_P99_US = 200.0

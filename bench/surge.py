@@ -223,10 +223,10 @@ import yaml
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.local import LocalTriton
-from gateway.capacity import compute_worksheet, workload_from_data
 from gateway.config import load_routes
-from gateway.overload import DEFAULT_WINDOW_S as DEMAND_WINDOW_S
-from gateway.profile import DemandProfile
+from gateway.core.overload import DEFAULT_WINDOW_S as DEMAND_WINDOW_S
+from gateway.core.profile import DemandProfile
+from orchid_tools.capacity import compute_worksheet, workload_from_data
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "orchid"
@@ -616,7 +616,7 @@ def gateway_config(
 
 
 class GatewayProcess:
-    """``python -m gateway serve`` in its own process (its own core, its own GIL)."""
+    """``python -m orchid_tools serve`` in its own process (its own core, its own GIL)."""
 
     def __init__(self, config_path: Path, listen: str, log_path: Path, pythonpath: str | None) -> None:
         self.config_path = config_path

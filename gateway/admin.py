@@ -17,9 +17,10 @@ from typing import Any
 
 import grpc
 
-from gateway.errors import PermissionDenied
+from gateway.core.errors import PermissionDenied
 from gateway.pipeline import Gateway
 from gateway.protocol import peer_subjects
+from gateway.status import to_status
 
 PROTO_ROOT = Path(__file__).resolve().parent.parent / "proto"
 PROTO_FILE = "orchid/admin/v1/admin.proto"
@@ -46,9 +47,10 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):  # type: ignore[misc,n
             )
             if not tenant.config.admin:
                 raise PermissionDenied("this operation needs an admin credential")
-        except (PermissionDenied, Exception) as error:
-            status = getattr(error, "status", grpc.StatusCode.PERMISSION_DENIED)
-            await context.abort(status, getattr(error, "message", "not allowed"))
+        except Exception as error:  # a refusal keeps its status; a bug is INTERNAL, not hidden
+            status = to_status(error, where="admin")
+            context.set_trailing_metadata(status.trailing_metadata)
+            await context.abort(status.code, status.message)
 
     async def ReloadPolicies(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._authorize(context)

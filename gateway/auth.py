@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gateway.config import TenantConfig, TenantsFile, hash_api_key
-from gateway.errors import Unauthenticated
+from gateway.core.errors import Unauthenticated
 
 
 @dataclass(frozen=True, slots=True)

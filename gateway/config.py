@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.errors import ConfigError
-from gateway.overload import LadderConfig
-from gateway.profile import DemandProfile
-from gateway.quota import QuotaSettings
+from gateway.core.errors import ConfigError
+from gateway.core.overload import LadderConfig
+from gateway.core.profile import DemandProfile
+from gateway.core.quota import QuotaSettings
 
 _M = TypeVar("_M", bound=BaseModel)
 

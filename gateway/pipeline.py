@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,37 +20,28 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
-from gateway import admission
+from gateway import clock
 from gateway.auth import Tenant, TenantDirectory
 from gateway.backends.stats import PoolTiming, StatsSample, timing_between
 from gateway.backends.triton import ModelSpec, TritonBackend
 from gateway.config import GatewayConfig, RequestClassConfig, RouteConfig, RouteTable
-from gateway.errors import (
+from gateway.core import admission
+from gateway.core.errors import (
     DeadlineExpired,
     DeadlineInfeasible,
     GatewayError,
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    ResourceExhausted,
     Unavailable,
+    error_for_status,
 )
-from gateway.estimate import CorrectionKey, Estimator, charged_live_token_ms, predict
-from gateway.load import PoolLoad
-from gateway.overload import Shedder
-from gateway.overload import effects as overload_effects
-from gateway.policy.schema import (
-    BackendFacts,
-    LoadFacts,
-    PolicyContext,
-    QualityEvidence,
-    RouteFacts,
-    TenantFacts,
-)
-from gateway.policy.snapshot import PolicyResult
-from gateway.policy.store import PolicyStore
-from gateway.quota import QuotaLedger, QuotaView, Reservation
-from gateway.record import (
+from gateway.core.estimate import CorrectionKey, Estimator, charged_live_token_ms, predict
+from gateway.core.load import PoolLoad
+from gateway.core.overload import Shedder
+from gateway.core.overload import effects as overload_effects
+from gateway.core.quota import QuotaLedger, QuotaView, Reservation
+from gateway.core.record import (
     Approximation,
     Budget,
     Decision,
@@ -62,6 +52,16 @@ from gateway.record import (
     Shape,
     Verdict,
 )
+from gateway.policy.schema import (
+    BackendFacts,
+    LoadFacts,
+    PolicyContext,
+    QualityEvidence,
+    RouteFacts,
+    TenantFacts,
+)
+from gateway.policy.snapshot import PolicyResult
+from gateway.policy.store import PolicyStore
 from gateway.scheduler import DeviceSet, DispatchQueue, Slot
 from gateway.shape import (
     GATEWAY_OWNED_PARAMETERS,
@@ -74,14 +74,6 @@ from gateway.shape import (
 )
 
 log = logging.getLogger(__name__)
-
-_STATUS_ERRORS: dict[str, type[GatewayError]] = {
-    "DEADLINE_EXCEEDED": DeadlineInfeasible,
-    "PERMISSION_DENIED": PermissionDenied,
-    "INVALID_ARGUMENT": InvalidArgument,
-    "UNAVAILABLE": Unavailable,
-    "RESOURCE_EXHAUSTED": ResourceExhausted,
-}
 
 
 class GatewayListener:
@@ -134,7 +126,7 @@ class CallContext:
 
     metadata: tuple[tuple[str, str | bytes], ...]
     time_remaining_s: float | None  # the caller's gRPC deadline, None if it set none
-    received_at: float  # time.monotonic() when the call arrived
+    received_at: float  # clock.now() when the call arrived (the event loop clock)
     peer_subjects: tuple[str, ...] = ()  # verified client-certificate common names (mTLS)
 
 
@@ -270,7 +262,7 @@ class Gateway:
             except Unavailable:
                 continue
             queue = self.queue_for(name, spec)
-            wait = queue.predicted_wait_ms()
+            wait = queue.predicted_wait_ms(clock.now())
             if best is None or wait < best[0]:
                 best = (wait, handle, spec, queue)
         if best is None:
@@ -317,7 +309,7 @@ class Gateway:
             streaming=mode is Mode.STREAMING,
             input_bytes=payload_bytes(request),
         )
-        now = time.monotonic()
+        now = clock.now()
         deadline_ms = self._deadline_ms(call, request_class)
         identity = Identity(
             request_id=uuid.uuid4().hex,
@@ -429,7 +421,7 @@ class Gateway:
         if decision.verdict is Verdict.REJECT:
             if admissible or shed or decision.rules == (admission.DEFER_BATCH_RULE,):
                 load.offer(now, flow, offered_ms)
-            error_type = _STATUS_ERRORS.get(decision.status, PermissionDenied)
+            error_type = error_for_status(decision.status)
             rule = decision.rules[0] if decision.rules else None
             raise error_type(decision.message, rule=rule, retry_after_ms=decision.retry_after_ms)
         chosen = fallback_priced if decision.verdict is Verdict.FALLBACK and fallback_priced else priced
@@ -488,7 +480,7 @@ class Gateway:
             correction_key=chosen.correction_key,
             reservation=reservation,
             received_at=call.received_at,
-            admitted_at=time.monotonic(),
+            admitted_at=clock.now(),
         )
 
     def _price(
@@ -653,7 +645,7 @@ class Gateway:
     def _deadline_ms(self, call: CallContext, request_class: RequestClassConfig) -> float:
         if call.time_remaining_s is None:
             return request_class.default_deadline_ms
-        deadline_ms = call.time_remaining_s * 1000.0 + (time.monotonic() - call.received_at) * 1000.0
+        deadline_ms = call.time_remaining_s * 1000.0 + (clock.now() - call.received_at) * 1000.0
         if deadline_ms <= 0:
             raise DeadlineInfeasible(
                 "the call's deadline has already passed", rule="admission.deadline_passed"
@@ -689,9 +681,9 @@ class Gateway:
         try:
             slot = await self.acquire(admitted)
         except BaseException:  # never ran (queue full, too late, caller gone): refund all
-            self.quotas.release(admitted.reservation, now=time.monotonic())
+            self.quotas.release(admitted.reservation, now=clock.now())
             raise
-        started = time.monotonic()
+        started = clock.now()
         self._dispatched(admitted, dwell_ms=(started - call.received_at) * 1000.0, now=started)
         self.shadows.maybe_mirror(admitted, tenant)
         try:
@@ -702,11 +694,11 @@ class Gateway:
                 admitted.backend_request, timeout_s=timeout_s, logical=admitted.record.identity.model
             )
         except BaseException:  # it ran, at least partly: charge what it held
-            self.abandon(admitted, started=started, now=time.monotonic())
+            self.abandon(admitted, started=started, now=clock.now())
             raise
         finally:
             slot.release()
-        finished = time.monotonic()
+        finished = clock.now()
         settled = self.settle(
             admitted,
             queued_s=started - call.received_at,
@@ -887,14 +879,14 @@ class ShadowTraffic:
             if len(device_set.bound) >= device_set.devices:
                 self.skipped += 1
                 return
-            now = time.monotonic()
+            now = clock.now()
             slot = Slot(device_set.queues[0], admitted.record.demand.accelerator_ms, now, now)
             device_set.bound[slot] = None
         mirrored = service_pb2.ModelInferRequest()
         mirrored.CopyFrom(admitted.backend_request)
         mirrored.model_name = shadow.backend_model
         mirrored.model_version = ""
-        remaining_s = admitted.deadline_at - time.monotonic()
+        remaining_s = admitted.deadline_at - clock.now()
         if remaining_s <= 0:
             if slot is not None:
                 slot.release()
@@ -1017,7 +1009,7 @@ class _StreamSession:
             for task in (*self.pumps, *self.dispatches):
                 task.cancel()
             await asyncio.gather(reader, *self.pumps, *self.dispatches, return_exceptions=True)
-            now = time.monotonic()
+            now = clock.now()
             for entry in self.pending.values():
                 entry.release()
                 self.gateway.abandon(entry.admitted, started=entry.started, now=now)
@@ -1039,7 +1031,7 @@ class _StreamSession:
         client_id = ""
         # Each request on a stream is its own arrival: its budget starts now, not when the
         # stream opened; the stream's own deadline (if any) still bounds it.
-        arrived = time.monotonic()
+        arrived = clock.now()
         remaining = self.call.time_remaining_s
         call = dataclasses.replace(
             self.call,
@@ -1063,7 +1055,7 @@ class _StreamSession:
         task.add_done_callback(self.dispatches.discard)
 
     async def _fail(self, error: GatewayError, client_id: str) -> None:
-        self.gateway.listener.failed(error.status.name, error.rule or "")
+        self.gateway.listener.failed(error.status, error.rule or "")
         await self.out.put(stream_error(error, client_id))
 
     async def _dispatch(self, entry: _StreamRequest) -> None:
@@ -1071,12 +1063,12 @@ class _StreamSession:
         try:
             entry.slot = await self.gateway.acquire(admitted)
         except BaseException as error:
-            self.gateway.abandon(admitted, started=None, now=time.monotonic())
+            self.gateway.abandon(admitted, started=None, now=clock.now())
             if isinstance(error, GatewayError):
                 await self._fail(error, entry.client_id)
                 return
             raise
-        entry.started = time.monotonic()
+        entry.started = clock.now()
         self.gateway._dispatched(
             admitted, dwell_ms=(entry.started - entry.arrived) * 1000.0, now=entry.started
         )
@@ -1111,7 +1103,7 @@ class _StreamSession:
                 if entry.admitted.backend is backend:
                     del self.pending[internal_id]
                     entry.release()
-                    self.gateway.abandon(entry.admitted, started=entry.started, now=time.monotonic())
+                    self.gateway.abandon(entry.admitted, started=entry.started, now=clock.now())
                     await self._fail(error, entry.client_id)
         finally:
             call.cancel()
@@ -1125,7 +1117,7 @@ class _StreamSession:
         if reply.error_message:
             del self.pending[response.id]
             entry.release()
-            self.gateway.abandon(admitted, started=entry.started, now=time.monotonic())
+            self.gateway.abandon(admitted, started=entry.started, now=clock.now())
             logical = admitted.record.identity.model
             detail = reply.error_message.replace(admitted.route.backend_model, logical)
             error = InvalidArgument(f"model {logical!r}: {detail}")
@@ -1133,7 +1125,7 @@ class _StreamSession:
             return
         final = _flag_response(response, "triton_final_response")
         has_output = len(response.outputs) > 0
-        now = time.monotonic()
+        now = clock.now()
         if has_output:
             entry.tokens += 1
             if entry.first_result is None:
@@ -1169,7 +1161,7 @@ def _flag_response(response: service_pb2.ModelInferResponse, name: str) -> bool:
 
 
 def stream_error(error: GatewayError, client_id: str) -> service_pb2.ModelStreamInferResponse:
-    reply = service_pb2.ModelStreamInferResponse(error_message=f"{error.status.name}: {error.message}")
+    reply = service_pb2.ModelStreamInferResponse(error_message=f"{error.status}: {error.message}")
     reply.infer_response.id = client_id
     for key, value in error.trailing_metadata():
         reply.infer_response.parameters[key].string_param = value

@@ -11,17 +11,23 @@ shared memory, trace and log settings) are refused for non-admin credentials.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2
 
-from gateway import __version__
+from gateway import __version__, clock
 from gateway.auth import Tenant
-from gateway.errors import GatewayError, Internal, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from gateway.core.errors import (
+    GatewayError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from gateway.pipeline import CallContext, Gateway, GatewayListener
+from gateway.status import to_status
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +46,16 @@ def _call_context(context: grpc.aio.ServicerContext) -> CallContext:
     return CallContext(
         metadata=tuple(context.invocation_metadata() or ()),
         time_remaining_s=remaining if remaining is not None else None,
-        received_at=time.monotonic(),
+        received_at=clock.now(),
         peer_subjects=peer_subjects(context),
     )
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: GatewayError, listener: GatewayListener) -> None:
-    listener.failed(error.status.name, error.rule or "")
-    context.set_trailing_metadata(error.trailing_metadata())
-    await context.abort(error.status, error.message)
+async def _abort(context: grpc.aio.ServicerContext, error: BaseException, listener: GatewayListener) -> None:
+    status = to_status(error, where="inference")
+    listener.failed(status.code.name, status.rule)
+    context.set_trailing_metadata(status.trailing_metadata)
+    await context.abort(status.code, status.message)
 
 
 def _unary(
@@ -58,14 +65,8 @@ def _unary(
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await handler(request, context)
-        except GatewayError as error:
+        except Exception as error:  # domain errors, untranslated backend errors, bugs
             await _abort(context, error, listener)
-        except grpc.aio.AioRpcError as error:  # a backend call we did not translate
-            log.warning("backend error on %s: %s", handler.__name__, error.code())
-            await _abort(context, Unavailable("backend unavailable"), listener)
-        except Exception:
-            log.exception("internal error in %s", handler.__name__)
-            await _abort(context, Internal("internal gateway error"), listener)
         return None  # unreachable: abort raises
 
     wrapped.__name__ = handler.__name__

@@ -1,330 +1,52 @@
-"""Gateway-side queues with late binding and hierarchical fair shares.
+"""Waiting for a dispatch slot on the event loop: the driver of ``gateway.core.dispatch``.
 
-One ``DispatchQueue`` per (backend, backend model) pool. A request waits here
-and binds to the backend only when one of the pool's in-flight slots frees.
-Slots are ``devices x max_inflight_per_device``: enough to keep every device
-busy, few enough that Triton's own queue stays short and the gateway keeps
-control of order.
-
-Rules (everything that decides who goes next lives here):
-
-1. **Hierarchical shares.** Waiting work is grouped into flows: request class,
-   then tenant within class. When a slot frees, the class with the least
-   virtual time goes first, then, inside it, the tenant with the least virtual
-   time; each grant advances the chosen class's and tenant's virtual time by
-   ``cost_ms / weight`` (start-time fair queuing). Under contention each
-   tenant receives accelerator-ms in proportion to its weight, whatever the
-   size of its requests; a flow that wakes up starts at the current virtual
-   time, so idleness banks no credit.
-2. **Least slack first inside a flow**: earliest latest-start (deadline minus
-   predicted execution) first, FIFO among equals. Plain earliest-deadline-first
-   would keep a long request behind every short one that arrives with a nearer
-   deadline until its own latest start had passed; ordering by latest start
-   gives it its turn while it can still finish.
-3. **No starvation.** A large job's flow is charged by its cost, so it waits
-   while its virtual time is ahead, but every other flow's time advances with
-   each grant: its turn comes after a bounded amount of others' work (aging
-   by virtual time). ``max_consecutive`` additionally caps how many grants in
-   a row one tenant may take while others wait.
-4. **A reserved slice for control traffic.** With ``reserved_control`` > 0 the
-   last free slot(s) go only to the ``control`` class (recovery and health
-   work must not queue behind a flood).
-5. **Bounded.** At most ``max_queued`` waiters; more is RESOURCE_EXHAUSTED
-   with a retry-after from the predicted wait. A waiter that cannot start
-   before its latest feasible start leaves with ``DeadlineExpired`` instead of
-   running late; a cancelled waiter leaves at once and holds nothing.
-6. **Bind ahead one request at a time, and only when it starts in time.** The
-   slots beyond one per device bind work into the backend's own queue (Triton
-   runs it FIFO on the first instance to free), which hides the round trip
-   between two requests. The queue list-schedules the work it has bound over
-   the pool's devices to predict when a device frees. Work is bound ahead
-   only if that predicted start is before its latest start, and only when
-   nothing bound earlier is still waiting in the backend's queue: two waiting
-   there would be co-batched when an instance frees, the first one then
-   finishing with the whole (padded) batch, later than predicted. Otherwise
-   the waiter stays here, where a deadline can still reorder it, until a
-   device frees: a short request is never stuck in Triton's queue behind a
-   long one.
-
-7. **A short lane.** Long-bucket work (inputs over the route's ``long_input_tokens``) holds
-   at most ``devices - short_lane`` devices of a device set at once (at least one), and is
-   bound only onto a device free now, never ahead into the backend's queue (there it would
-   take whichever device frees first). Short work may use every device. A burst of long
-   requests therefore never leaves a short one behind them all: the seed's "dispatch the
-   long input separately". A long request's predicted start counts the lane too. The lane
-   is kept only while short work has asked for a device in the last SHORT_LANE_IDLE_S:
-   long-only traffic uses every device.
-
-Several pools can run on the same devices (a fallback model placed beside the
-primary on each accelerator): their queues then share one ``DeviceSet``, which
-list-schedules the work of all of them, so one pool's prediction counts the
-other's work and a device freed by either wakes both.
-
-The queue also answers the admission question "when would this start?" by the
-same list scheduling: the work bound to the backend, then the queued work with
-an earlier deadline, over the pool's devices.
+The core's ``DispatchQueue`` decides who gets a device and when; this module does the
+waiting. ``DispatchQueue.acquire`` asks the core for a slot at ``clock.now()``; when it
+must wait, it parks an asyncio future on the core's ``Waiter`` and sleeps until the core
+grants it a slot or refuses it, or until its latest start passes (then it withdraws the
+waiter and answers DEADLINE_EXCEEDED, rule ``queue.latest_start``). After every call into
+the core it resolves the futures of the waiters the core changed. Releasing a slot is a
+call into the core at ``clock.now()`` too. Live this is the monotonic clock; in the
+simulator and the core's tests it is a virtual one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
-import math
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from gateway.errors import DeadlineExpired, ResourceExhausted
+from gateway import clock
+from gateway.core import dispatch
+from gateway.core.dispatch import CONTROL_CLASS, DeviceSet, Waiter
+from gateway.core.errors import DeadlineExpired
 
-CONTROL_CLASS = "control"
+__all__ = ["CONTROL_CLASS", "DeviceSet", "DispatchQueue", "Slot"]
 
 
-def _now() -> float:
-    """The event loop's clock (``time.monotonic()`` for asyncio's own loops, so the request
-    path's timestamps agree with it; virtual time in the core's tests), or the monotonic
-    clock outside a loop."""
-    try:
-        return asyncio.get_running_loop().time()
-    except RuntimeError:
-        return time.monotonic()
+class Slot(dispatch.Slot):
+    """A core slot released on the event loop's clock."""
+
+    def release(self, now: float | None = None) -> None:
+        super().release(clock.now() if now is None else now)
+        _settle(self.queue.device_set)
 
 
-# The short lane is kept only while short work has asked for a device this recently: a few
-# short requests' worth of time at the seed's rates (140 short/s), so a lull between two short
-# arrivals does not hand the lane to a long request that would then hold it for ~470 ms.
-SHORT_LANE_IDLE_S = 1.0
+def _settle(devices: DeviceSet) -> None:
+    """Resolve the futures of the waiters the core granted or refused."""
+    for waiter in devices.take_changes():
+        future: asyncio.Future[dispatch.Slot] | None = waiter.token
+        if future is None or future.done():
+            continue
+        if waiter.slot is not None:
+            future.set_result(waiter.slot)
+        elif waiter.refused is not None:
+            future.set_exception(waiter.refused)
 
 
-@dataclass(order=True)
-class _Waiter:
-    latest_start: float  # deadline minus predicted execution: the order inside a flow
-    seq: int
-    cost_ms: float = field(compare=False)
-    future: asyncio.Future[Slot] = field(compare=False)
-    flow: tuple[str, str] = field(compare=False, default=("", ""))
-    live: bool = field(compare=False, default=True)
-    long: bool = field(compare=False, default=False)
+class DispatchQueue(dispatch.DispatchQueue):
+    """The core queue, with an awaitable ``acquire``."""
 
-
-@dataclass(eq=False)
-class Slot:
-    """Permission to run one request on the pool: held from binding to the backend until done."""
-
-    queue: DispatchQueue
-    cost_ms: float
-    started_at: float  # bound to the backend
-    predicted_start: float  # when a device is predicted to start it (later if bound ahead)
-    released: bool = False
-    long: bool = False  # long-bucket work: never on the short lane
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.queue._release(self)
-
-
-class DeviceSet:
-    """The devices one or more pools run on, and the work bound to them (in binding order)."""
-
-    def __init__(self, devices: int, short_lane: int = 0) -> None:
-        self.devices = max(1, devices)
-        self.bound: dict[Slot, None] = {}
-        self.queues: list[DispatchQueue] = []
-        self.short_lane = short_lane  # devices long work never occupies (rule 7)
-        self.short_seen_at = -math.inf  # when short work last asked for a device
-
-    def long_cap(self, now: float) -> int:
-        """How many devices long work may hold at once: all but the short lane (at least one)
-        while short work has asked for a device within SHORT_LANE_IDLE_S; all of them when
-        there is no short work to keep the lane for (the lane is not left idle for nobody)."""
-        if now - self.short_seen_at > SHORT_LANE_IDLE_S:
-            return self.devices
-        return max(1, self.devices - max(0, self.short_lane))
-
-    def long_bound(self) -> int:
-        return sum(1 for slot in self.bound if slot.long)
-
-    def long_start(self, now: float, ahead_ms: Sequence[float] = ()) -> float:
-        """When a new long request may start, by the short lane alone: list scheduling over the
-        ``long_cap(now)`` devices long work may hold, of the long work bound now and then the queued
-        long work ahead of it (``ahead_ms``). Work that overran its prediction ends now
-        (corrected at release)."""
-        cap = self.long_cap(now)
-        free = [now] * cap
-        ends = sorted(
-            max(now, slot.predicted_start + slot.cost_ms / 1000.0) for slot in self.bound if slot.long
-        )
-        for end in ends[-cap:]:
-            heapq.heapreplace(free, end)
-        for cost_ms in ahead_ms:
-            heapq.heappush(free, heapq.heappop(free) + cost_ms / 1000.0)
-        return free[0]
-
-    def free_times(self, now: float, *, replan: bool = False) -> list[float]:
-        """A heap of the times each device is predicted to finish the work bound to it:
-        list scheduling in binding order (Triton's queue is FIFO over the instances), each
-        slot's remaining work from its predicted start. Work that overran its prediction is
-        taken to end now (optimistic, and corrected at release).
-
-        ``replan`` (a device just freed, perhaps earlier or later than predicted): work
-        still waiting in the backend's queue starts when the next device frees, so its
-        predicted start moves there."""
-        free = [now] * self.devices
-        for slot in self.bound:
-            device_free = heapq.heappop(free)
-            if replan and slot.predicted_start > now:
-                slot.predicted_start = device_free
-            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
-            heapq.heappush(free, device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0)
-        return free
-
-    def bind_start(self, now: float, latest_start: float, *, long: bool = False) -> float | None:
-        """When work bound now would start on a device, or None if it must not be bound yet:
-        every device is busy and either it would start after ``latest_start`` or work bound
-        earlier is still waiting in the backend's queue (the two would be co-batched). Long
-        work binds only onto a device free now, and only while the short lane stays free: in
-        the backend's queue it would take whichever device frees first, the lane's included."""
-        if long:
-            free_now = len(self.bound) < self.devices and self.long_bound() < self.long_cap(now)
-            return now if free_now else None
-        if len(self.bound) < self.devices:
-            return now
-        # One request at most waits in the backend's queue: by prediction (a bound slot not
-        # yet started) and in fact (more slots held than devices: work that overran its
-        # prediction still holds its device, whatever the list schedule says).
-        if len(self.bound) > self.devices or any(s.predicted_start > now for s in self.bound):
-            return None
-        start = self.free_times(now)[0]
-        return start if start <= latest_start else None
-
-
-@dataclass
-class _Flow:
-    heap: list[_Waiter] = field(default_factory=list)
-    vtime: float = 0.0
-    weight: float = 1.0
-    live: int = 0
-
-
-class DispatchQueue:
-    def __init__(
-        self,
-        name: str,
-        *,
-        devices: int,
-        slots: int,
-        max_queued: int,
-        reserved_control: int = 0,
-        max_consecutive: int = 8,
-        device_set: DeviceSet | None = None,
-    ) -> None:
-        self.name = name
-        self.devices = max(1, devices)
-        self.device_set = device_set or DeviceSet(self.devices)
-        self.device_set.queues.append(self)
-        self.slots = max(1, slots)
-        self.max_queued = max_queued
-        # Never reserve every slot: ordinary work must always be able to run.
-        self.reserved_control = min(max(0, reserved_control), self.slots - 1)
-        self.max_consecutive = max(1, max_consecutive)
-        self._seq = itertools.count()
-        self._inflight: set[Slot] = set()
-        self._classes: dict[str, _Flow] = {}  # class -> its virtual time and weight (heap unused)
-        self._flows: dict[tuple[str, str], _Flow] = {}
-        self._last_tenant: tuple[str, str] | None = None
-        self._consecutive = 0
-        self.granted_ms: dict[tuple[str, str], float] = {}  # accelerator-ms granted per flow
-        self.queued_ms = 0.0
-        self.queued = 0
-        self.held_back = 0  # times a waiter was kept here rather than bound behind busy devices
-        self.pushed_out = 0  # waiters refused to make room for a flow with less queued work
-
-    @property
-    def inflight(self) -> int:
-        return len(self._inflight)
-
-    def inflight_remaining_ms(self, now: float) -> float:
-        """Predicted work still to execute in the pool's slots (bound to the backend)."""
-        return sum(max(0.0, s.cost_ms - max(0.0, now - s.predicted_start) * 1000.0) for s in self._inflight)
-
-    def predicted_wait_ms(
-        self,
-        now: float | None = None,
-        *,
-        latest_start: float | None = None,
-        flow: tuple[str, str] | None = None,
-        weight: float = 1.0,
-        cost_ms: float = 0.0,
-        long: bool = False,
-    ) -> float:
-        """How long a new arrival would wait for a device: the work bound to the backend,
-        then the queued work that goes before it, list-scheduled over the pool's devices. On
-        shared devices that includes the other pools' waiters (a freed device goes to the most
-        urgent). What goes before it:
-
-        * without ``flow``: every waiter with an earlier latest start (all of them when
-          ``latest_start`` is None);
-        * with ``flow`` (class, tenant): its own flow's waiters with an earlier latest start;
-          of another tenant's flow in the same class, only the work fair queuing grants it
-          before this request (until that flow's virtual time reaches the one this request
-          will finish at: rule 1); other classes and other pools by latest start. A flooder's
-          backlog therefore does not make an in-share tenant's request look infeasible.
-        """
-        now = _now() if now is None else now
-        free = self.device_set.free_times(now)
-        queued = any(queue.queued for queue in self.device_set.queues)
-        ahead = self._ahead(latest_start, flow, weight, cost_ms) if queued else []
-        # Queued long work beyond what the short lane lets start takes no device here (it
-        # waits for a long device: rule 7).
-        long_room = self.device_set.long_cap(now) - self.device_set.long_bound()
-        for _, cost, is_long in ahead:
-            if is_long:
-                if long_room <= 0:
-                    continue
-                long_room -= 1
-            heapq.heappush(free, heapq.heappop(free) + cost / 1000.0)
-        start = free[0]
-        if long:  # and not before a long device frees, whatever the short lane holds
-            longs_ahead = [cost for _, cost, is_long in ahead if is_long]
-            start = max(start, self.device_set.long_start(now, longs_ahead))
-        return max(0.0, (start - now) * 1000.0)
-
-    def _ahead(
-        self, latest_start: float | None, flow: tuple[str, str] | None, weight: float, cost_ms: float
-    ) -> list[tuple[float, float, bool]]:
-        def earlier(w: _Waiter) -> bool:
-            return w.live and (latest_start is None or w.latest_start <= latest_start)
-
-        ahead: list[tuple[float, float, bool]] = []
-        fair: list[tuple[_Flow, list[_Waiter]]] = []
-        for queue in self.device_set.queues:
-            for key, f in queue._flows.items():
-                if not f.live:
-                    continue
-                if flow is not None and queue is self and key[0] == flow[0] and key != flow:
-                    fair.append((f, sorted(w for w in f.heap if w.live)))
-                else:
-                    ahead.extend((w.latest_start, w.cost_ms, w.long) for w in f.heap if earlier(w))
-        if fair and flow is not None:
-            own = self._flows.get(flow)
-            siblings = {k: f for k, f in self._flows.items() if k[0] == flow[0]}
-            start_vtime = self._active_vtime(siblings)
-            if own is not None and own.live:
-                start_vtime = own.vtime
-            elif own is not None:
-                start_vtime = max(own.vtime, start_vtime)
-            own_ms = sum(w.cost_ms for w in (own.heap if own is not None else ()) if earlier(w))
-            finish_vtime = start_vtime + (own_ms + cost_ms) / max(weight, 1e-9)
-            for other, waiters in fair:
-                allowance = max(0.0, finish_vtime - other.vtime) * max(other.weight, 1e-9)
-                for w in waiters:
-                    if allowance <= 0.0:
-                        break
-                    ahead.append((w.latest_start, w.cost_ms, w.long))
-                    allowance -= w.cost_ms
-        ahead.sort()
-        return ahead
+    def _make_slot(self, cost_ms: float, now: float, start: float, *, long: bool) -> dispatch.Slot:
+        return Slot(self, cost_ms, now, start, long=long)
 
     async def acquire(
         self,
@@ -337,202 +59,43 @@ class DispatchQueue:
         class_weight: float = 1.0,
         long: bool = False,
     ) -> Slot:
-        """Wait for a slot. ``latest_start`` (event-loop seconds: the deadline minus
-        the predicted execution) orders the flow and bounds the wait; weights set the class's
-        and tenant's shares."""
-        flow_key = (request_class, tenant)
-        now = _now()
-        if not long:
-            self.device_set.short_seen_at = now
-        if self._free(request_class) > 0 and self.queued == 0:
-            start = self.device_set.bind_start(now, latest_start, long=long)
-            if start is not None:
-                self._charge(flow_key, cost_ms, weight, class_weight)
-                return self._grant(cost_ms, now, start, long=long)
-        if self.queued >= self.max_queued and not self._push_out(flow_key, cost_ms, weight):
-            raise ResourceExhausted(
-                "the model's queue is full",
-                rule="queue.full",
-                retry_after_ms=max(1, int(self.predicted_wait_ms())),
-            )
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(latest_start, next(self._seq), cost_ms, loop.create_future(), flow_key, long=long)
-        self._enqueue(waiter, weight, class_weight)
-        self._wake_next()  # a slot may be free with only ineligible waiters ahead
+        """Wait for a slot; ``latest_start`` is in event-loop seconds."""
         try:
-            timeout = latest_start - _now()
-            if timeout <= 0:
+            granted = self.request(
+                clock.now(),
+                latest_start=latest_start,
+                cost_ms=cost_ms,
+                request_class=request_class,
+                tenant=tenant,
+                weight=weight,
+                class_weight=class_weight,
+                long=long,
+            )
+        finally:
+            _settle(self.device_set)  # waiters pushed out to make room
+        if isinstance(granted, Slot):
+            return granted
+        assert isinstance(granted, Waiter)
+        waiter = granted
+        future: asyncio.Future[dispatch.Slot] = asyncio.get_running_loop().create_future()
+        waiter.token = future
+        if waiter.slot is not None:  # granted within the request call itself
+            future.set_result(waiter.slot)
+        try:
+            timeout = latest_start - clock.now()
+            if timeout <= 0 and not future.done():
                 raise TimeoutError
-            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+            slot = await asyncio.wait_for(asyncio.shield(future), max(timeout, 0.0))
+            assert isinstance(slot, Slot)
+            return slot
         except (TimeoutError, asyncio.CancelledError) as exc:
-            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                waiter.future.result().release()  # granted in the same instant we gave up: pass it on
-            waiter.future.cancel()
-            self._forget(waiter)
-            self._wake_next()  # a waiter held behind this one may fit now
+            late = self.withdraw(waiter, clock.now())
+            if late is not None:
+                late.release(clock.now())  # granted in the same instant we gave up: pass it on
+            _settle(self.device_set)
+            future.cancel()
             if isinstance(exc, TimeoutError):
                 raise DeadlineExpired(
                     "the request could not start before its deadline", rule="queue.latest_start"
                 ) from None
             raise
-
-    # ------------------------------------------------------------------ flows
-
-    def _push_out(self, flow_key: tuple[str, str], cost_ms: float, weight: float) -> bool:
-        """The queue is full: make room for a newcomer by refusing the least urgent waiter of
-        the flow with the most queued work per unit of weight, if that is another flow with
-        more than the newcomer's would then be (longest-queue drop, as in fair queuing: a
-        flooder fills the queue only with its own backlog, never at an in-share tenant's
-        expense). The refused waiter leaves with RESOURCE_EXHAUSTED and a retry-after, as
-        if it had met a full queue on arrival."""
-        backlog: dict[tuple[str, str], float] = {}
-        for key, f in self._flows.items():
-            if f.live:
-                backlog[key] = sum(w.cost_ms for w in f.heap if w.live) / max(f.weight, 1e-9)
-        if not backlog:
-            return False
-        victim_key = max(backlog, key=lambda k: backlog[k])
-        mine = backlog.get(flow_key, 0.0) + cost_ms / max(weight, 1e-9)
-        if victim_key == flow_key or backlog[victim_key] <= mine:
-            return False
-        victim = max((w for w in self._flows[victim_key].heap if w.live), key=lambda w: w.latest_start)
-        self._forget(victim)
-        if not victim.future.done():
-            victim.future.set_exception(
-                ResourceExhausted(
-                    "the model's queue is full: this tenant holds more than its share of it",
-                    rule="queue.full",
-                    retry_after_ms=max(1, int(self.predicted_wait_ms())),
-                )
-            )
-        self.pushed_out += 1
-        return True
-
-    def _active_vtime(self, table: dict[str, _Flow] | dict[tuple[str, str], _Flow]) -> float:
-        active = [f.vtime for f in table.values() if f.live > 0]
-        return min(active) if active else 0.0
-
-    def _enqueue(self, waiter: _Waiter, weight: float, class_weight: float) -> None:
-        request_class, _ = waiter.flow
-        cls = self._classes.get(request_class)
-        if cls is None:
-            cls = self._classes[request_class] = _Flow()
-        if cls.live == 0:  # waking up: start at the current virtual time, bank no credit
-            cls.vtime = max(cls.vtime, self._active_vtime(self._classes))
-        cls.weight = class_weight
-        cls.live += 1
-        flow = self._flows.get(waiter.flow)
-        if flow is None:
-            flow = self._flows[waiter.flow] = _Flow()
-        if flow.live == 0:
-            siblings = {k: f for k, f in self._flows.items() if k[0] == request_class}
-            flow.vtime = max(flow.vtime, self._active_vtime(siblings))
-        flow.weight = weight
-        flow.live += 1
-        heapq.heappush(flow.heap, waiter)
-        self.queued += 1
-        self.queued_ms += waiter.cost_ms
-
-    def _forget(self, waiter: _Waiter) -> None:
-        if waiter.live:
-            waiter.live = False
-            self.queued -= 1
-            self.queued_ms = max(0.0, self.queued_ms - waiter.cost_ms)
-            self._flows[waiter.flow].live -= 1
-            self._classes[waiter.flow[0]].live -= 1
-
-    def _charge(self, flow_key: tuple[str, str], cost_ms: float, weight: float, class_weight: float) -> None:
-        cls = self._classes.setdefault(flow_key[0], _Flow())
-        flow = self._flows.setdefault(flow_key, _Flow())
-        cls.vtime += cost_ms / max(class_weight, 1e-9)
-        flow.vtime += cost_ms / max(weight, 1e-9)
-        self.granted_ms[flow_key] = self.granted_ms.get(flow_key, 0.0) + cost_ms
-        if flow_key == self._last_tenant:
-            self._consecutive += 1
-        else:
-            self._last_tenant, self._consecutive = flow_key, 1
-
-    def _next_waiter(self, *, long_ok: bool = True, prefer_long: bool = False) -> _Waiter | None:
-        """The waiter to wake: least-virtual-time class, then tenant, then earliest latest start;
-        without ``long_ok`` (no device long work may take now) a flow's earliest short waiter;
-        with ``prefer_long`` (a long request's device just freed) its earliest long waiter."""
-        free_for_ordinary = self._free("") > 0
-        classes = sorted(
-            (f.vtime, name)
-            for name, f in self._classes.items()
-            if f.live > 0 and (free_for_ordinary or name == CONTROL_CLASS)
-        )
-        for _, name in classes:
-            flows = sorted((f.vtime, key) for key, f in self._flows.items() if key[0] == name and f.live > 0)
-            if (
-                len(flows) > 1
-                and flows[0][1] == self._last_tenant
-                and self._consecutive >= self.max_consecutive
-            ):
-                flows = flows[1:] + flows[:1]  # turn cap: someone else goes first
-            for _, key in flows:
-                heap = self._flows[key].heap
-                while heap and not heap[0].live:
-                    heapq.heappop(heap)
-                if heap and prefer_long and not heap[0].long:
-                    waiting_long = [w for w in heap if w.live and w.long]
-                    if waiting_long:
-                        return min(waiting_long)
-                if heap and (long_ok or not heap[0].long):
-                    return heap[0]
-                if heap:
-                    short = [w for w in heap if w.live and not w.long]
-                    if short:
-                        return min(short)
-        return None
-
-    # ------------------------------------------------------------------ slots
-
-    def _grant(self, cost_ms: float, now: float, start: float, *, long: bool = False) -> Slot:
-        slot = Slot(self, cost_ms, now, start, long=long)
-        self._inflight.add(slot)
-        self.device_set.bound[slot] = None
-        return slot
-
-    def _release(self, slot: Slot) -> None:
-        self._inflight.discard(slot)
-        devices = self.device_set
-        devices.bound.pop(slot, None)
-        devices.free_times(_now(), replan=True)
-        # A device freed by long work goes to waiting long work first (rule 7: short work has
-        # its lane; without this, shorts with nearer latest starts would take every device a
-        # long request frees, and queued long work would start later than predicted).
-        if len(devices.queues) == 1:
-            self._wake_next(prefer_long=slot.long)
-            return
-        # A device freed: the pool whose next waiter must start soonest goes first.
-        for queue in sorted(devices.queues, key=DispatchQueue._head_latest_start):
-            queue._wake_next(prefer_long=slot.long)
-
-    def _head_latest_start(self) -> float:
-        waiter = self._next_waiter() if self.queued else None
-        return waiter.latest_start if waiter is not None else math.inf
-
-    def _free(self, request_class: str) -> int:
-        free = self.slots - len(self._inflight)
-        return free if request_class == CONTROL_CLASS else free - self.reserved_control
-
-    def _wake_next(self, *, prefer_long: bool = False) -> None:
-        while self._free(CONTROL_CLASS) > 0:
-            now = _now()
-            devices = self.device_set
-            long_ok = len(devices.bound) < devices.devices and devices.long_bound() < devices.long_cap(now)
-            waiter = self._next_waiter(long_ok=long_ok, prefer_long=prefer_long and long_ok)
-            prefer_long = False  # only for the device that just freed
-            if waiter is None:
-                return
-            start = devices.bind_start(now, waiter.latest_start, long=waiter.long)
-            if start is None:
-                # Held: bound now, it would wait in the backend's queue past its latest start
-                # or be co-batched with work already waiting there. A device freeing wakes it.
-                self.held_back += 1
-                return
-            self._forget(waiter)  # leaves its heap lazily (it need not be the head)
-            flow = self._flows[waiter.flow]
-            self._charge(waiter.flow, waiter.cost_ms, flow.weight, self._classes[waiter.flow[0]].weight)
-            waiter.future.set_result(self._grant(waiter.cost_ms, now, start, long=waiter.long))

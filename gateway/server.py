@@ -17,7 +17,6 @@ import logging
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from gateway import admin
+from gateway import admin, clock
 from gateway.auth import TenantDirectory
 from gateway.backends.local import LocalTriton, TritonStartError
 from gateway.backends.triton import TritonBackend
@@ -39,7 +38,7 @@ from gateway.config import (
     load_routes,
     load_tenants,
 )
-from gateway.errors import ConfigError
+from gateway.core.errors import ConfigError
 from gateway.pipeline import BackendHandle, Gateway
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.diagnostics import PolicyLoadError
@@ -72,7 +71,7 @@ class GatewayServer:
         while True:
             await asyncio.sleep(interval_s)
             if self.gateway is not None:
-                self.gateway.update_ladders(time.monotonic())
+                self.gateway.update_ladders(clock.now())
 
     async def _sample_statistics(self, interval_s: float = 1.0) -> None:
         while True:

@@ -24,8 +24,8 @@ from tritonclient.grpc import service_pb2
 
 from gateway.backends.triton import ModelSpec
 from gateway.config import ShapeSpec
-from gateway.errors import InvalidArgument
-from gateway.record import Shape
+from gateway.core.errors import InvalidArgument
+from gateway.core.record import Shape
 
 DTYPE_BYTES: dict[str, int] = {
     "BOOL": 1,

@@ -31,10 +31,10 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.config import TelemetryConfig
+from gateway.core.record import Decision, RequestRecord, Verdict
 from gateway.pipeline import GatewayListener, Settled, StageTimes
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.snapshot import PolicyResult
-from gateway.record import Decision, RequestRecord, Verdict
 
 log = logging.getLogger("orchid.telemetry")
 

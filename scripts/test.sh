@@ -5,9 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 export PATH="$PWD/.venv/bin:$PATH"
-ruff check gateway tests bench
-ruff format --check gateway tests bench
+ruff check gateway orchid_tools tests bench
+ruff format --check gateway orchid_tools tests bench
 mypy
+# Import contracts (pyproject [tool.importlinter]): the decision core imports no asyncio,
+# grpc, time or runtime module; the runtime never imports the tools.
+lint-imports
 # The whole suite, scenario tests marked slow included (plain `pytest` skips those for a fast
 # inner loop). pytest exits 5 when it collects nothing: that is a failure here too (set -e).
 pytest -m "slow or not slow" "$@"

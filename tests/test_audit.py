@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway import audit as audit_module
-from gateway.audit import Audit, Severity, ShareLevel, audit_isolation
-from gateway.cli import main
 from gateway.config import hash_api_key
 from gateway.pipeline import Gateway
+from orchid_tools import audit as audit_module
+from orchid_tools.audit import Audit, Severity, ShareLevel, audit_isolation
+from orchid_tools.cli import main
 from tests.conftest import EXAMPLE_CONFIG, MODEL_REPOSITORY, ROOT
 
 Edit = Callable[[dict[str, Any]], None]

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway import cli
-from gateway.capacity import Worksheet, compute_worksheet, load_workload, workload_from_data
-from gateway.errors import ConfigError
+from gateway.core.errors import ConfigError
+from orchid_tools import cli
+from orchid_tools.capacity import Worksheet, compute_worksheet, load_workload, workload_from_data
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "examples" / "orchid" / "workload.yaml"

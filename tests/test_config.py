@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
 from gateway.config import load_gateway_config, load_routes, load_tenants
-from gateway.errors import ConfigError
+from gateway.core.errors import ConfigError
+from orchid_tools.cli import main
 from tests.conftest import EXAMPLE_CONFIG, ROOT
 
 HEAD = "tenants_file: t.yaml\nroutes_dir: r\npolicies_dir: p\n"

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.admission import AdmissionContext, Candidate, decide, wants_fallback_pass
 from gateway.backends.triton import InputSpec, ModelSpec
 from gateway.config import ShapeSpec
-from gateway.errors import InvalidArgument
-from gateway.estimate import predict
-from gateway.overload import effects
+from gateway.core.admission import AdmissionContext, Candidate, decide, wants_fallback_pass
+from gateway.core.errors import InvalidArgument
+from gateway.core.estimate import predict
+from gateway.core.overload import effects
+from gateway.core.profile import DemandProfile, batch_accelerator_ms, padding
+from gateway.core.record import Approximation, Budget, Demand, Identity, Mode, RequestRecord, Shape, Verdict
 from gateway.policy.snapshot import PolicyResult
-from gateway.profile import DemandProfile, batch_accelerator_ms, padding
-from gateway.record import Approximation, Budget, Demand, Identity, Mode, RequestRecord, Shape, Verdict
 from gateway.shape import RequestHints, extract_shape, read_hints, validate_tensors
 
 FULL = DemandProfile(fixed_ms=4.4, prefill_ms_per_token=0.1, decode_ms_per_token=0.41875)

@@ -18,9 +18,9 @@ import pytest
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from gateway import cli, demo
 from gateway.config import load_gateway_config
-from gateway.demo import OK, Outcome, Scenario, WorkloadResult, WorkloadSettings
+from orchid_tools import cli, demo
+from orchid_tools.demo import OK, Outcome, Scenario, WorkloadResult, WorkloadSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIG = ROOT / "examples" / "orchid" / "gateway.yaml"

@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from gateway.backends.local import LocalTriton
-from gateway.estimate import CorrectionKey, Estimator
+from gateway.core.estimate import CorrectionKey, Estimator
 from tests.conftest import ORCHID_KEY, ROOT, ThreadedGateway, bearer, gateway_config
 
 # Within this many requests the prediction is within CONVERGED of the observed cost.

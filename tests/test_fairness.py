@@ -13,7 +13,7 @@ import yaml
 from tritonclient.grpc import InferInput
 
 from gateway.backends.local import LocalTriton
-from gateway.overload import LadderConfig
+from gateway.core.overload import LadderConfig
 from tests.conftest import LUMEN_KEY, ORCHID_KEY, ROOT, ThreadedGateway, bearer, gateway_config
 
 TOLERANCE = 0.20  # relative, on the 2 : 1 ratio; the machine is shared and noisy

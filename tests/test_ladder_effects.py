@@ -19,7 +19,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from gateway.backends.local import LocalTriton
-from gateway.overload import FlowDemand, LadderState, LadderStep, LoadEvidence, plan_flows
+from gateway.core.overload import FlowDemand, LadderState, LadderStep, LoadEvidence, plan_flows
 from tests.conftest import ORCHID_KEY, TIME_FACTOR, ThreadedGateway, gateway_config
 
 AUTH = (("authorization", f"Bearer {ORCHID_KEY}"),)

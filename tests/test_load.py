@@ -16,8 +16,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from gateway.load import SATURATED, FlowLoad, PoolLoad
-from gateway.overload import (
+from gateway.core.dispatch import CONTROL_CLASS, DispatchQueue
+from gateway.core.load import SATURATED, FlowLoad, PoolLoad
+from gateway.core.overload import (
     DEFAULT_LADDER,
     PLAN_Z,
     LadderConfig,
@@ -25,7 +26,6 @@ from gateway.overload import (
     certain_rate,
     protected_capacity_ms_per_s,
 )
-from gateway.scheduler import CONTROL_CLASS, DispatchQueue
 
 SEED_DEVICES = 24
 SEED_CAPACITY = 16_800.0  # 24 devices x 0.70 x 1000 ms/s protected

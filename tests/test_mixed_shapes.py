@@ -15,7 +15,7 @@ import numpy as np
 import tritonclient.grpc.aio as aioclient
 from tritonclient.grpc import InferInput
 
-from gateway.profile import DemandProfile, batch_accelerator_ms, padding
+from gateway.core.profile import DemandProfile, batch_accelerator_ms, padding
 from tests.conftest import OPS_KEY, TIME_FACTOR, ThreadedGateway, bearer
 
 FULL = DemandProfile(fixed_ms=4.4, prefill_ms_per_token=0.1, decode_ms_per_token=0.41875)

@@ -39,8 +39,8 @@ from tritonclient.grpc import service_pb2
 
 from gateway.backends.local import LocalTriton
 from gateway.config import load_routes
-from gateway.overload import LadderConfig
-from gateway.profile import DemandProfile
+from gateway.core.overload import LadderConfig
+from gateway.core.profile import DemandProfile
 from tests.conftest import EXAMPLE_CONFIG, LUMEN_KEY, ORCHID_KEY, ROOT, TIME_FACTOR
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"

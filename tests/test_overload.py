@@ -11,7 +11,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from gateway.overload import (
+from gateway.core.overload import (
     DEFAULT_LADDER,
     DEFAULT_SPANS_S,
     EFFECTS,

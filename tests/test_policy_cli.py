@@ -1,4 +1,4 @@
-"""``orchid-gateway policy lint|test|explain`` through ``gateway.cli.main``: output and exit codes."""
+"""``orchid-gateway policy lint|test|explain`` through ``orchid_tools.cli.main``: output and exit codes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from orchid_tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

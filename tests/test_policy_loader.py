@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.errors import ConfigError
+from gateway.core.errors import ConfigError
 from gateway.policy import analysis
 from gateway.policy.diagnostics import Diagnostic, PolicyLoadError
 from gateway.policy.loader import compile_policies, content_hash, load_policies

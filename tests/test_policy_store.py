@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from gateway.errors import Unavailable
+from gateway.core.errors import Unavailable
 from gateway.policy import metrics
 from gateway.policy.store import PolicyStore
 from gateway.policy.suites import build_inputs

@@ -87,7 +87,7 @@ def test_prediction_is_the_profile_price_times_learned_correction(
     # times what the estimator has learned from observed work so far.
     import time
 
-    from gateway.estimate import CorrectionKey
+    from gateway.core.estimate import CorrectionKey
 
     gw = gateway.server.gateway
     assert gw is not None

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from pydantic import ValidationError
 
-from gateway.errors import PermissionDenied, ResourceExhausted
-from gateway.quota import (
+from gateway.core.errors import PermissionDenied, ResourceExhausted
+from gateway.core.quota import (
     POOL_TENANT,
     RULE_ACCELERATOR_MS,
     RULE_CONCURRENCY,
@@ -30,7 +30,7 @@ from gateway.quota import (
     QuotaSettings,
     Reservation,
 )
-from gateway.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
+from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 
 
 def single(**config: Any) -> QuotaLedger:

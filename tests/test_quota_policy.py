@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
-from gateway.errors import ResourceExhausted
+from gateway.core.errors import ResourceExhausted
+from gateway.core.record import Mode
 from gateway.pipeline import CallContext
-from gateway.record import Mode
 from tests.conftest import ORCHID_KEY, ThreadedGateway
 
 

@@ -6,9 +6,12 @@ import asyncio
 
 import pytest
 
-from gateway.errors import DeadlineExpired, ResourceExhausted
+from gateway.core.dispatch import DispatchQueue as CoreQueue
+from gateway.core.dispatch import Slot as CoreSlot
+from gateway.core.dispatch import Waiter
+from gateway.core.errors import DeadlineExpired, ResourceExhausted
 from gateway.scheduler import DeviceSet, DispatchQueue, Slot
-from tests.virtual_time import now, virtual_time
+from orchid_tools.virtual_time import now, virtual_time
 
 
 @virtual_time
@@ -377,3 +380,50 @@ async def test_a_full_queue_makes_room_by_refusing_the_flooders_least_urgent_wai
         for task in done:
             task.result().release()
     assert queue.inflight == 0 and queue.queued == 0
+
+
+# ---------------------------------------------------------------- the core, driven by hand
+# ``gateway.core.dispatch`` is a state machine: no event loop, no clock. These drive it
+# directly with explicit times, as the simulator's and the runtime's drivers do.
+
+
+def test_core_grants_at_once_then_queues_and_grants_on_release() -> None:
+    queue = CoreQueue("q", devices=1, slots=1, max_queued=10)
+    first = queue.request(0.0, latest_start=1.0, cost_ms=100)
+    assert isinstance(first, CoreSlot) and first.started_at == 0.0
+    second = queue.request(0.01, latest_start=1.0, cost_ms=100)
+    assert isinstance(second, Waiter) and second.slot is None
+    assert queue.device_set.take_changes() == []
+    first.release(0.1)
+    assert queue.device_set.take_changes() == [second]
+    assert second.slot is not None and second.slot.started_at == 0.1
+    assert queue.queued == 0
+
+
+def test_core_withdrawn_waiter_holds_nothing_and_a_late_grant_is_returned() -> None:
+    queue = CoreQueue("q", devices=1, slots=1, max_queued=10)
+    holder = queue.request(0.0, latest_start=1.0, cost_ms=100)
+    assert isinstance(holder, CoreSlot)
+    gone = queue.request(0.0, latest_start=0.05, cost_ms=10)
+    kept = queue.request(0.0, latest_start=1.0, cost_ms=10)
+    assert isinstance(gone, Waiter) and isinstance(kept, Waiter)
+    assert queue.withdraw(gone, 0.05) is None  # its latest start passed: it leaves, holding nothing
+    holder.release(0.1)
+    assert queue.device_set.take_changes() == [kept]  # the withdrawn one is never granted
+    # Granted in the same instant its driver gave up: withdraw hands the slot back to release.
+    assert kept.slot is not None
+    assert queue.withdraw(kept, 0.1) is kept.slot
+
+
+def test_core_full_queue_refuses_the_flooders_least_urgent_waiter() -> None:
+    queue = CoreQueue("q", devices=1, slots=1, max_queued=2)
+    assert isinstance(queue.request(0.0, latest_start=9.0, cost_ms=10), CoreSlot)
+    early = queue.request(0.0, latest_start=5.0, cost_ms=10, tenant="lumen")
+    late = queue.request(0.0, latest_start=6.0, cost_ms=10, tenant="lumen")
+    mine = queue.request(0.0, latest_start=5.5, cost_ms=10, tenant="orchid")
+    assert isinstance(mine, Waiter) and isinstance(late, Waiter) and isinstance(early, Waiter)
+    assert queue.device_set.take_changes() == [late]
+    assert late.refused is not None and late.refused.rule == "queue.full"
+    assert early.refused is None and queue.pushed_out == 1
+    with pytest.raises(ResourceExhausted):  # lumen now holds no more than orchid: plain full
+        queue.request(0.0, latest_start=7.0, cost_ms=10, tenant="lumen")

@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from gateway.errors import (
+from gateway import clock
+from gateway.core.errors import (
     Cancelled,
     DeadlineExpired,
     GatewayError,
@@ -118,7 +118,7 @@ class TritonBackend:
             self._ready_models.clear()
         self.healthy = healthy
         if healthy:
-            self.healthy_at = time.monotonic()
+            self.healthy_at = clock.now()
             for model in list(self.watched_models):
                 await self.model_ready(model)
         return healthy

@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     except PolicyLoadError as exc:
         print(render_all(exc.diagnostics))
         return 1
-    explanation = snapshot.explain(record, context)
+    explanation = snapshot.explain(record, context, timer=time.perf_counter_ns)
     if args.json:
         inputs = activation(record, context)
         print(json.dumps(explanation_json(snapshot, explanation, inputs), indent=2, ensure_ascii=False))

@@ -1,7 +1,7 @@
 """``orchid-gateway policy lint PATH``: parse and type-check a policy set.
 
 Prints every problem as ``file:line:col: message`` with the offending line and
-a caret, or a one-line summary of the compiled set. Exit codes (``gateway.cli``):
+a caret, or a one-line summary of the compiled set. Exit codes (``orchid_tools.cli``):
 0 the set compiles, 1 it does not, 2 usage error (PATH missing).
 """
 

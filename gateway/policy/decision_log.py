@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from gateway.core.record import RequestRecord
 from gateway.policy.snapshot import PolicyResult
-from gateway.record import RequestRecord
 
 # Why: an error text is for an operator to recognise the failure, not a dump.
 MAX_ERROR_CHARS = 200

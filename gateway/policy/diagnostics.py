@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gateway.errors import ConfigError
+from gateway.core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from gateway.record import RequestRecord
+from gateway.core.record import RequestRecord
 
 
 class Origin(StrEnum):

@@ -2,8 +2,9 @@
 
 This module owns ``PolicySnapshot.evaluate``: the one place that decides what a
 policy set says about one request, and ``PolicyResult``, what it says. It is
-pure: no I/O, no metrics, no logging; the only clock read is the
-``perf_counter_ns`` pair that measures ``eval_us``.
+pure: no I/O, no metrics, no logging, no clock. ``eval_us`` is measured only
+when the caller hands in a ``timer`` (the runtime's ``PolicyStore`` passes
+``time.perf_counter_ns``); otherwise it is 0.
 
 Theory of operation (the stage table is in ``model``):
 
@@ -31,20 +32,15 @@ must carry.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import (
-    DeadlineInfeasible,
+from gateway.core.errors import (
     GatewayError,
-    Internal,
-    InvalidArgument,
-    PermissionDenied,
-    ResourceExhausted,
-    Unavailable,
+    error_for_status,
 )
+from gateway.core.record import RequestRecord
 from gateway.policy import schema
 from gateway.policy.engine import CompiledExpression, Engine, EvaluationError
 from gateway.policy.model import (
@@ -58,16 +54,6 @@ from gateway.policy.model import (
     Variable,
 )
 from gateway.policy.schema import BackendFacts, PolicyContext
-from gateway.record import RequestRecord
-
-_STATUS_ERRORS: Mapping[str, type[GatewayError]] = {
-    "PERMISSION_DENIED": PermissionDenied,
-    "RESOURCE_EXHAUSTED": ResourceExhausted,
-    "DEADLINE_EXCEEDED": DeadlineInfeasible,
-    "INVALID_ARGUMENT": InvalidArgument,
-    "UNAVAILABLE": Unavailable,
-    "INTERNAL": Internal,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +129,7 @@ class PolicyResult:
         """The domain error a denial maps to (``None`` when allowed)."""
         if self.allowed:
             return None
-        error_class = _STATUS_ERRORS.get(self.status, Internal)
+        error_class = error_for_status(self.status)
         return error_class(self.message, rule=self.rule or None, retry_after_ms=self.retry_after_ms)
 
 
@@ -399,14 +385,18 @@ class PolicySnapshot:
 
     # -- evaluation ----------------------------------------------------------
 
-    def evaluate(self, record: RequestRecord, context: PolicyContext) -> PolicyResult:
+    def evaluate(
+        self, record: RequestRecord, context: PolicyContext, *, timer: Callable[[], int] | None = None
+    ) -> PolicyResult:
         """Decide one request. Pure; safe to call concurrently."""
-        return self._run(record, context, None)
+        return self._run(record, context, None, timer)
 
-    def explain(self, record: RequestRecord, context: PolicyContext) -> Explanation:
+    def explain(
+        self, record: RequestRecord, context: PolicyContext, *, timer: Callable[[], int] | None = None
+    ) -> Explanation:
         """``evaluate`` plus every rule's inputs, result and error (always one rule at a time)."""
         trace = _Trace()
-        result = self._run(record, context, trace)
+        result = self._run(record, context, trace, timer)
         return Explanation(result, tuple(trace.variables), tuple(trace.rules))
 
     def _run_plan(
@@ -440,8 +430,14 @@ class PolicySnapshot:
             inputs[f"variables.{name}"] = values[name]
         return conditions, routing
 
-    def _run(self, record: RequestRecord, context: PolicyContext, trace: _Trace | None) -> PolicyResult:
-        started = time.perf_counter_ns()
+    def _run(
+        self,
+        record: RequestRecord,
+        context: PolicyContext,
+        trace: _Trace | None,
+        timer: Callable[[], int] | None,
+    ) -> PolicyResult:
+        started = timer() if timer is not None else 0
         inputs: dict[str, Any] = {path: read(record, context) for path, read in self._readers}
 
         conditions: list[bool] | None = None
@@ -574,7 +570,7 @@ class PolicySnapshot:
         elif trace is not None:
             trace.rules.extend(_skipped(rule, denial.rule) for rule in self._stages[Stage.ROUTING])
 
-        eval_us = (time.perf_counter_ns() - started) / 1000.0
+        eval_us = (timer() - started) / 1000.0 if timer is not None else 0.0
         if denial is not None:
             return PolicyResult(
                 policy_version=self._version,

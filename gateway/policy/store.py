@@ -21,17 +21,18 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.errors import Unavailable
+from gateway.core.errors import Unavailable
+from gateway.core.record import RequestRecord
 from gateway.policy.diagnostics import Diagnostic, PolicyLoadError
 from gateway.policy.engine import DEFAULT_ENGINE, Engine
 from gateway.policy.loader import compile_policies, content_hash, directory_hash, read_policy_dir
 from gateway.policy.metrics import POLICY_EVAL_SECONDS, POLICY_FAIL_OPEN, POLICY_RELOADS, POLICY_RULE_ERRORS
 from gateway.policy.schema import PolicyContext
 from gateway.policy.snapshot import PolicyResult, PolicySnapshot
-from gateway.record import RequestRecord
 
 LOG = logging.getLogger("gateway.policy")
 
@@ -106,7 +107,7 @@ class PolicyStore:
 
     def evaluate(self, record: RequestRecord, context: PolicyContext) -> PolicyResult:
         """Evaluate with the live snapshot and record latency, errors and fail-open in metrics."""
-        result = self.current().evaluate(record, context)
+        result = self.current().evaluate(record, context, timer=time.perf_counter_ns)
         POLICY_EVAL_SECONDS.observe(result.eval_us / 1e6)
         for error in result.errors:
             POLICY_RULE_ERRORS.labels(error.rule).inc()

@@ -49,6 +49,7 @@ from typing import Any
 
 from yaml.nodes import MappingNode, Node
 
+from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 from gateway.policy import schema
 from gateway.policy.diagnostics import Diagnostic, PolicyLoadError
 from gateway.policy.model import SourceRef
@@ -71,7 +72,6 @@ from gateway.policy.source import (
     scalar_text,
     sequence_items,
 )
-from gateway.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 
 BASE_GIVEN: Mapping[str, Any] = {
     "request": {

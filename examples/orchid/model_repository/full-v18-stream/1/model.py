@@ -5,4 +5,4 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "emulator"))
 
-from orchid_emulator import StreamEmulator as TritonPythonModel  # noqa: E402,F401
+from orchid_emulator import StreamEmulator as TritonPythonModel  # noqa: F401

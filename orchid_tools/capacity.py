@@ -9,8 +9,8 @@ overload. Each figure carries its value, unit and a one-line meaning; the text
 table and the ``--json`` output render the same figures.
 
 The cost arithmetic is not here: per-request and per-batch accelerator-ms come
-from ``gateway.profile`` (``DemandProfile``, ``padding``, ``batch_accelerator_ms``)
-and the batch-wait limit from ``gateway.record.Budget.slack_ms``, so the
+from ``gateway.core.profile`` (``DemandProfile``, ``padding``, ``batch_accelerator_ms``)
+and the batch-wait limit from ``gateway.core.record.Budget.slack_ms``, so the
 worksheet prices work exactly as admission does. Everything is computed from the
 file; no figure is a printed constant. Nothing divides by zero: a figure that
 cannot be computed has value ``None`` (``n/a``) and says why.
@@ -30,9 +30,9 @@ from typing import Any, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gateway.errors import ConfigError
-from gateway.profile import GIB, DemandProfile, batch_accelerator_ms, padding
-from gateway.record import Budget
+from gateway.core.errors import ConfigError
+from gateway.core.profile import GIB, DemandProfile, batch_accelerator_ms, padding
+from gateway.core.record import Budget
 
 MS_PER_S = 1000.0
 _EPS = 1e-9  # float noise allowance when rounding device counts up

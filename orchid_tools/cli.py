@@ -19,12 +19,12 @@ from collections.abc import Sequence
 # (command path, module providing add_arguments/run, help)
 _COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("serve",), "gateway.server", "run the gateway (and, by default, a supervised local Triton)"),
-    (("demo",), "gateway.demo", "start the local stack, drive the demo workload, print a summary"),
+    (("demo",), "orchid_tools.demo", "start the local stack, drive the demo workload, print a summary"),
     (("policy", "lint"), "gateway.policy.cli_lint", "parse and type-check policy files"),
     (("policy", "test"), "gateway.policy.cli_test", "run the policy test suites"),
     (("policy", "explain"), "gateway.policy.cli_explain", "evaluate every rule for one request record"),
-    (("capacity",), "gateway.capacity", "print the capacity worksheet for a workload file"),
-    (("audit", "isolation"), "gateway.audit", "who can reach what, who can share an instance"),
+    (("capacity",), "orchid_tools.capacity", "print the capacity worksheet for a workload file"),
+    (("audit", "isolation"), "orchid_tools.audit", "who can reach what, who can share an instance"),
 )
 
 

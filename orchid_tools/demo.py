@@ -53,7 +53,7 @@ from tritonclient.utils import InferenceServerException
 from gateway import __version__
 from gateway.backends.local import TritonStartError
 from gateway.config import GatewayConfig, load_gateway_config
-from gateway.errors import ConfigError
+from gateway.core.errors import ConfigError
 from gateway.server import GatewayServer
 
 log = logging.getLogger("orchid.demo")

@@ -1,9 +1,12 @@
-"""The domain error tree, and its single translation to gRPC status.
+"""The domain error tree, and the one mapping between it and status names.
 
-Every refusal the gateway makes is one of these errors. Each class knows its
-gRPC status code; ``protocol`` is the only place that turns them into a status
-plus trailing metadata (``orchid-rule``, ``retry-after-ms``). Messages are for
-the caller: they never name another tenant, a backend address or payload bytes.
+Every refusal the gateway makes is one of these errors. Each class carries the
+name of its gRPC status (a plain string: the core imports no grpc);
+``gateway.status`` is the only place that turns an error, or any unexpected
+exception, into a gRPC status plus trailing metadata (``orchid-rule``,
+``retry-after-ms``). ``error_for_status`` is the only way back from a status
+name (a policy rule's ``deny`` status) to an error class. Messages are for the
+caller: they never name another tenant, a backend address or payload bytes.
 
     GatewayError
     ├── Unauthenticated          UNAUTHENTICATED   no or unknown credential
@@ -19,13 +22,13 @@ the caller: they never name another tenant, a backend address or payload bytes.
 
 from __future__ import annotations
 
-import grpc
+from collections.abc import Mapping
 
 
 class GatewayError(Exception):
     """Base of the tree. ``rule`` names the deciding rule id when a rule decided."""
 
-    status: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    status: str = "INTERNAL"
 
     def __init__(self, message: str, *, rule: str | None = None, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
@@ -43,39 +46,39 @@ class GatewayError(Exception):
 
 
 class Unauthenticated(GatewayError):
-    status = grpc.StatusCode.UNAUTHENTICATED
+    status = "UNAUTHENTICATED"
 
 
 class PermissionDenied(GatewayError):
-    status = grpc.StatusCode.PERMISSION_DENIED
+    status = "PERMISSION_DENIED"
 
 
 class InvalidArgument(GatewayError):
-    status = grpc.StatusCode.INVALID_ARGUMENT
+    status = "INVALID_ARGUMENT"
 
 
 class NotFound(GatewayError):
-    status = grpc.StatusCode.NOT_FOUND
+    status = "NOT_FOUND"
 
 
 class ResourceExhausted(GatewayError):
-    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = "RESOURCE_EXHAUSTED"
 
 
 class DeadlineInfeasible(GatewayError):
-    status = grpc.StatusCode.DEADLINE_EXCEEDED
+    status = "DEADLINE_EXCEEDED"
 
 
 class Unavailable(GatewayError):
-    status = grpc.StatusCode.UNAVAILABLE
+    status = "UNAVAILABLE"
 
 
 class Cancelled(GatewayError):
-    status = grpc.StatusCode.CANCELLED
+    status = "CANCELLED"
 
 
 class Internal(GatewayError):
-    status = grpc.StatusCode.INTERNAL
+    status = "INTERNAL"
 
 
 class ConfigError(Exception):
@@ -95,4 +98,23 @@ class ConfigError(Exception):
 class DeadlineExpired(GatewayError):
     """The deadline passed while the request was queued or executing (not decided at admission)."""
 
-    status = grpc.StatusCode.DEADLINE_EXCEEDED
+    status = "DEADLINE_EXCEEDED"
+
+
+_BY_STATUS: Mapping[str, type[GatewayError]] = {
+    "UNAUTHENTICATED": Unauthenticated,
+    "PERMISSION_DENIED": PermissionDenied,
+    "INVALID_ARGUMENT": InvalidArgument,
+    "NOT_FOUND": NotFound,
+    "RESOURCE_EXHAUSTED": ResourceExhausted,
+    "DEADLINE_EXCEEDED": DeadlineInfeasible,
+    "UNAVAILABLE": Unavailable,
+    "CANCELLED": Cancelled,
+    "INTERNAL": Internal,
+}
+
+
+def error_for_status(status: str) -> type[GatewayError]:
+    """The error class a decision's status name maps to (a policy ``deny`` status, an
+    admission verdict). An unknown name is a bug upstream: INTERNAL, never a silent allow."""
+    return _BY_STATUS.get(status, Internal)

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.overload import LadderEffects
+from gateway.core.overload import LadderEffects
+from gateway.core.record import Approximation, Decision, RequestRecord, Verdict
 from gateway.policy.snapshot import PolicyResult
-from gateway.record import Approximation, Decision, RequestRecord, Verdict
 
 CAPACITY_STATUSES = frozenset({"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
 DEFER_BATCH_RULE = "ladder.defer_batch"

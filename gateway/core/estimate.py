@@ -39,8 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gateway.profile import DemandProfile
-from gateway.record import Demand, Shape
+from gateway.core.profile import DemandProfile
+from gateway.core.record import Demand, Shape
 
 # A tenant is priced above the model only when it costs at least this much more than its
 # declared shape predicts; smaller residuals are timing noise (see the module docstring).

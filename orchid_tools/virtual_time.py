@@ -1,4 +1,4 @@
-"""Virtual time for asyncio tests of the decision core.
+"""Virtual time for asyncio: the simulator's clock, and the core's tests'.
 
 ``VirtualTimeLoop`` is an event loop whose clock (``loop.time()``) starts at 0 and moves only
 when nothing is ready to run: it then jumps straight to the next scheduled timer. A timeout,
@@ -29,12 +29,12 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # Nothing ready: jump to the earliest live timer, so the selector is polled without
         # waiting and that timer is due. (CPython's BaseEventLoop keeps ready callbacks in
         # ``_ready`` and timers in the heap ``_scheduled``.)
-        ready: Any = self._ready
-        scheduled: Any = self._scheduled
-        if not ready:
-            due = [handle.when() for handle in scheduled if not handle.cancelled()]
-            if due:
-                self._virtual_now = max(self._virtual_now, min(due))
+        ready: Any = self._ready  # type: ignore[attr-defined]
+        scheduled: Any = self._scheduled  # type: ignore[attr-defined]
+        if not ready and scheduled:
+            # The heap's head is the earliest timer; if it was cancelled, the loop drops it
+            # in this turn and the next turn jumps again (time never passes a live timer).
+            self._virtual_now = max(self._virtual_now, scheduled[0].when())
         super()._run_once()  # type: ignore[misc]
 
 

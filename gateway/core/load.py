@@ -25,7 +25,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from gateway.overload import (
+from gateway.core.dispatch import CONTROL_CLASS, DispatchQueue
+from gateway.core.overload import (
     DEFAULT_BUCKETS,
     DEFAULT_PLAN_SPAN_S,
     DEFAULT_PROTECTED_UTILIZATION,
@@ -49,7 +50,6 @@ from gateway.overload import (
     protected_capacity_ms_per_s,
     retry_after_ms,
 )
-from gateway.scheduler import CONTROL_CLASS, DispatchQueue
 
 log = logging.getLogger("orchid.overload")
 

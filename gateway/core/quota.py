@@ -96,8 +96,8 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.errors import PermissionDenied, ResourceExhausted
-from gateway.record import RequestRecord
+from gateway.core.errors import PermissionDenied, ResourceExhausted
+from gateway.core.record import RequestRecord
 
 __all__ = [
     "DEFAULT_BORROW_FRACTION",

@@ -55,8 +55,8 @@ from gateway.config import (
     load_routes,
     load_tenants,
 )
-from gateway.demo import DEMO_KEYS
-from gateway.errors import ConfigError
+from gateway.core.errors import ConfigError
+from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 from gateway.pipeline import Gateway
 from gateway.policy.diagnostics import PolicyLoadError, render_all
 from gateway.policy.loader import load_policies
@@ -70,8 +70,8 @@ from gateway.policy.schema import (
     TenantFacts,
 )
 from gateway.policy.snapshot import PolicyResult, PolicySnapshot
-from gateway.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 from gateway.server import LOCAL_BACKEND
+from orchid_tools.demo import DEMO_KEYS
 
 PROG = "orchid-gateway audit isolation"
 

@@ -1,0 +1,18 @@
+"""The decision core: pure functions and state machines over immutable records.
+
+Nothing here does I/O or reads a clock: every decision takes ``now`` as an
+argument, so the same code runs the live gateway (``gateway.pipeline`` drives
+it on the event loop's clock) and the simulator (``orchid_tools.simulate``
+drives it in virtual time). CI enforces it (``.importlinter``): no module under
+``gateway.core`` imports asyncio, grpc, time or the runtime around it.
+
+    record     the resource-and-outcome record (identity, shape, demand, budget, outcome)
+    profile    demand profiles: accelerator-ms by phase, padding, memory
+    estimate   prediction and its correction from observed work
+    quota      the quota ledger: reserve, settle, borrow
+    overload   demand windows, the ladder, fair allocation and flow plans
+    load       one pool's load: offered/admitted demand per flow, the plan
+    dispatch   the fair-share dispatch queue with device list-scheduling
+    admission  the admission decision from priced candidates and policy results
+    errors     the domain error tree (statuses by name; the edge maps them)
+"""
