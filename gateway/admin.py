@@ -1,19 +1,16 @@
 """``orchid.admin.v1.GatewayAdmin``: the gateway's own admin service (policy reload, status).
 
-The service is defined in ``proto/orchid/admin/v1/admin.proto`` and compiled
-when this module is imported (grpcio-tools' ``protos_and_services``), so the
-checked-in ``.proto`` is the only source of truth and nothing generated is
+The service is defined in ``proto/orchid/admin/v1/admin.proto``, the only source of
+truth; its Python modules are generated from it at build time (``setup.py``, run by
+``pip install -e .`` in ``scripts/bootstrap.sh``) into ``gateway._proto`` and are not
 committed. Every call needs an admin credential; a failed reload answers
-FAILED_PRECONDITION with the ``file:line:col`` diagnostics while the last good
-policy keeps serving.
+FAILED_PRECONDITION with the ``file:line:col`` diagnostics while the last good policy
+keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -22,21 +19,18 @@ from gateway.pipeline import Gateway
 from gateway.protocol import peer_subjects
 from gateway.status import to_status
 
-PROTO_ROOT = Path(__file__).resolve().parent.parent / "proto"
-PROTO_FILE = "orchid/admin/v1/admin.proto"
-SERVICE = "orchid.admin.v1.GatewayAdmin"
+try:
+    from gateway._proto import admin_pb2, admin_pb2_grpc
+except ModuleNotFoundError as exc:  # pragma: no cover - a checkout that was never installed
+    raise ModuleNotFoundError(
+        f"{exc.name} is generated from proto/ at build time: run scripts/bootstrap.sh "
+        "(or pip install -e .) first"
+    ) from exc
+
+SERVICE = admin_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name
 
 
-def _load() -> tuple[Any, Any]:
-    if str(PROTO_ROOT) not in sys.path:
-        sys.path.append(str(PROTO_ROOT))
-    return grpc.protos_and_services(PROTO_FILE)  # type: ignore[no-any-return]
-
-
-admin_pb2, admin_pb2_grpc = _load()
-
-
-class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):  # type: ignore[misc,name-defined]
+class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
@@ -52,7 +46,9 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):  # type: ignore[misc,n
             context.set_trailing_metadata(status.trailing_metadata)
             await context.abort(status.code, status.message)
 
-    async def ReloadPolicies(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def ReloadPolicies(
+        self, request: admin_pb2.ReloadPoliciesRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ReloadPoliciesResponse:
         await self._authorize(context)
         result = await asyncio.to_thread(self.gateway.policy.reload)
         reply = admin_pb2.ReloadPoliciesResponse(
@@ -71,7 +67,9 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):  # type: ignore[misc,n
             )
         return reply
 
-    async def PolicyStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def PolicyStatus(
+        self, request: admin_pb2.PolicyStatusRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.PolicyStatusResponse:
         await self._authorize(context)
         store = self.gateway.policy
         return admin_pb2.PolicyStatusResponse(
@@ -81,7 +79,9 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):  # type: ignore[misc,n
             last_diagnostics=[d.render() for d in store.last_diagnostics],
         )
 
-    async def LadderStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def LadderStatus(
+        self, request: admin_pb2.LadderStatusRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.LadderStatusResponse:
         await self._authorize(context)
         pools = []
         for name, load in sorted(self.gateway.loads.items()):
@@ -99,4 +99,5 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):  # type: ignore[misc,n
 
 
 def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
-    admin_pb2_grpc.add_GatewayAdminServicer_to_server(AdminServicer(gateway), server)
+    # The generated gRPC module has no annotations (grpcio-tools writes none for services).
+    admin_pb2_grpc.add_GatewayAdminServicer_to_server(AdminServicer(gateway), server)  # type: ignore[no-untyped-call]

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gateway.config import TenantConfig, TenantsFile, hash_api_key
+from gateway.core.entitlement import may_call
 from gateway.core.errors import Unauthenticated
 
 
@@ -21,7 +22,8 @@ class Tenant:
     config: TenantConfig
 
     def may_call(self, model: str) -> bool:
-        return model in self.config.models
+        """Entitlement as ``gateway.core.entitlement`` decides it (exactly the ``models`` list)."""
+        return may_call(self.config.models, model)
 
 
 class TenantDirectory:

@@ -4,7 +4,9 @@ Owns the schema of ``gateway.yaml`` (listener, backends, local Triton, request
 classes, limits), the tenants file (hashed API keys, what each tenant may
 reach) and the route files under ``routes/`` (logical models, shape
 extraction, demand profiles, fallbacks, quality evidence). Loading is the only
-I/O here; every error becomes a ``ConfigError`` naming the file, the dotted
+I/O here, through the one located-YAML reader (``gateway.yaml_source``); every
+error becomes a ``ConfigError`` naming ``file:line:col`` of the offending key
+(pydantic's validation errors and the cross-file checks included), the dotted
 key path and what is wrong, so ``serve`` can exit with a message an operator
 can act on.
 """
@@ -13,15 +15,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.core.errors import ConfigError
 from gateway.core.overload import LadderConfig
 from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaSettings
+from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, read_yaml
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -295,31 +297,53 @@ class RouteTable(_Strict):
 # --------------------------------------------------------------------------- loading
 
 
-def _key_path(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in loc)
-
-
-def _read_yaml(path: Path) -> Any:
+def _read(path: Path) -> YamlDocument:
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(str(path), "", f"cannot read: {exc.strerror or exc}") from exc
-    try:
-        return yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ConfigError(where, "", f"YAML syntax: {exc.problem}") from exc
+        return read_yaml(path)
+    except YamlError as exc:
+        raise ConfigError(exc.location, "", exc.problem) from exc
 
 
-def _validate(model: type[_M], data: Any, path: Path) -> _M:
+def _validate(model: type[_M], document: YamlDocument) -> _M:
+    data = document.value()
     if not isinstance(data, dict):
-        raise ConfigError(str(path), "", "expected a mapping at the top level")
+        raise ConfigError(document.location(), "", "expected a mapping at the top level")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ConfigError(str(path), _key_path(first["loc"]), first["msg"]) from exc
+        errors = exc.errors()
+        loc = errors[0]["loc"]
+        problem = errors[0]["msg"]
+        if len(errors) > 1:
+            problem += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        raise _at(document, loc, problem) from exc
+
+
+def _at(document: YamlDocument, loc: KeyPath, problem: str, *, key: str | None = None) -> ConfigError:
+    """A ``ConfigError`` at the key ``loc`` of a loaded document."""
+    return ConfigError(document.location(loc), key_path(loc) if key is None else key, problem)
+
+
+def _error_at(path: Path, loc: KeyPath, problem: str, *, key: str | None = None) -> ConfigError:
+    """A ``ConfigError`` found after loading (a cross-file check), located at ``loc`` in ``path``
+    (the file is read again to find it: only on the error path)."""
+    try:
+        document = read_yaml(path)
+    except YamlError:
+        return ConfigError(str(path), key_path(loc) if key is None else key, problem)
+    return _at(document, loc, problem, key=key)
+
+
+def _route_error(directory: Path, loc: KeyPath, problem: str, *, key: str | None = None) -> ConfigError:
+    """A route problem, located in the route file that declares ``loc[:2]`` (``models.<name>``)."""
+    for file in sorted(directory.glob("*.yaml")):
+        try:
+            document = read_yaml(file)
+        except YamlError:
+            continue
+        if document.has(loc[:2]):
+            return _at(document, loc, problem, key=key)
+    return ConfigError(str(directory), key_path(loc) if key is None else key, problem)
 
 
 def _resolve(base: Path, value: Path) -> Path:
@@ -327,8 +351,7 @@ def _resolve(base: Path, value: Path) -> Path:
 
 
 def load_gateway_config(path: Path) -> GatewayConfig:
-    data = _read_yaml(path)
-    config = _validate(GatewayConfig, data, path)
+    config = _validate(GatewayConfig, _read(path))
     base = path.resolve().parent
     local = config.local_triton
     if local is not None:
@@ -357,7 +380,8 @@ def load_gateway_config(path: Path) -> GatewayConfig:
 
 
 def load_tenants(path: Path) -> TenantsFile:
-    return _validate(TenantsFile, _read_yaml(path), path)
+    """The tenants file (quota settings included), validated; every problem located."""
+    return _validate(TenantsFile, _read(path))
 
 
 def load_routes(directory: Path) -> RouteTable:
@@ -368,21 +392,25 @@ def load_routes(directory: Path) -> RouteTable:
     files = sorted(directory.glob("*.yaml"))
     if not files:
         raise ConfigError(str(directory), "", "no *.yaml route files")
+    declared_in: dict[str, YamlDocument] = {}
     for file in files:
-        parsed = _validate(RoutesFile, _read_yaml(file), file)
+        document = _read(file)
+        parsed = _validate(RoutesFile, document)
         for name, profile in parsed.profiles.items():
             if name in profiles:
-                raise ConfigError(str(file), f"profiles.{name}", "profile declared twice")
+                raise _at(document, ("profiles", name), "profile declared twice")
             profiles[name] = profile
         for name, route in parsed.models.items():
             if name in models:
-                raise ConfigError(str(file), f"models.{name}", "model declared twice")
+                first = declared_in[name].location(("models", name))
+                raise _at(document, ("models", name), f"model declared twice (first at {first})")
             models[name] = route
+            declared_in[name] = document
     for name, route in models.items():
         if route.profile not in profiles:
-            raise ConfigError(str(directory), f"models.{name}.profile", f"unknown profile {route.profile!r}")
+            raise _at(declared_in[name], ("models", name, "profile"), f"unknown profile {route.profile!r}")
         if route.fallback is not None and route.fallback not in models:
-            raise ConfigError(str(directory), f"models.{name}.fallback", f"unknown model {route.fallback!r}")
+            raise _at(declared_in[name], ("models", name, "fallback"), f"unknown model {route.fallback!r}")
     return RouteTable(profiles=profiles, models=models)
 
 
@@ -395,18 +423,19 @@ def check_dedicated(config: GatewayConfig, tenants: TenantsFile, routes: RouteTa
     for name, tenant in tenants.tenants.items():
         for model in tenant.models:
             if tenant.dedicated and model not in tenant.dedicated_models:
-                raise ConfigError(
-                    str(config.tenants_file),
-                    f"tenants.{name}.dedicated_models",
+                raise _error_at(
+                    config.tenants_file,
+                    ("tenants", name, "dedicated_models"),
                     f"tenant is dedicated but has no reserved backend model for {model!r}",
                 )
-        for backend_model in tenant.dedicated_models.values():
+        for logical, backend_model in tenant.dedicated_models.items():
             if backend_model in shared or backend_model in owners:
                 other = owners.get(backend_model, "a shared route")
-                raise ConfigError(
-                    str(config.tenants_file),
-                    f"tenants.{name}.dedicated_models",
+                raise _error_at(
+                    config.tenants_file,
+                    ("tenants", name, "dedicated_models", logical),
                     f"backend model {backend_model!r} is already used by {other}",
+                    key=f"tenants.{name}.dedicated_models",
                 )
             owners[backend_model] = f"tenant {name!r}"
 
@@ -415,27 +444,36 @@ def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteT
     """Cross-file checks: tenants name real models and classes; routes name real backends."""
     backend_names = {b.name for b in config.backends} | ({"local"} if config.local_triton else set())
     for name, tenant in tenants.tenants.items():
-        for model in tenant.models:
+        for index, model in enumerate(tenant.models):
             if model not in routes.models:
-                raise ConfigError(
-                    str(config.tenants_file), f"tenants.{name}.models", f"unknown model {model!r}"
+                raise _error_at(
+                    config.tenants_file,
+                    ("tenants", name, "models", index),
+                    f"unknown model {model!r}",
+                    key=f"tenants.{name}.models",
                 )
-        for cls in tenant.classes:
+        for index, cls in enumerate(tenant.classes):
             if cls not in config.classes:
-                raise ConfigError(
-                    str(config.tenants_file), f"tenants.{name}.classes", f"unknown class {cls!r}"
+                raise _error_at(
+                    config.tenants_file,
+                    ("tenants", name, "classes", index),
+                    f"unknown class {cls!r}",
+                    key=f"tenants.{name}.classes",
                 )
 
         if tenant.default_cell is not None and tenant.default_cell not in tenant.cells:
-            raise ConfigError(
-                str(config.tenants_file), f"tenants.{name}.default_cell", "must be one of the tenant's cells"
+            raise _error_at(
+                config.tenants_file, ("tenants", name, "default_cell"), "must be one of the tenant's cells"
             )
     for name in tenants.quotas.tenants:
         if name not in tenants.tenants:
-            raise ConfigError(str(config.tenants_file), f"quotas.tenants.{name}", "unknown tenant")
+            raise _error_at(config.tenants_file, ("quotas", "tenants", name), "unknown tenant")
     for name, route in routes.models.items():
-        for backend in route.backends:
+        for index, backend in enumerate(route.backends):
             if backend not in backend_names:
-                raise ConfigError(
-                    str(config.routes_dir), f"models.{name}.backends", f"unknown backend {backend!r}"
+                raise _route_error(
+                    config.routes_dir,
+                    ("models", name, "backends", index),
+                    f"unknown backend {backend!r}",
+                    key=f"models.{name}.backends",
                 )

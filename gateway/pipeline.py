@@ -17,33 +17,28 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from gateway import clock
 from gateway.auth import Tenant, TenantDirectory
+from gateway.backends.base import Backend, ModelSpec
 from gateway.backends.stats import PoolTiming, StatsSample, timing_between
-from gateway.backends.triton import ModelSpec, TritonBackend
 from gateway.config import GatewayConfig, RequestClassConfig, RouteConfig, RouteTable
-from gateway.core import admission
+from gateway.core import admission, pricing, settlement
 from gateway.core.errors import (
     DeadlineExpired,
     DeadlineInfeasible,
-    GatewayError,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     Unavailable,
     error_for_status,
 )
-from gateway.core.estimate import CorrectionKey, Estimator, charged_live_token_ms, predict
+from gateway.core.estimate import CorrectionKey, Estimator
 from gateway.core.load import PoolLoad
-from gateway.core.overload import Shedder
 from gateway.core.overload import effects as overload_effects
 from gateway.core.quota import QuotaLedger, QuotaView, Reservation
 from gateway.core.record import (
-    Approximation,
-    Budget,
     Decision,
     Identity,
     Mode,
@@ -52,26 +47,22 @@ from gateway.core.record import (
     Shape,
     Verdict,
 )
-from gateway.policy.schema import (
-    BackendFacts,
-    LoadFacts,
-    PolicyContext,
-    QualityEvidence,
-    RouteFacts,
-    TenantFacts,
-)
+from gateway.messages import attach_provenance, parse_infer_request
+from gateway.policy.context import build_policy_context
+from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
 from gateway.policy.snapshot import PolicyResult
 from gateway.policy.store import PolicyStore
 from gateway.scheduler import DeviceSet, DispatchQueue, Slot
+from gateway.shadow import ShadowTraffic
 from gateway.shape import (
     GATEWAY_OWNED_PARAMETERS,
-    LONG_BUCKET,
     check_backend_controls,
     extract_shape,
     payload_bytes,
     read_hints,
     validate_tensors,
 )
+from gateway.streams import StreamSession
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +103,7 @@ class StageTimes:
 class BackendHandle:
     """A configured backend: its client and the facts from its config."""
 
-    client: TritonBackend
+    client: Backend
     labels: dict[str, str]
     devices: int
     max_inflight_per_device: int
@@ -137,7 +128,7 @@ class Admitted:
     record: RequestRecord
     decision: Decision
     route: RouteConfig
-    backend: TritonBackend
+    backend: Backend
     queue: DispatchQueue
     backend_request: service_pb2.ModelInferRequest
     deadline_at: float
@@ -250,9 +241,11 @@ class Gateway:
     async def bind_pool(
         self, route: RouteConfig, cell: str, logical: str
     ) -> tuple[BackendHandle, ModelSpec, DispatchQueue]:
-        """Pick the healthy backend in the request's cell with the least predicted wait."""
+        """Pick the healthy backend in the request's cell with the least predicted wait (the
+        prediction is only made when there is a choice)."""
         best: tuple[float, BackendHandle, ModelSpec, DispatchQueue] | None = None
-        for name in self.candidate_backends(route, cell):
+        candidates = self.candidate_backends(route, cell)
+        for name in candidates:
             handle = self.backends[name]
             backend = handle.client
             if not backend.healthy:
@@ -262,7 +255,7 @@ class Gateway:
             except Unavailable:
                 continue
             queue = self.queue_for(name, spec)
-            wait = queue.predicted_wait_ms(clock.now())
+            wait = queue.predicted_wait_ms(clock.now()) if len(candidates) > 1 else 0.0
             if best is None or wait < best[0]:
                 best = (wait, handle, spec, queue)
         if best is None:
@@ -497,35 +490,25 @@ class Gateway:
         now: float,
     ) -> _Priced:
         """The record of this request as it would run on ``route`` in ``queue``."""
-        correction_key = CorrectionKey(route.backend_model, route.version, shape.bucket)
-        demand = predict(
-            self.routes.profiles[route.profile],
-            shape,
-            time_scale=handle.time_scale,
-            correction=self.estimator.correction(correction_key, identity.tenant, now),
-        )
-        reserve_exec_ms = demand.accelerator_ms + demand.host_cpu_ms
         tenant = self.tenants.tenants.get(identity.tenant)
-        latest_start = (
-            call.received_at + (deadline_ms - reserve_exec_ms - request_class.reserve_fail_ms) / 1000.0
-        )
-        budget = Budget(
-            deadline_ms=deadline_ms,
-            elapsed_ms=(now - call.received_at) * 1000.0,
-            reserve_upstream_ms=request_class.reserve_upstream_ms,
-            reserve_exec_ms=reserve_exec_ms,
-            reserve_fail_ms=request_class.reserve_fail_ms,
-            queue_wait_ms=queue.predicted_wait_ms(
-                now,
-                latest_start=latest_start,
-                flow=(identity.request_class, identity.tenant),
-                weight=tenant.config.weight if tenant is not None else 1.0,
-                cost_ms=demand.accelerator_ms,
-                long=shape.bucket == LONG_BUCKET,
+        record, correction_key = pricing.price(
+            identity,
+            shape,
+            profile=self.routes.profiles[route.profile],
+            backend_model=route.backend_model,
+            version=route.version,
+            time_scale=handle.time_scale,
+            estimator=self.estimator,
+            queue=queue,
+            reserves=pricing.Reserves(
+                deadline_ms=deadline_ms,
+                upstream_ms=request_class.reserve_upstream_ms,
+                fail_ms=request_class.reserve_fail_ms,
             ),
-        )
-        record = RequestRecord(
-            identity=identity, shape=shape, demand=demand, budget=budget, ladder_step=ladder_step
+            weight=tenant.config.weight if tenant is not None else 1.0,
+            received_at=call.received_at,
+            ladder_step=ladder_step,
+            now=now,
         )
         return _Priced(record, route, handle, queue, correction_key)
 
@@ -550,7 +533,8 @@ class Gateway:
         shed: bool = False,
         reduce_output: bool = False,
     ) -> PolicyContext:
-        config = tenant.config
+        """What this gateway observes (fallback warmth, live load, configured backends), put
+        into policy's terms by the one builder, ``gateway.policy.context``."""
         fallback = self.routes.models.get(route.fallback) if route.fallback else None
         fallback_warm = False
         fallback_cell = ""
@@ -560,48 +544,20 @@ class Gateway:
                 if handle.client.is_warm(fallback.backend_model):
                     fallback_warm, fallback_cell = True, handle.labels.get("cell", "")
                     break
-        floor = route.quality_floor
-        if floor is None and fallback is not None:
-            floor = fallback.quality_floor
-        reduced = route.reduced_output
-        quality = QualityEvidence(
-            score=route.quality.score if route.quality else 0.0,
-            fallback_score=fallback.quality.score if fallback and fallback.quality else 0.0,
-            floor=floor if floor is not None else 1.0,
-            population=route.quality.population if route.quality else "",
-            reduced_output_score=reduced.quality.score if reduced else 0.0,
-        )
-        return PolicyContext(
-            tenant=TenantFacts(
-                name=tenant.name,
-                allowed_cells=config.cells,
-                allowed_classes=config.classes,
-                allowed_models=config.models,
-                dedicated=config.dedicated,
-                weight=config.weight,
-                allow_fallback=config.allow_fallback,
-                max_output_tokens=config.max_output_tokens,
-                accelerator_ms_per_s=quota.refill_ms_per_s or 0.0,
-                # The ledger's own answer, borrowing included: what it would grant now. Policy
-                # must not refuse what the ledger would lend (a flooder-free tenant over its
-                # own rate borrows its idle neighbours' share, within the borrowing bound).
-                available_accelerator_ms=quota.available_accelerator_ms + quota.borrowable_ms,
-            ),
-            route=RouteFacts(
-                model=route.backend_model,
-                fallback_model=route.fallback or "",
-                fallback_classes=route.fallback_classes,
-                fallback_warm=fallback_warm,
-                fallback_cell=fallback_cell,
-                quality=quality,
-                reduced_output_tokens=reduced.max_output_tokens if reduced else 0,
-            ),
+        return build_policy_context(
+            tenant.name,
+            tenant.config,
+            route,
+            fallback,
+            fallback_warm=fallback_warm,
+            fallback_cell=fallback_cell,
             load=LoadFacts(
                 utilization=load.utilization(),
                 drain_ms=load.drain_ms(),
                 shed=shed,
                 reduce_output=reduce_output,
             ),
+            quota=quota,
             # Routing-stage rules judge every backend configured for the route, in any cell.
             backends=tuple(
                 BackendFacts(name=name, model=route.backend_model, labels=self.backends[name].labels)
@@ -731,46 +687,28 @@ class Gateway:
         wall_ms = (finished - started) * 1000.0
         timing = self.pool_timing.get(admitted.queue.name)
         if backend_wait_s is not None:
-            triton_queue_ms = backend_wait_s * 1000.0
+            backend_queue_ms = backend_wait_s * 1000.0
         else:
-            triton_queue_ms = timing.queue_ms if timing else 0.0
-        batch = timing.batch if timing else 1.0
-        # Device time held, less Triton's own queueing, shared with the batch it ran in.
-        observed_ms = max(wall_ms - triton_queue_ms, 0.0) / batch
-        record = admitted.record
-        demand = record.demand
-        base_ms = (
-            demand.accelerator_ms / demand.correction if demand.correction > 0 else demand.accelerator_ms
-        )
-        if learn:
-            self.quotas.settle(
-                admitted.reservation,
-                charged_ms=observed_ms,
-                charged_live_token_ms=charged_live_token_ms(demand, observed_ms),
-                now=finished,
-            )
-            self.estimator.observe(
-                admitted.correction_key,
-                record.identity.tenant,
-                base_ms=base_ms,
-                observed_ms=observed_ms,
-                now=finished,
-            )
-        outcome = Outcome(
-            admitted=True,
-            status="OK",
+            backend_queue_ms = timing.queue_ms if timing else 0.0
+        outcome = settlement.settle(
+            admitted.record,
+            admitted.decision,
+            admitted.reservation,
+            admitted.correction_key,
+            quotas=self.quotas,
+            estimator=self.estimator,
             backend_model=admitted.route.backend_model,
-            approximation=admitted.decision.approximation,
             queue_ms=queued_s * 1000.0,
+            wall_ms=wall_ms,
+            backend_queue_ms=backend_queue_ms,
+            batch=timing.batch if timing else 1.0,
             first_result_ms=wall_ms if first_result is None else (first_result - started) * 1000.0,
-            completion_ms=wall_ms,
-            observed_accelerator_ms=observed_ms,
-            charged_accelerator_ms=observed_ms,
-            charged_live_token_ms=charged_live_token_ms(demand, observed_ms),
             output_tokens=output_tokens,
+            learn=learn,
+            now=finished,
         )
         stages = StageTimes(admitted.received_at, admitted.admitted_at, started, finished)
-        return Settled(record, admitted.decision, outcome, stages)
+        return Settled(admitted.record, admitted.decision, outcome, stages)
 
     async def acquire(self, admitted: Admitted) -> Slot:
         """Wait for a dispatch slot in the admitted request's pool, in its class's and tenant's share."""
@@ -784,15 +722,12 @@ class Gateway:
             tenant=identity.tenant,
             weight=tenant.config.weight if tenant else 1.0,
             class_weight=request_class.weight if request_class else 1.0,
-            long=admitted.record.shape.bucket == LONG_BUCKET,
+            long=admitted.record.shape.long,
         )
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:
         """A request that failed or was cancelled: settle quota by what it held, or refund."""
-        if started is None:
-            self.quotas.release(admitted.reservation, now=now)
-        else:
-            self.quotas.settle(admitted.reservation, charged_ms=(now - started) * 1000.0, now=now)
+        settlement.abandon(self.quotas, admitted.reservation, started=started, now=now)
 
     def _dispatched(self, admitted: Admitted, *, dwell_ms: float, now: float) -> None:
         self.quotas.start(admitted.reservation, now=now)
@@ -824,345 +759,6 @@ class Gateway:
         forwarded over one backend stream; responses carry provenance; a rejected request
         answers with an ``error_message`` and the stream goes on."""
         tenant = self.tenants.authenticate(call.metadata, peer_subjects=call.peer_subjects)
-        session = _StreamSession(self, tenant, call)
+        session = StreamSession(self, tenant, call)
         async for response in session.run(requests):
             yield response
-
-
-class ShadowTraffic:
-    """Mirror a share of a route's admitted requests to its candidate version (the seed's
-    "shadowing duplicates selected inputs to a candidate while returning only the control
-    result"). The mirror never changes the caller's answer, never enters the production
-    dispatch queues (it runs on the candidate's own instances, bounded by ``max_inflight``),
-    never leaves the request's privacy cell, never runs for dedicated tenants, never
-    cold-loads (the candidate must be warm), and stops from overload ladder step 1. Paired
-    latency is recorded for the candidate; its output is discarded unread."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.samplers: dict[str, Shedder] = {}
-        self.inflight: dict[str, int] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.sent = 0
-        self.skipped = 0
-
-    def maybe_mirror(self, admitted: Admitted, tenant: Tenant) -> None:
-        route = self.gateway.routes.models.get(admitted.record.identity.model)
-        if route is None or route.shadow is None:
-            return
-        shadow = route.shadow
-        if tenant.config.dedicated or admitted.decision.approximation is not Approximation.NONE:
-            return
-        if not overload_effects(admitted.record.ladder_step).shadow_enabled:
-            self.skipped += 1
-            return
-        sampler = self.samplers.setdefault(shadow.backend_model, Shedder())
-        if not sampler.admit(1.0, shadow.rate):
-            return
-        if self.inflight.get(shadow.backend_model, 0) >= shadow.max_inflight:
-            self.skipped += 1
-            return
-        for name in self.gateway.candidate_backends(route, admitted.record.identity.privacy_cell):
-            client = self.gateway.backends[name].client
-            if client.is_warm(shadow.backend_model):
-                break
-        else:
-            self.skipped += 1  # no warm candidate in the request's cell: never cold-load
-            return
-        # On a backend whose models share their devices the candidate runs on production's
-        # accelerators: it may take only a device that is idle now, and holds it in the
-        # device set's schedule while it runs, so dispatch predicts around it (it never waits
-        # in, or delays, a production queue).
-        device_set = self.gateway._device_sets.get(name)
-        slot: Slot | None = None
-        if device_set is not None and device_set.queues:
-            if len(device_set.bound) >= device_set.devices:
-                self.skipped += 1
-                return
-            now = clock.now()
-            slot = Slot(device_set.queues[0], admitted.record.demand.accelerator_ms, now, now)
-            device_set.bound[slot] = None
-        mirrored = service_pb2.ModelInferRequest()
-        mirrored.CopyFrom(admitted.backend_request)
-        mirrored.model_name = shadow.backend_model
-        mirrored.model_version = ""
-        remaining_s = admitted.deadline_at - clock.now()
-        if remaining_s <= 0:
-            if slot is not None:
-                slot.release()
-            return
-        self.inflight[shadow.backend_model] = self.inflight.get(shadow.backend_model, 0) + 1
-        self.sent += 1
-        task = asyncio.get_running_loop().create_task(self._send(client, mirrored, remaining_s, slot))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _send(
-        self,
-        client: TritonBackend,
-        request: service_pb2.ModelInferRequest,
-        timeout_s: float,
-        slot: Slot | None = None,
-    ) -> None:
-        try:
-            await client.infer(request, timeout_s=timeout_s, logical=request.model_name)
-        except GatewayError:
-            pass  # a candidate's failure is evidence about the candidate, never the caller's problem
-        finally:
-            self.inflight[request.model_name] -= 1
-            if slot is not None:
-                slot.release()
-
-
-def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest()
-    try:
-        request.ParseFromString(raw)
-    except DecodeError:
-        raise InvalidArgument("malformed ModelInferRequest: the message is not valid protobuf") from None
-    if not request.model_name:
-        raise InvalidArgument("model_name is required")
-    return request
-
-
-def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
-    record, decision, outcome = settled.record, settled.decision, settled.outcome
-    return {
-        "orchid.model": decision.target_model,
-        "orchid.model_version": record.identity.model_version,
-        "orchid.route_reason": decision.route_reason,
-        "orchid.approximation": str(decision.approximation),
-        "orchid.complete": outcome.complete,
-        "orchid.policy_version": decision.policy_version,
-        "orchid.rules": ",".join(decision.rules),
-        "orchid.ladder_step": record.ladder_step,
-        "orchid.predicted_accelerator_ms": round(record.demand.accelerator_ms, 3),
-        "orchid.charged_accelerator_ms": round(outcome.charged_accelerator_ms, 3),
-        "orchid.request_id": record.identity.request_id,
-    }
-
-
-def attach_provenance(response: service_pb2.ModelInferResponse, settled: Settled) -> None:
-    for key, value in provenance(settled).items():
-        param = response.parameters[key]
-        if isinstance(value, bool):
-            param.bool_param = value
-        elif isinstance(value, int):
-            param.int64_param = value
-        elif isinstance(value, float):
-            param.double_param = value
-        else:
-            param.string_param = value
-
-
-@dataclass(slots=True)
-class _StreamRequest:
-    """One request in flight on a stream."""
-
-    admitted: Admitted
-    client_id: str
-    arrived: float
-    wants_final: bool
-    started: float = 0.0
-    first_result: float | None = None  # when its first output arrived
-    tokens: int = 0
-    slot: Slot | None = None
-
-    def release(self) -> None:
-        if self.slot is not None:
-            self.slot.release()
-            self.slot = None
-
-
-class _StreamSession:
-    """One client stream multiplexed onto one backend stream per backend.
-
-    Each request on the stream is admitted on its own, waits for a dispatch slot
-    like any other request, and holds it until its final response. Backend
-    requests get gateway-assigned ids so responses match their record even when
-    clients reuse or omit ids; the client's id is restored on the way back.
-    """
-
-    def __init__(self, gateway: Gateway, tenant: Tenant, call: CallContext) -> None:
-        self.gateway = gateway
-        self.tenant = tenant
-        self.call = call
-        self.out: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=1024)
-        self.pending: dict[str, _StreamRequest] = {}
-        self.backend_queues: dict[str, asyncio.Queue[service_pb2.ModelInferRequest | None]] = {}
-        self.pumps: list[asyncio.Task[None]] = []
-        self.dispatches: set[asyncio.Task[None]] = set()
-
-    async def run(
-        self, requests: AsyncIterator[bytes]
-    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
-        reader = asyncio.get_running_loop().create_task(self._read(requests))
-        try:
-            while True:
-                item = await self.out.get()
-                if item is None:
-                    break
-                yield item
-        finally:
-            # Client gone or done: cancel everything, release every slot.
-            reader.cancel()
-            for task in (*self.pumps, *self.dispatches):
-                task.cancel()
-            await asyncio.gather(reader, *self.pumps, *self.dispatches, return_exceptions=True)
-            now = clock.now()
-            for entry in self.pending.values():
-                entry.release()
-                self.gateway.abandon(entry.admitted, started=entry.started, now=now)
-            self.pending.clear()
-
-    async def _read(self, requests: AsyncIterator[bytes]) -> None:
-        try:
-            async for raw in requests:
-                await self._submit(raw)
-            # Client half-closed: dispatch what is waiting, let the backends finish, then end.
-            await asyncio.gather(*self.dispatches, return_exceptions=True)
-            for queue in self.backend_queues.values():
-                await queue.put(None)
-            await asyncio.gather(*self.pumps, return_exceptions=True)
-        finally:
-            await self.out.put(None)
-
-    async def _submit(self, raw: bytes) -> None:
-        client_id = ""
-        # Each request on a stream is its own arrival: its budget starts now, not when the
-        # stream opened; the stream's own deadline (if any) still bounds it.
-        arrived = clock.now()
-        remaining = self.call.time_remaining_s
-        call = dataclasses.replace(
-            self.call,
-            time_remaining_s=None if remaining is None else remaining - (arrived - self.call.received_at),
-            received_at=arrived,
-        )
-        try:
-            request = parse_infer_request(raw)
-            client_id = request.id
-            admitted = await self.gateway.admit(
-                request, self.tenant, call, operation="ModelStreamInfer", mode=Mode.STREAMING
-            )
-        except GatewayError as error:
-            await self._fail(error, client_id)
-            return
-        entry = _StreamRequest(
-            admitted, client_id, arrived, _flag(request, "triton_enable_empty_final_response")
-        )
-        task = asyncio.get_running_loop().create_task(self._dispatch(entry))
-        self.dispatches.add(task)
-        task.add_done_callback(self.dispatches.discard)
-
-    async def _fail(self, error: GatewayError, client_id: str) -> None:
-        self.gateway.listener.failed(error.status, error.rule or "")
-        await self.out.put(stream_error(error, client_id))
-
-    async def _dispatch(self, entry: _StreamRequest) -> None:
-        admitted = entry.admitted
-        try:
-            entry.slot = await self.gateway.acquire(admitted)
-        except BaseException as error:
-            self.gateway.abandon(admitted, started=None, now=clock.now())
-            if isinstance(error, GatewayError):
-                await self._fail(error, entry.client_id)
-                return
-            raise
-        entry.started = clock.now()
-        self.gateway._dispatched(
-            admitted, dwell_ms=(entry.started - entry.arrived) * 1000.0, now=entry.started
-        )
-        internal_id = uuid.uuid4().hex
-        admitted.backend_request.id = internal_id
-        self.pending[internal_id] = entry
-        queue = self.backend_queues.get(admitted.backend.name)
-        if queue is None:
-            queue = asyncio.Queue()
-            self.backend_queues[admitted.backend.name] = queue
-            self.pumps.append(asyncio.get_running_loop().create_task(self._pump(admitted.backend, queue)))
-        await queue.put(admitted.backend_request)
-
-    async def _pump(
-        self, backend: TritonBackend, queue: asyncio.Queue[service_pb2.ModelInferRequest | None]
-    ) -> None:
-        async def requests() -> AsyncIterator[service_pb2.ModelInferRequest]:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                yield item
-
-        call = backend.stream(requests(), timeout_s=self.call.time_remaining_s)
-        try:
-            # Ends when the backend has answered everything after our half-close.
-            async for reply in call:
-                await self._on_reply(reply)
-        except Exception as exc:  # backend stream broke: fail every request still pending on it
-            error = Unavailable(f"streaming backend failed ({type(exc).__name__})")
-            for internal_id, entry in list(self.pending.items()):
-                if entry.admitted.backend is backend:
-                    del self.pending[internal_id]
-                    entry.release()
-                    self.gateway.abandon(entry.admitted, started=entry.started, now=clock.now())
-                    await self._fail(error, entry.client_id)
-        finally:
-            call.cancel()
-
-    async def _on_reply(self, reply: service_pb2.ModelStreamInferResponse) -> None:
-        response = reply.infer_response
-        entry = self.pending.get(response.id)
-        if entry is None:
-            return
-        admitted = entry.admitted
-        if reply.error_message:
-            del self.pending[response.id]
-            entry.release()
-            self.gateway.abandon(admitted, started=entry.started, now=clock.now())
-            logical = admitted.record.identity.model
-            detail = reply.error_message.replace(admitted.route.backend_model, logical)
-            error = InvalidArgument(f"model {logical!r}: {detail}")
-            await self._fail(error, entry.client_id)
-            return
-        final = _flag_response(response, "triton_final_response")
-        has_output = len(response.outputs) > 0
-        now = clock.now()
-        if has_output:
-            entry.tokens += 1
-            if entry.first_result is None:
-                entry.first_result = now
-        if final:
-            del self.pending[response.id]
-            entry.release()
-        # Partial responses carry the charge so far; only the final one teaches the estimator.
-        settled = self.gateway.settle(
-            admitted,
-            queued_s=entry.started - entry.arrived,
-            started=entry.started,
-            finished=now,
-            output_tokens=entry.tokens,
-            learn=final,
-            first_result=entry.first_result if entry.first_result is not None else now,
-        )
-        if final:
-            self.gateway.listener.settled(settled)
-        if has_output or (final and entry.wants_final):
-            response.id = entry.client_id
-            response.model_name = admitted.record.identity.model
-            attach_provenance(response, settled)
-            await self.out.put(reply)
-
-
-def _flag(request: service_pb2.ModelInferRequest, name: str) -> bool:
-    return name in request.parameters and bool(request.parameters[name].bool_param)
-
-
-def _flag_response(response: service_pb2.ModelInferResponse, name: str) -> bool:
-    return name in response.parameters and bool(response.parameters[name].bool_param)
-
-
-def stream_error(error: GatewayError, client_id: str) -> service_pb2.ModelStreamInferResponse:
-    reply = service_pb2.ModelStreamInferResponse(error_message=f"{error.status}: {error.message}")
-    reply.infer_response.id = client_id
-    for key, value in error.trailing_metadata():
-        reply.infer_response.parameters[key].string_param = value
-    return reply

@@ -6,6 +6,12 @@ Triton when configured, open backend channels and their health probes, serve
 ``inference.GRPCInferenceService`` + ``grpc.health.v1`` + server reflection,
 and shut down on SIGTERM/SIGINT: report NOT_SERVING, stop taking new calls,
 drain in-flight work within ``limits.drain_timeout_s``, stop Triton, exit 0.
+
+The assembly of a ``Gateway`` from configuration and connected backends
+(``load_configuration``, ``load_policies``, ``assemble_gateway``) and its
+background loops (``update_ladders_forever``, ``sample_statistics_forever``) are
+module functions, so that ``orchid-gateway simulate`` builds and runs the same
+runtime on in-memory backends in virtual time.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from gateway.backends.triton import TritonBackend
 from gateway.config import (
     BackendConfig,
     GatewayConfig,
+    RouteTable,
+    TenantsFile,
     check_dedicated,
     check_references,
     load_gateway_config,
@@ -39,7 +47,7 @@ from gateway.config import (
     load_tenants,
 )
 from gateway.core.errors import ConfigError
-from gateway.pipeline import BackendHandle, Gateway
+from gateway.pipeline import BackendHandle, Gateway, GatewayListener
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.diagnostics import PolicyLoadError
 from gateway.policy.store import PolicyStore
@@ -49,6 +57,60 @@ from gateway.telemetry import Telemetry
 log = logging.getLogger("orchid.gateway")
 
 LOCAL_BACKEND = "local"
+# How often every pool's ladder steps from fresh evidence, and how often the backends'
+# statistics are sampled (Triton's queue/compute split for the charge).
+LADDER_UPDATE_S = 0.1
+STATISTICS_SAMPLE_S = 1.0
+
+
+def load_configuration(config: GatewayConfig) -> tuple[TenantsFile, RouteTable]:
+    """The tenants and routes files ``config`` names, loaded and cross-checked."""
+    tenants = load_tenants(config.tenants_file)
+    routes = load_routes(config.routes_dir)
+    check_references(config, tenants, routes)
+    check_dedicated(config, tenants, routes)
+    return tenants, routes
+
+
+def load_policies(config: GatewayConfig) -> PolicyStore:
+    """The policy set of ``config.policies_dir``, compiled; ``PolicyLoadError`` if it is bad."""
+    policy = PolicyStore(config.policies_dir, engine=config.policy_engine)
+    result = policy.reload()
+    if not result.ok:
+        raise PolicyLoadError(result.diagnostics)
+    return policy
+
+
+async def assemble_gateway(
+    config: GatewayConfig,
+    tenants: TenantsFile,
+    routes: RouteTable,
+    backends: dict[str, BackendHandle],
+    policy: PolicyStore,
+    *,
+    listener: GatewayListener | None = None,
+) -> Gateway:
+    """A ``Gateway`` over connected backends: each watches the readiness of every backend
+    model a route, a dedicated tenant or a shadow may use (fallback warmth from the start)."""
+    reserved = {m for t in tenants.tenants.values() for m in t.dedicated_models.values()}
+    reserved |= {r.shadow.backend_model for r in routes.models.values() if r.shadow is not None}
+    watched = {r.backend_model for r in routes.models.values()} | reserved
+    for handle in backends.values():
+        handle.client.watched_models.update(watched)
+        await handle.client.probe()
+    return Gateway(config, TenantDirectory(tenants), routes, backends, policy, listener=listener)
+
+
+async def update_ladders_forever(gateway: Gateway, interval_s: float = LADDER_UPDATE_S) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        gateway.update_ladders(clock.now())
+
+
+async def sample_statistics_forever(gateway: Gateway, interval_s: float = STATISTICS_SAMPLE_S) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await gateway.sample_statistics()
 
 
 class GatewayServer:
@@ -66,18 +128,6 @@ class GatewayServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._decision_file: TextIO | None = None
         self._metrics_server: Any = None
-
-    async def _update_ladders(self, interval_s: float = 0.1) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            if self.gateway is not None:
-                self.gateway.update_ladders(clock.now())
-
-    async def _sample_statistics(self, interval_s: float = 1.0) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            if self.gateway is not None:
-                await self.gateway.sample_statistics()
 
     def _decision_log(self) -> DecisionLog:
         path = self.config.telemetry.decision_log
@@ -106,10 +156,7 @@ class GatewayServer:
 
     async def start(self) -> None:
         config = self.config
-        tenants = load_tenants(config.tenants_file)
-        routes = load_routes(config.routes_dir)
-        check_references(config, tenants, routes)
-        check_dedicated(config, tenants, routes)
+        tenants, routes = load_configuration(config)
         if config.local_triton is not None:
             local = config.local_triton
             self._workdir = tempfile.TemporaryDirectory(prefix="orchid-triton-")
@@ -139,23 +186,15 @@ class GatewayServer:
                 backend.time_scale,
                 backend.shared_devices,
             )
-        self.policy = PolicyStore(config.policies_dir, engine=config.policy_engine)
-        result = await asyncio.to_thread(self.policy.reload)
-        if not result.ok:
-            raise PolicyLoadError(result.diagnostics)
-        reserved = {m for t in tenants.tenants.values() for m in t.dedicated_models.values()}
-        reserved |= {r.shadow.backend_model for r in routes.models.values() if r.shadow is not None}
-        for handle in clients.values():
-            handle.client.watched_models.update({r.backend_model for r in routes.models.values()} | reserved)
-            await handle.client.probe()  # readiness of the watched models (fallback warmth) from the start
+        self.policy = await asyncio.to_thread(load_policies, config)
         self.telemetry = Telemetry(config.telemetry, decision_log=self._decision_log())
         if config.telemetry.metrics_listen:
             host, _, port = config.telemetry.metrics_listen.rpartition(":")
             self._metrics_server, _ = start_http_server(
                 int(port), addr=host or "127.0.0.1", registry=self.telemetry.metrics.registry
             )
-        self.gateway = Gateway(
-            config, TenantDirectory(tenants), routes, clients, self.policy, listener=self.telemetry
+        self.gateway = await assemble_gateway(
+            config, tenants, routes, clients, self.policy, listener=self.telemetry
         )
         limit = config.limits.max_message_bytes
         self.server = grpc.aio.server(
@@ -178,8 +217,8 @@ class GatewayServer:
             raise OSError(f"cannot listen on {self.listen}")
         await self.server.start()
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._sample_statistics(), name="stats"))
-        self._tasks.append(loop.create_task(self._update_ladders(), name="ladders"))
+        self._tasks.append(loop.create_task(sample_statistics_forever(self.gateway), name="stats"))
+        self._tasks.append(loop.create_task(update_ladders_forever(self.gateway), name="ladders"))
         self._tasks.append(loop.create_task(self.policy.watch(config.policy_watch_s), name="policy-watch"))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("orchid-gateway listening on %s", self.address)

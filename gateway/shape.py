@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2
 from gateway.backends.triton import ModelSpec
 from gateway.config import ShapeSpec
 from gateway.core.errors import InvalidArgument
-from gateway.core.record import Shape
+from gateway.core.record import LONG_BUCKET, SHORT_BUCKET, Shape
 
 DTYPE_BYTES: dict[str, int] = {
     "BOOL": 1,
@@ -62,11 +62,6 @@ _CONTENTS_FIELD = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
-
-# Shape buckets: inputs longer than the route's ``long_input_tokens`` are "long". The bucket is
-# part of the batching-compatibility key, and dispatch keeps long work off the short lane.
-SHORT_BUCKET = "short"
-LONG_BUCKET = "long"
 
 
 @dataclass(frozen=True, slots=True)

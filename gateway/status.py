@@ -17,6 +17,7 @@ services cannot disagree about an error's status.
 from __future__ import annotations
 
 import logging
+import traceback
 from dataclasses import dataclass
 
 import grpc
@@ -24,6 +25,8 @@ import grpc
 from gateway.core.errors import GatewayError, Internal, Unavailable
 
 log = logging.getLogger(__name__)
+
+INTERNAL_MESSAGE = "internal gateway error"  # all a caller learns of a bug
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +48,11 @@ def domain_error(exc: BaseException, *, where: str) -> GatewayError:
     if isinstance(exc, grpc.aio.AioRpcError):
         log.warning("backend error on %s: %s", where, exc.code())
         return Unavailable("backend unavailable")
-    # The type and the stack, not str(exc): an exception's text may quote request data.
-    log.error("internal error in %s: %s", where, type(exc).__name__, exc_info=(type(exc), exc, None))
-    return Internal("internal gateway error")
+    # The type and the stack, not str(exc): an exception's text may quote request data. (A
+    # logged exc_info would print that text, so the frames are formatted without it.)
+    frames = "".join(traceback.format_tb(exc.__traceback__)).rstrip()
+    log.error("internal error in %s: %s\n%s", where, type(exc).__name__, frames)
+    return Internal(INTERNAL_MESSAGE)
 
 
 def to_status(exc: BaseException, *, where: str) -> Status:

@@ -58,17 +58,11 @@ from gateway.config import (
 from gateway.core.errors import ConfigError
 from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 from gateway.pipeline import Gateway
+from gateway.policy.context import build_policy_context
 from gateway.policy.diagnostics import PolicyLoadError, render_all
 from gateway.policy.loader import load_policies
 from gateway.policy.model import STAGE_ORDER, ActionKind, Rule, Stage, Variable
-from gateway.policy.schema import (
-    BackendFacts,
-    LoadFacts,
-    PolicyContext,
-    QualityEvidence,
-    RouteFacts,
-    TenantFacts,
-)
+from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
 from gateway.policy.snapshot import PolicyResult, PolicySnapshot
 from gateway.server import LOCAL_BACKEND
 from orchid_tools.demo import DEMO_KEYS
@@ -344,7 +338,7 @@ def _candidates(view: _RoutingView, route: RouteConfig, cell: str) -> list[str]:
 # --------------------------------------------------------------------------- policy probes
 
 
-def _probe(
+def probe_inputs(
     served: Served,
     name: str,
     tenant: TenantConfig,
@@ -355,9 +349,11 @@ def _probe(
     request_class: str,
     cell: str,
     backends: tuple[BackendFacts, ...] = (),
-) -> PolicyResult:
-    """Evaluate the served policy for one benign request of this tenant: no load, ample quota,
-    a deadline with slack. Capacity rules stay quiet, so what decides is entitlement and isolation."""
+) -> tuple[RequestRecord, PolicyContext]:
+    """One benign request of this tenant, as policy would see it: no load, no quota limit, a
+    deadline with slack, the fallback assumed warm in the tenant's cell. Capacity rules stay
+    quiet, so what decides is entitlement and isolation. The context comes from the builder
+    the gateway uses (``gateway.policy.context``), so probes read the facts serving reads."""
     fallback = served.routes.models.get(route.fallback) if route.fallback else None
     class_config = served.config.classes.get(request_class)
     deadline_ms = class_config.default_deadline_ms if class_config else 1000.0
@@ -383,33 +379,42 @@ def _probe(
         ),
         ladder_step=0,
     )
-    context = PolicyContext(
-        tenant=TenantFacts(
-            name=name,
-            allowed_cells=tenant.cells,
-            allowed_classes=tenant.classes,
-            allowed_models=tenant.models,
-            dedicated=tenant.dedicated,
-            weight=tenant.weight,
-            allow_fallback=tenant.allow_fallback,
-            max_output_tokens=tenant.max_output_tokens,
-            accelerator_ms_per_s=1e9,
-            available_accelerator_ms=1e12,
-        ),
-        route=RouteFacts(
-            model=route.backend_model,
-            fallback_model=route.fallback or "",
-            fallback_classes=route.fallback_classes,
-            fallback_warm=fallback is not None,
-            fallback_cell=cell if fallback is not None else "",
-            quality=QualityEvidence(
-                score=route.quality.score if route.quality else 0.0,
-                fallback_score=fallback.quality.score if fallback and fallback.quality else 0.0,
-                floor=fallback.quality_floor if fallback and fallback.quality_floor is not None else 1.0,
-                population=route.quality.population if route.quality else "",
-            ),
-        ),
+    context = build_policy_context(
+        name,
+        tenant,
+        route,
+        fallback,
+        fallback_warm=fallback is not None,  # the audit reports what configuration allows
+        fallback_cell=cell if fallback is not None else "",
         load=LoadFacts(utilization=0.0, drain_ms=0.0),
+        quota=None,  # unmetered: quota never decides a probe
+        backends=backends,
+    )
+    return record, context
+
+
+def _probe(
+    served: Served,
+    name: str,
+    tenant: TenantConfig,
+    route: RouteConfig,
+    *,
+    model: str,
+    model_version: str,
+    request_class: str,
+    cell: str,
+    backends: tuple[BackendFacts, ...] = (),
+) -> PolicyResult:
+    """Evaluate the served policy for one benign request of this tenant (``probe_inputs``)."""
+    record, context = probe_inputs(
+        served,
+        name,
+        tenant,
+        route,
+        model=model,
+        model_version=model_version,
+        request_class=request_class,
+        cell=cell,
         backends=backends,
     )
     return served.policy.evaluate(record, context)

@@ -2,7 +2,8 @@
 
 This module owns the *workload description* schema (request classes with arrival
 rates and shapes, model demand profiles, the device, the overload policy, a
-deadline budget and a padding example), its loading with file/key-path errors,
+deadline budget and a padding example), its loading with ``file:line:col`` and
+key-path errors (through the gateway's one located-YAML reader, ``gateway.yaml_source``),
 and the pure arithmetic that turns it into the seed's model-serving capacity
 worksheet: memory, execution demand, scheduling and batching, quality and
 overload. Each figure carries its value, unit and a one-line meaning; the text
@@ -27,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.core.errors import ConfigError
 from gateway.core.profile import GIB, DemandProfile, batch_accelerator_ms, padding
 from gateway.core.record import Budget
+from gateway.yaml_source import YamlDocument, YamlError, read_yaml
 
 MS_PER_S = 1000.0
 _EPS = 1e-9  # float noise allowance when rounding device counts up
@@ -232,28 +233,6 @@ def _split_key(key: str) -> list[str | int]:
     return parts
 
 
-def _mark(root: yaml.Node | None, parts: Sequence[str | int]) -> tuple[int, int] | None:
-    """1-based (line, column) of the deepest node on ``parts`` that exists in the document."""
-    if root is None:
-        return None
-    node: yaml.Node = root
-    mark = root.start_mark
-    for part in parts:
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                if isinstance(key_node, yaml.ScalarNode) and key_node.value == str(part):
-                    node, mark = value_node, key_node.start_mark
-                    break
-            else:
-                break
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
-            node = node.value[part]
-            mark = node.start_mark
-        else:
-            break
-    return mark.line + 1, mark.column + 1
-
-
 def _problem(error: Mapping[str, Any]) -> tuple[list[str | int], str]:
     """(key path, operator-facing problem) of one pydantic error."""
     loc: list[str | int] = [p for p in error["loc"] if isinstance(p, str | int)]
@@ -271,8 +250,11 @@ def _problem(error: Mapping[str, Any]) -> tuple[list[str | int], str]:
     return loc, message
 
 
-def workload_from_data(data: Any, source: str = "<workload>", root: yaml.Node | None = None) -> Workload:
-    """Validate parsed YAML; raise ``ConfigError(source[:line:col], key.path, problem)``."""
+def workload_from_data(
+    data: Any, source: str = "<workload>", document: YamlDocument | None = None
+) -> Workload:
+    """Validate parsed YAML; raise ``ConfigError(source[:line:col], key.path, problem)``
+    (``line:col`` of the offending key when the ``document`` it was read from is given)."""
     if not isinstance(data, dict):
         got = "an empty document" if data is None else type(data).__name__
         raise ConfigError(source, "", f"expected a mapping of workload sections at the top level, got {got}")
@@ -283,31 +265,18 @@ def workload_from_data(data: Any, source: str = "<workload>", root: yaml.Node | 
         parts, problem = _problem(errors[0])
         if len(errors) > 1:
             problem += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-        mark = _mark(root, parts)
-        location = f"{source}:{mark[0]}:{mark[1]}" if mark else source
+        location = document.location(parts) if document is not None else source
         raise ConfigError(location, _dotted(parts), problem) from None
 
 
 def load_workload(path: str | Path) -> Workload:
-    """Read and validate a workload file. Every failure is a ``ConfigError`` naming the file."""
-    source = str(path)
+    """Read and validate a workload file (``gateway.yaml_source``, the gateway's located-YAML
+    reader). Every failure is a ``ConfigError`` naming the file."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(source, "", f"cannot read file: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(source, "", f"not UTF-8 text: {exc.reason}") from None
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        location = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        what = exc.problem or exc.context or "invalid YAML"
-        raise ConfigError(location, "", f"YAML syntax error: {what}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, "", f"YAML error: {exc}") from None
-    return workload_from_data(data, source, root)
+        document = read_yaml(path)
+    except YamlError as exc:
+        raise ConfigError(exc.location, "", exc.problem) from None
+    return workload_from_data(document.value(), str(path), document)
 
 
 # --------------------------------------------------------------------------- figures

@@ -24,6 +24,7 @@ _COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("policy", "test"), "gateway.policy.cli_test", "run the policy test suites"),
     (("policy", "explain"), "gateway.policy.cli_explain", "evaluate every rule for one request record"),
     (("capacity",), "orchid_tools.capacity", "print the capacity worksheet for a workload file"),
+    (("simulate",), "orchid_tools.simulate", "run a scenario through the runtime in virtual time"),
     (("audit", "isolation"), "orchid_tools.audit", "who can reach what, who can share an instance"),
 )
 

@@ -13,12 +13,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from gateway import clock
+from gateway.backends.base import InputSpec, ModelSpec
 from gateway.core.errors import (
     Cancelled,
     DeadlineExpired,
@@ -33,32 +33,7 @@ log = logging.getLogger(__name__)
 
 _PASS_THROUGH_MESSAGE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
-
-@dataclass(frozen=True, slots=True)
-class InputSpec:
-    name: str
-    datatype: str
-    shape: tuple[int, ...]  # -1 = variable; includes the batch dim for batched models
-    optional: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """What the gateway needs from a backend model's metadata and config."""
-
-    name: str
-    versions: tuple[str, ...]
-    inputs: tuple[InputSpec, ...]
-    outputs: tuple[str, ...]
-    max_batch_size: int
-    decoupled: bool
-    instances: int  # instance count: each stands for one device in the emulator
-
-    def input(self, name: str) -> InputSpec | None:
-        for spec in self.inputs:
-            if spec.name == name:
-                return spec
-        return None
+__all__ = ["InputSpec", "ModelSpec", "TritonBackend", "spec_from", "translate_rpc_error"]
 
 
 def translate_rpc_error(error: grpc.aio.AioRpcError, *, model: str, backend_model: str) -> GatewayError:
@@ -83,7 +58,7 @@ def translate_rpc_error(error: grpc.aio.AioRpcError, *, model: str, backend_mode
 
 
 class TritonBackend:
-    """One Triton endpoint."""
+    """One Triton endpoint (a ``gateway.backends.base.Backend``)."""
 
     def __init__(self, name: str, address: str, *, max_message_bytes: int) -> None:
         self.name = name

@@ -9,10 +9,13 @@ drives it in virtual time). CI enforces it (``.importlinter``): no module under
     record     the resource-and-outcome record (identity, shape, demand, budget, outcome)
     profile    demand profiles: accelerator-ms by phase, padding, memory
     estimate   prediction and its correction from observed work
+    pricing    a request's record on one pool: demand, budget, predicted queue wait
+    settlement charging observed work, teaching the estimator, refunds
     quota      the quota ledger: reserve, settle, borrow
     overload   demand windows, the ladder, fair allocation and flow plans
     load       one pool's load: offered/admitted demand per flow, the plan
     dispatch   the fair-share dispatch queue with device list-scheduling
     admission  the admission decision from priced candidates and policy results
     errors     the domain error tree (statuses by name; the edge maps them)
+    entitlement which models a tenant may call (the one answer auth and policy share)
 """

@@ -58,6 +58,12 @@ class Identity:
     operation_id: str = ""
 
 
+# Shape buckets: inputs longer than the route's ``long_input_tokens`` are "long". The bucket is
+# part of the batching-compatibility key, and dispatch keeps long work off the short lane.
+SHORT_BUCKET = "short"
+LONG_BUCKET = "long"
+
+
 @dataclass(frozen=True, slots=True)
 class Shape:
     items: int
@@ -67,6 +73,10 @@ class Shape:
     streaming: bool = False
     bucket: str = ""  # shape bucket name; part of the batching-compatibility key
     input_bytes: int = 0
+
+    @property
+    def long(self) -> bool:
+        return self.bucket == LONG_BUCKET
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from gateway.core.entitlement import may_call
 from gateway.core.record import RequestRecord
 
 
@@ -80,7 +81,8 @@ class TenantFacts:
     name: str
     allowed_cells: tuple[str, ...] = ()
     allowed_classes: tuple[str, ...] = ()
-    allowed_models: tuple[str, ...] = ()  # empty: every model the routes expose
+    # The configured ``models``: the whole entitlement, empty = none (``gateway.core.entitlement``).
+    allowed_models: tuple[str, ...] = ()
     dedicated: bool = False  # never shares a batch or instance with other tenants
     weight: float = 1.0  # fair-share weight
     allow_fallback: bool = True  # tenant-level opt-out of approximate answers
@@ -344,8 +346,15 @@ FIELDS: tuple[Field, ...] = (
         "tenant.allowed_models",
         LIST_STRING,
         _F,
-        "models the tenant may reach (empty: all routed models)",
+        "the tenant's configured `models`: exactly the models it may call (empty: none)",
         lambda r, c: _strings(c.tenant.allowed_models),
+    ),
+    _req(
+        "tenant.entitled",
+        BOOL,
+        _G,
+        "the tenant may call request.model: the gateway's own answer (`gateway.core.entitlement`)",
+        lambda r, c: may_call(c.tenant.allowed_models, r.identity.model),
     ),
     _req(
         "tenant.dedicated",
@@ -441,7 +450,7 @@ FIELDS: tuple[Field, ...] = (
         "route.quality.floor",
         DOUBLE,
         _F,
-        "minimum acceptable quality for the population",
+        "minimum acceptable quality: the route's `quality_floor`, else its fallback's, else 1.0",
         lambda r, c: float(c.route.quality.floor),
     ),
     _req(

@@ -1,11 +1,12 @@
-"""Located YAML: policy files parsed into nodes that remember line and column.
+"""Policy sources: policy, test-suite and request files as located nodes and diagnostics.
 
-This module owns reading YAML for policy, test-suite and request files with
-``yaml.compose`` (node marks, no object construction), the structural helpers
-that turn a node into a mapping/list/scalar with a located error, and the one
-tricky bit: mapping an offset *inside a CEL expression* (as the engine reports
-it) back to the line and column *in the file*, through YAML quoting, block
-scalars and folding.
+This module owns turning those files into ``Diagnostic``s that point at a line
+and column. It composes them with the gateway's one located-YAML reader
+(``gateway.yaml_source``: node marks, no object construction), holds the
+structural helpers that turn a node into a mapping/list/scalar with a located
+error, and the one tricky bit: mapping an offset *inside a CEL expression* (as
+the engine reports it) back to the line and column *in the file*, through YAML
+quoting, block scalars and folding.
 
 The mapping aligns the expression's non-blank characters with the scalar's
 source text, in order. Plain, literal (``|``) and folded (``>``) scalars only
@@ -23,11 +24,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
 from yaml.constructor import ConstructorError, SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from gateway.policy.diagnostics import Diagnostic
+from gateway.yaml_source import YamlError, first_alias, parse_yaml
 
 NULL_TAG = "tag:yaml.org,2002:null"
 STR_TAG = "tag:yaml.org,2002:str"
@@ -83,21 +84,17 @@ class SourceFile:
         return self.diagnostic_at(node.start_mark.line + 1, node.start_mark.column + 1, message)
 
     def compose(self) -> Node | None:
-        """Parse to a node tree; raises ``Located``-style diagnostics via ``YamlSyntaxError``."""
+        """Parse to a node tree (``gateway.yaml_source``); a syntax error raises
+        ``YamlSyntaxError``, an anchor or alias ``Located``."""
         try:
-            node = yaml.compose(self.text, Loader=yaml.SafeLoader)
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            problem = exc.problem or exc.context or "invalid YAML"
-            if exc.problem and exc.context and exc.context_mark is not None:
-                started = exc.context_mark
-                problem += f" ({exc.context} at line {started.line + 1}, column {started.column + 1})"
-            line, column = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
-            raise YamlSyntaxError(self.diagnostic_at(line, column, f"YAML syntax error: {problem}")) from exc
-        except yaml.YAMLError as exc:  # reader errors: bad bytes, control characters
-            raise YamlSyntaxError(self.diagnostic_at(1, 1, f"YAML error: {exc}")) from exc
+            node = parse_yaml(self.path, self.text).root
+        except YamlError as exc:
+            line, column = exc.line or 1, exc.column or 1
+            raise YamlSyntaxError(self.diagnostic_at(line, column, exc.problem)) from exc
         if node is not None:
-            _refuse_aliases(node)
+            alias = first_alias(node)
+            if alias is not None:
+                raise Located(alias, "YAML anchors and aliases are not allowed in policy files")
         return node
 
     # -- expression positions ------------------------------------------------
@@ -159,22 +156,6 @@ def _offset_of(value: str, line: int, column: int) -> int:
             break
         offset = newline + 1
     return offset + max(0, column - 1)
-
-
-def _refuse_aliases(root: Node) -> None:
-    seen: set[int] = set()
-    stack: list[Node] = [root]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            raise Located(node, "YAML anchors and aliases are not allowed in policy files")
-        seen.add(id(node))
-        if isinstance(node, MappingNode):
-            for key, value in node.value:
-                stack.append(key)
-                stack.append(value)
-        elif isinstance(node, SequenceNode):
-            stack.extend(node.value)
 
 
 # ---------------------------------------------------------------------------

@@ -35,13 +35,16 @@ A suite::
 
 ``given`` merges mappings key by key; lists (and ``backends``) replace.
 Derived values (``demand.accelerator_ms``, ``budget.slack_ms``,
-``budget.remaining_ms``) cannot be given: set the terms they derive from.
-Only the keys in ``expect`` are checked.
+``budget.remaining_ms``, ``tenant.entitled``) cannot be given: set the terms they
+derive from. Tenant and route facts are turned into a context by the gateway's own
+builder (``gateway.policy.context.build_policy_context``), so a case reads what serving
+would derive from the same configuration. Only the keys in ``expect`` are checked.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,18 +52,15 @@ from typing import Any
 
 from yaml.nodes import MappingNode, Node
 
+from gateway.config import QualityEvidence as RouteQuality
+from gateway.config import ReducedOutput, RouteConfig, TenantConfig
+from gateway.core.quota import QuotaView
 from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 from gateway.policy import schema
+from gateway.policy.context import build_policy_context
 from gateway.policy.diagnostics import Diagnostic, PolicyLoadError
 from gateway.policy.model import SourceRef
-from gateway.policy.schema import (
-    BackendFacts,
-    LoadFacts,
-    PolicyContext,
-    QualityEvidence,
-    RouteFacts,
-    TenantFacts,
-)
+from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
 from gateway.policy.snapshot import PolicyResult, PolicySnapshot
 from gateway.policy.source import (
     Located,
@@ -115,7 +115,7 @@ BASE_GIVEN: Mapping[str, Any] = {
         "name": "orchid",
         "allowed_cells": ["eu-restricted"],
         "allowed_classes": ["interactive", "batch"],
-        "allowed_models": [],
+        "allowed_models": ["full-v18", "compact-v11", "full-v18-stream"],
         "dedicated": False,
         "weight": 1.0,
         "allow_fallback": True,
@@ -149,6 +149,7 @@ DERIVED: Mapping[str, str] = {
     "demand.accelerator_ms": "demand.prefill_ms and demand.decode_ms",
     "budget.slack_ms": "budget.deadline_ms, elapsed_ms, reserve_*_ms and queue_wait_ms",
     "budget.remaining_ms": "budget.deadline_ms and budget.elapsed_ms",
+    "tenant.entitled": "request.model and tenant.allowed_models",
 }
 _GIVEN_KEYS = ("request", "shape", "demand", "budget", "tenant", "route", "load", "backends")
 _BACKEND_KEYS = ("name", "model", "labels")
@@ -274,6 +275,29 @@ def merge_given(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[st
     return merged
 
 
+def _quota_view(tenant: str, request_class: str, rate: float, available: float) -> QuotaView:
+    """The ledger's answer a suite states: ``available`` is what it would grant now (borrowing
+    included), ``rate`` its refill."""
+    return QuotaView(
+        tenant=tenant,
+        request_class=request_class,
+        metered=not math.isinf(available),
+        pooled=False,
+        available_accelerator_ms=available,
+        refill_ms_per_s=rate,
+        burst_ms=0.0,
+        borrowable_ms=0.0,
+        available_live_token_ms=math.inf,
+        live_token_refill_ms_per_s=0.0,
+        concurrent=0,
+        max_concurrent=None,
+        queued_ms=0.0,
+        max_queued_ms=None,
+        max_input_tokens=None,
+        max_output_tokens=None,
+    )
+
+
 def build_inputs(given: Mapping[str, Any]) -> tuple[RequestRecord, PolicyContext]:
     """A full record and context from ``BASE_GIVEN`` overlaid with ``given``."""
     g = merge_given(BASE_GIVEN, given)
@@ -302,40 +326,56 @@ def build_inputs(given: Mapping[str, Any]) -> tuple[RequestRecord, PolicyContext
         ladder_step=ld["ladder_step"],
     )
     quality = rt["quality"]
-    context = PolicyContext(
-        tenant=TenantFacts(
-            name=t["name"],
-            allowed_cells=tuple(t["allowed_cells"]),
-            allowed_classes=tuple(t["allowed_classes"]),
-            allowed_models=tuple(t["allowed_models"]),
-            dedicated=t["dedicated"],
-            weight=t["weight"],
-            allow_fallback=t["allow_fallback"],
-            accelerator_ms_per_s=t["accelerator_ms_per_s"],
-            available_accelerator_ms=t["available_accelerator_ms"],
-            max_output_tokens=t["max_output_tokens"],
-        ),
-        route=RouteFacts(
-            model=rt["model"],
-            fallback_model=rt["fallback_model"],
-            fallback_classes=tuple(rt["fallback_classes"]),
-            fallback_warm=rt["fallback_warm"],
-            fallback_cell=rt["fallback_cell"],
-            quality=QualityEvidence(
-                score=quality["score"],
-                fallback_score=quality["fallback_score"],
-                floor=quality["floor"],
-                population=quality["population"],
-                reduced_output_score=quality["reduced_output_score"],
+    # The facts go through the gateway's own builder (``gateway.policy.context``): a suite
+    # states a tenant's configuration and a route's evidence in policy's names, and reads
+    # back exactly what serving would derive from them (the floor a route with no floor of
+    # its own takes, entitlement, no fallback score without a fallback ...).
+    tenant_config = TenantConfig.model_construct(
+        cells=tuple(t["allowed_cells"]),
+        classes=tuple(t["allowed_classes"]),
+        models=tuple(t["allowed_models"]),
+        dedicated=t["dedicated"],
+        weight=t["weight"],
+        allow_fallback=t["allow_fallback"],
+        max_output_tokens=t["max_output_tokens"],
+    )
+    route = RouteConfig.model_construct(
+        backend_model=rt["model"],
+        fallback=rt["fallback_model"] or None,
+        fallback_classes=tuple(rt["fallback_classes"]),
+        quality=RouteQuality.model_construct(population=quality["population"], score=quality["score"]),
+        quality_floor=quality["floor"],
+        reduced_output=ReducedOutput.model_construct(
+            max_output_tokens=int(rt["reduced_output_tokens"]),
+            quality=RouteQuality.model_construct(
+                population=quality["population"], score=quality["reduced_output_score"]
             ),
-            reduced_output_tokens=int(rt["reduced_output_tokens"]),
         ),
+    )
+    fallback = (
+        RouteConfig.model_construct(
+            backend_model=rt["fallback_model"],
+            quality=RouteQuality.model_construct(
+                population=quality["population"], score=quality["fallback_score"]
+            ),
+        )
+        if rt["fallback_model"]
+        else None
+    )
+    context = build_policy_context(
+        t["name"],
+        tenant_config,
+        route,
+        fallback,
+        fallback_warm=rt["fallback_warm"],
+        fallback_cell=rt["fallback_cell"],
         load=LoadFacts(
             utilization=ld["utilization"],
             drain_ms=ld["drain_ms"],
             shed=bool(ld["shed"]),
             reduce_output=bool(ld["reduce_output"]),
         ),
+        quota=_quota_view(t["name"], r["class"], t["accelerator_ms_per_s"], t["available_accelerator_ms"]),
         backends=tuple(
             BackendFacts(name=x["name"], model=x.get("model", ""), labels=dict(x.get("labels", {})))
             for x in g["backends"]

@@ -1,0 +1,117 @@
+"""The backend seam: what the runtime uses of a model server, and nothing more.
+
+``Backend`` is the one cut between the gateway's runtime and a model server (as
+httpx's ``BaseTransport`` is between its API and the network). The request path
+(``gateway.pipeline``), the protocol edge (``gateway.protocol``) and the process
+assembly (``gateway.server``) call only these members. Two implementations:
+
+* ``gateway.backends.triton.TritonBackend``: a real Triton endpoint over gRPC;
+* ``gateway.backends.memory.MemoryBackend``: an in-memory capacity emulator on
+  asyncio timers (the simulator's backend; in virtual time on
+  ``orchid_tools.virtual_time.VirtualTimeLoop``).
+
+Both speak the KServe v2 protobuf messages of ``tritonclient.grpc`` (requests
+in, responses, metadata, config and statistics out), so the request path is the
+same whichever serves it. Failures are raised as the domain's ``GatewayError``
+tree, never as a transport's exceptions.
+
+``ModelSpec`` (with ``InputSpec``) is what the gateway needs to know about one
+backend model: its inputs, outputs, batching and instance count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from tritonclient.grpc import service_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]  # -1 = variable; includes the batch dim for batched models
+    optional: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What the gateway needs from a backend model's metadata and config."""
+
+    name: str
+    versions: tuple[str, ...]
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[str, ...]
+    max_batch_size: int
+    decoupled: bool
+    instances: int  # instance count: each stands for one device in the emulator
+
+    def input(self, name: str) -> InputSpec | None:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        return None
+
+
+class BackendStream(Protocol):
+    """One bidirectional ``ModelStreamInfer`` call: responses as they come; ``cancel`` ends it."""
+
+    def __aiter__(self) -> AsyncIterator[service_pb2.ModelStreamInferResponse]: ...
+
+    def cancel(self) -> bool: ...
+
+
+class Backend(Protocol):
+    """A model server as the runtime sees it.
+
+    Health: ``healthy`` is the current view (the request path skips an unhealthy
+    backend); ``healthy_at`` when it was last known healthy (the ladder treats
+    older evidence as stale); ``is_warm`` whether a model is loaded and ready right
+    now (a fallback is never cold-loaded). ``watched_models`` are the models whose
+    readiness ``probe`` refreshes; ``start_probing`` keeps probing until ``close``.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def healthy_at(self) -> float: ...
+
+    @property
+    def watched_models(self) -> set[str]: ...
+
+    def is_warm(self, model: str) -> bool: ...
+
+    async def probe(self) -> bool: ...
+
+    def start_probing(self, interval_s: float = 0.5) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def model_ready(self, model: str, version: str = "") -> bool: ...
+
+    async def model_spec(self, model: str, *, logical: str) -> ModelSpec: ...
+
+    async def metadata(self, model: str, version: str) -> service_pb2.ModelMetadataResponse: ...
+
+    async def config(self, model: str, version: str) -> service_pb2.ModelConfigResponse: ...
+
+    async def statistics(self, model: str, version: str = "") -> service_pb2.ModelStatisticsResponse: ...
+
+    async def infer(
+        self, request: service_pb2.ModelInferRequest, *, timeout_s: float, logical: str
+    ) -> service_pb2.ModelInferResponse:
+        """Run one request; ``timeout_s`` is the deadline the server enforces (and cancels at)."""
+        ...
+
+    def stream(
+        self, requests: AsyncIterator[service_pb2.ModelInferRequest], *, timeout_s: float | None
+    ) -> BackendStream:
+        """Open a ``ModelStreamInfer`` call fed by ``requests``; it ends after the last answer
+        to a request sent before ``requests`` ended."""
+        ...

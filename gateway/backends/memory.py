@@ -1,0 +1,778 @@
+"""An in-memory model server on asyncio timers: the simulator's backend.
+
+``MemoryBackend`` is a ``gateway.backends.base.Backend`` that does what the
+example Triton repository's capacity emulator does
+(``examples/orchid/emulator/orchid_emulator.py`` behind Triton's dynamic batcher),
+with no I/O and no threads: only the running loop's timers. On
+``orchid_tools.virtual_time.VirtualTimeLoop`` its time is virtual, so a minute of
+a 24-device fleet runs in seconds of wall time. It owns the emulation of one
+Triton endpoint: model queues, instances, devices, batches, health and
+statistics. It must not decide anything the gateway decides (admission, order,
+fallback): it executes what it is sent, as Triton would.
+
+Theory of operation (the emulator's rules, per model):
+
+* **Queue and instances.** Requests wait in the model's FIFO queue. Whenever an
+  instance is free, Triton's dynamic batcher (``max_queue_delay`` 0) takes the
+  queue's head and the requests behind it while their rows fit
+  ``max_batch_size`` (0: one request per execution) and executes them as one batch.
+* **Devices.** Each instance stands for one device. With ``devices`` set (the
+  emulator's ``ORCHID_DEVICE_DIR`` mode, the gateway's ``shared_devices``), every
+  model's instances take turns on that many shared devices: a formed batch waits
+  (FIFO) for a free one.
+* **Cost** (``DemandProfile``, milliseconds x ``time_factor``): a batch of ``n``
+  rows holds its device for ``fixed_ms + prefill_ms_per_token x n x longest input``
+  (padded prefill), then decode steps in lockstep: member ``i`` is done after
+  ``decode_ms_per_token x its output tokens``; the batch holds the device until its
+  last member is done, and every member's response leaves then (synchronized
+  completion). A batch of one costs the seed's per-request price.
+* **Cancellation.** A request cancelled while queued leaves the queue; one
+  cancelled while its batch runs stops decoding at once (prefill cannot be
+  interrupted), which frees the device early when it was the longest member.
+  A request's ``timeout_s`` is the deadline the server enforces: it then fails
+  with ``DeadlineExpired`` and is cancelled, as Triton cancels a request whose
+  gRPC deadline passed.
+* **Decoupled models** (``decoupled``: the streaming variant) run one request per
+  execution and send one response per generated token as each is decoded, then an
+  empty final response.
+* **Faults.** ``set_healthy(False)``: the device group is lost: every queued and
+  running request fails with ``Unavailable`` (the device time already spent is
+  lost), and the backend refuses work until ``set_healthy(True)``.
+  ``slow_down(model, k, longer_than=n)``: that model's requests with more than
+  ``n`` input tokens take ``k`` x their profile time (underprediction); the batch
+  they run in takes ``k`` x as long.
+
+Outputs are the emulator's: ``OUTPUT_IDS`` (INT32, ``[rows, output tokens]``;
+``[output tokens]`` for unbatched models), deterministic tokens derived from the
+sum of the input ids. Statistics are Triton's cumulative per-model counters
+(success, queue and compute time, inference and execution counts), enough for
+``gateway.backends.stats.StatsSample``. Every finished execution is reported to
+``on_execution`` (request id, model, device-ms, whether it was answered), the
+simulator's record of wasted device time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from gateway import clock
+from gateway.backends.base import BackendStream, InputSpec, ModelSpec
+from gateway.core.errors import DeadlineExpired, GatewayError, InvalidArgument, Unavailable
+from gateway.core.profile import DemandProfile
+
+VOCAB = 32_000  # the emulator's output token range
+NS_PER_S = 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryModel:
+    """One model a ``MemoryBackend`` serves: what its Triton config would declare."""
+
+    name: str
+    profile: DemandProfile  # fixed_ms, prefill_ms_per_token, decode_ms_per_token: its real cost
+    instances: int = 1  # each stands for one device (unless the backend's devices are shared)
+    max_batch_size: int = 8  # 0: no batching; inputs then have no batch dimension
+    default_max_output_tokens: int = 64
+    output_limit_parameter: str = "max_output_tokens"
+    decoupled: bool = False  # one response per generated token (the streaming variant)
+    version: str = "1"
+    input_name: str = "INPUT_IDS"
+    output_name: str = "OUTPUT_IDS"
+
+    def spec(self) -> ModelSpec:
+        dims = (-1, -1) if self.max_batch_size > 0 else (-1,)
+        return ModelSpec(
+            name=self.name,
+            versions=(self.version,),
+            inputs=(InputSpec(self.input_name, "INT32", dims),),
+            outputs=(self.output_name,),
+            max_batch_size=self.max_batch_size,
+            decoupled=self.decoupled,
+            instances=self.instances,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Execution:
+    """One request's part of an execution, reported when it ends."""
+
+    request_id: str
+    model: str
+    started_at: float  # loop time its batch took a device
+    device_ms: float  # its share of the batch's device time (by batch-of-one price)
+    answered: bool  # its response was delivered (False: cancelled, expired or lost)
+
+
+class _State(Enum):
+    QUEUED = 1
+    RUNNING = 2
+    DONE = 3
+
+
+@dataclass(eq=False, slots=True)
+class _Work:
+    """One request at the backend: queued, then a member of an executing batch."""
+
+    model: _Model
+    request: service_pb2.ModelInferRequest
+    logical: str
+    rows: int
+    input_tokens: int
+    output_tokens: int
+    arrived: float
+    deliver: Callable[[_Work, service_pb2.ModelInferResponse | None, GatewayError | None], None]
+    token: Callable[[_Work, int], None] | None = None  # decoupled: one call per generated token
+    state: _State = _State.QUEUED
+    batch: _Batch | None = None
+    decode_end: float = 0.0  # when its last token is decoded (its batch's clock)
+    cancelled: bool = False
+    deadline: asyncio.TimerHandle | None = None
+    tokens_sent: int = 0
+
+    @property
+    def solo_ms(self) -> float:
+        """Its batch-of-one price, the weight of its share of a batch's device time."""
+        return self.model.profile.accelerator_ms(self.input_tokens, self.output_tokens) * self.rows
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    model: _Model
+    members: list[_Work]
+    device: int = -1
+    started: float = 0.0
+    prefill_end: float = 0.0
+    end: float = 0.0
+    timer: asyncio.TimerHandle | None = None
+    token_timer: asyncio.TimerHandle | None = None
+
+
+class _Devices:
+    """A set of devices and the batches waiting for one (FIFO), shared by several models
+    when the backend's devices are shared."""
+
+    def __init__(self, count: int) -> None:
+        self.free = list(range(count))  # a heap: the lowest free device first
+        self.waiting: deque[_Batch] = deque()
+        self.running: dict[_Batch, None] = {}
+
+
+@dataclass(eq=False)
+class _Model:
+    spec: MemoryModel
+    devices: _Devices
+    free_instances: int
+    queue: deque[_Work] = field(default_factory=deque)
+    slow_factor: float = 1.0
+    slow_longer_than: int = 0
+    success_count: int = 0
+    success_ns: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    failures: int = 0
+    inferences: int = 0
+    executions: int = 0
+
+    @property
+    def profile(self) -> DemandProfile:
+        return self.spec.profile
+
+
+class MemoryBackend:
+    """One emulated Triton endpoint serving ``models`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        models: Mapping[str, MemoryModel] | list[MemoryModel],
+        *,
+        devices: int | None = None,
+        time_factor: float = 1.0,
+        on_execution: Callable[[Execution], None] | None = None,
+    ) -> None:
+        if time_factor < 0:
+            raise ValueError(f"time_factor must be >= 0, got {time_factor}")
+        self.name = name
+        self.time_factor = time_factor
+        self.on_execution = on_execution
+        self.shared_devices = devices is not None
+        shared = _Devices(devices) if devices is not None else None
+        listed = list(models.values()) if isinstance(models, Mapping) else list(models)
+        self._models: dict[str, _Model] = {}
+        for model in listed:
+            pool = shared if shared is not None else _Devices(model.instances)
+            self._models[model.name] = _Model(model, pool, model.instances)
+        self._pools: list[_Devices] = list({id(m.devices): m.devices for m in self._models.values()}.values())
+        self._healthy = True
+        self._down_at = 0.0
+        self.watched_models: set[str] = set()
+        self._streams: dict[_MemoryStream, None] = {}
+
+    # ------------------------------------------------------------------ health
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def healthy_at(self) -> float:
+        """Now while healthy (it needs no probe to know); when it went down otherwise."""
+        return clock.now() if self._healthy else self._down_at
+
+    def set_healthy(self, healthy: bool) -> None:
+        """Lose (False) or restore (True) the whole device group. Losing it fails every
+        queued and running request with ``Unavailable``; their device time is lost."""
+        if healthy == self._healthy:
+            return
+        self._healthy = healthy
+        if healthy:
+            return
+        self._down_at = clock.now()
+        for model in self._models.values():
+            while model.queue:
+                work = model.queue.popleft()
+                if not work.cancelled:
+                    self._fail(work, self._unavailable(work))
+        for pool in self._pools:
+            for batch in [*pool.waiting, *pool.running]:
+                self._abort(batch)
+            pool.waiting.clear()
+        for stream in list(self._streams):
+            stream.broken(Unavailable(f"backend {self.name} is unavailable"))
+
+    def slow_down(self, model: str, factor: float, *, longer_than: int = 0) -> None:
+        """Requests to ``model`` with more than ``longer_than`` input tokens take ``factor`` x
+        their profile time from now on (1.0 restores the profile)."""
+        state = self._model(model, model)
+        state.slow_factor = factor
+        state.slow_longer_than = longer_than
+
+    def is_warm(self, model: str) -> bool:
+        return self._healthy and model in self._models
+
+    async def probe(self) -> bool:
+        return self._healthy
+
+    def start_probing(self, interval_s: float = 0.5) -> None:
+        """Nothing to poll: faults change the health view directly."""
+        return None
+
+    async def close(self) -> None:
+        for stream in list(self._streams):
+            stream.cancel()
+        self.set_healthy(False)
+
+    async def model_ready(self, model: str, version: str = "") -> bool:
+        return self.is_warm(model)
+
+    # ------------------------------------------------------------------ metadata
+
+    def _model(self, model: str, logical: str) -> _Model:
+        state = self._models.get(model)
+        if state is None:
+            raise Unavailable(f"model {logical!r} is not loaded on its backend")
+        return state
+
+    async def model_spec(self, model: str, *, logical: str) -> ModelSpec:
+        if not self._healthy:
+            raise Unavailable(f"model {logical!r} is not ready on its backend")
+        return self._model(model, logical).spec.spec()
+
+    async def metadata(self, model: str, version: str) -> service_pb2.ModelMetadataResponse:
+        spec = self._model(model, model).spec
+        dims = [-1, -1] if spec.max_batch_size > 0 else [-1]
+        out_dims = [-1, -1] if spec.max_batch_size > 0 else [1 if spec.decoupled else -1]
+        reply = service_pb2.ModelMetadataResponse(name=spec.name, versions=[spec.version], platform="python")
+        reply.inputs.add(name=spec.input_name, datatype="INT32", shape=dims)
+        reply.outputs.add(name=spec.output_name, datatype="INT32", shape=out_dims)
+        return reply
+
+    async def config(self, model: str, version: str) -> service_pb2.ModelConfigResponse:
+        spec = self._model(model, model).spec
+        config = model_config_pb2.ModelConfig(
+            name=spec.name, backend="python", max_batch_size=spec.max_batch_size
+        )
+        config.input.add(name=spec.input_name, data_type=model_config_pb2.TYPE_INT32, dims=[-1])
+        config.output.add(
+            name=spec.output_name, data_type=model_config_pb2.TYPE_INT32, dims=[1 if spec.decoupled else -1]
+        )
+        config.instance_group.add(count=spec.instances, kind=model_config_pb2.ModelInstanceGroup.KIND_CPU)
+        config.model_transaction_policy.decoupled = spec.decoupled
+        if spec.max_batch_size > 0:
+            config.dynamic_batching.max_queue_delay_microseconds = 0
+        profile = spec.profile
+        for key, value in (
+            ("fixed_ms", profile.fixed_ms),
+            ("prefill_ms_per_token", profile.prefill_ms_per_token),
+            ("decode_ms_per_token", profile.decode_ms_per_token),
+            ("default_max_output_tokens", spec.default_max_output_tokens),
+        ):
+            config.parameters[key].string_value = str(value)
+        return service_pb2.ModelConfigResponse(config=config)
+
+    async def statistics(self, model: str, version: str = "") -> service_pb2.ModelStatisticsResponse:
+        """Triton's cumulative counters for ``model`` (all models when empty)."""
+        names = [model] if model else list(self._models)
+        reply = service_pb2.ModelStatisticsResponse()
+        for name in names:
+            state = self._model(name, name)
+            entry = reply.model_stats.add(
+                name=name,
+                version=state.spec.version,
+                inference_count=state.inferences,
+                execution_count=state.executions,
+            )
+            stats = entry.inference_stats
+            stats.success.count, stats.success.ns = state.success_count, state.success_ns
+            stats.fail.count = state.failures
+            stats.queue.count, stats.queue.ns = state.success_count, state.queue_ns
+            stats.compute_infer.count, stats.compute_infer.ns = state.success_count, state.compute_ns
+        return reply
+
+    # ------------------------------------------------------------------ inference
+
+    async def infer(
+        self, request: service_pb2.ModelInferRequest, *, timeout_s: float, logical: str
+    ) -> service_pb2.ModelInferResponse:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[service_pb2.ModelInferResponse] = loop.create_future()
+
+        def deliver(
+            work: _Work, response: service_pb2.ModelInferResponse | None, error: GatewayError | None
+        ) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(response)
+
+        work = self._submit(request, logical, deliver)
+        if timeout_s <= 0:
+            self._expire(work)
+        else:
+            work.deadline = loop.call_at(loop.time() + timeout_s, self._expire, work)
+        try:
+            return await future
+        finally:
+            if work.state is not _State.DONE:
+                self._cancel(work)  # the caller went away (or was told the deadline passed)
+
+    def stream(
+        self, requests: AsyncIterator[service_pb2.ModelInferRequest], *, timeout_s: float | None
+    ) -> BackendStream:
+        stream = _MemoryStream(self, requests, timeout_s)
+        self._streams[stream] = None
+        return stream
+
+    # ------------------------------------------------------------------ the engine
+
+    def _unavailable(self, work: _Work) -> Unavailable:
+        return Unavailable(f"no healthy backend for model {work.logical!r}")
+
+    def _submit(
+        self,
+        request: service_pb2.ModelInferRequest,
+        logical: str,
+        deliver: Callable[[_Work, service_pb2.ModelInferResponse | None, GatewayError | None], None],
+        token: Callable[[_Work, int], None] | None = None,
+    ) -> _Work:
+        if not self._healthy:
+            raise Unavailable(f"no healthy backend for model {logical!r}")
+        model = self._model(request.model_name, logical)
+        spec = model.spec
+        tensor = next((t for t in request.inputs if t.name == spec.input_name), None)
+        if tensor is None or not tensor.shape:
+            raise InvalidArgument(
+                f"model {logical!r} rejected the request: input {spec.input_name} is required"
+            )
+        rows = int(tensor.shape[0]) if spec.max_batch_size > 0 and len(tensor.shape) > 1 else 1
+        output_tokens = spec.default_max_output_tokens
+        param = request.parameters.get(spec.output_limit_parameter) if spec.output_limit_parameter else None
+        if param is not None:
+            kind = param.WhichOneof("parameter_choice")
+            value = param.int64_param if kind == "int64_param" else param.uint64_param
+            if kind not in ("int64_param", "uint64_param") or value < 1:
+                raise InvalidArgument(
+                    f"model {logical!r} rejected the request: parameter "
+                    f"{spec.output_limit_parameter} must be a positive integer"
+                )
+            output_tokens = int(value)
+        work = _Work(
+            model=model,
+            request=request,
+            logical=logical,
+            rows=max(1, rows),
+            input_tokens=int(tensor.shape[-1]),
+            output_tokens=output_tokens,
+            arrived=clock.now(),
+            deliver=deliver,
+            token=token,
+        )
+        model.queue.append(work)
+        self._dispatch(model)
+        return work
+
+    def _dispatch(self, model: _Model) -> None:
+        """Form batches while the model has a free instance and queued work."""
+        limit = max(1, model.spec.max_batch_size) if not model.spec.decoupled else 1
+        queue = model.queue
+        while model.free_instances > 0 and queue:
+            members: list[_Work] = []
+            rows = 0
+            while queue:
+                head = queue[0]
+                if head.cancelled:
+                    queue.popleft()
+                    continue
+                if members and rows + head.rows > limit:
+                    break
+                queue.popleft()
+                members.append(head)
+                rows += head.rows
+            if not members:
+                return
+            model.free_instances -= 1
+            batch = _Batch(model, members)
+            for work in members:
+                work.state = _State.RUNNING
+                work.batch = batch
+            model.devices.waiting.append(batch)
+        self._place(model.devices)
+
+    def _place(self, pool: _Devices) -> None:
+        """Start waiting batches on free devices, first come first served."""
+        while pool.waiting and pool.free:
+            batch = pool.waiting.popleft()
+            batch.device = heapq.heappop(pool.free)
+            self._start(batch, pool)
+
+    def _scale(self, model: _Model, works: list[_Work]) -> float:
+        """Seconds per profile millisecond for this batch: the time factor, times the
+        underprediction factor when any member is long enough to be slowed."""
+        factor = self.time_factor / 1000.0
+        if model.slow_factor != 1.0 and any(w.input_tokens > model.slow_longer_than for w in works):
+            factor *= model.slow_factor
+        return factor
+
+    def _start(self, batch: _Batch, pool: _Devices) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        model = batch.model
+        profile = model.profile
+        live = [w for w in batch.members if not w.cancelled]
+        scale = self._scale(model, live or batch.members)
+        rows = sum(w.rows for w in batch.members)
+        longest = max(w.input_tokens for w in batch.members)
+        batch.started = now
+        batch.prefill_end = now + (profile.fixed_ms + profile.prefill_ms_per_token * rows * longest) * scale
+        for work in batch.members:
+            decode = profile.decode_ms_per_token * work.output_tokens * scale
+            work.decode_end = batch.prefill_end if work.cancelled else batch.prefill_end + decode
+        pool.running[batch] = None
+        self._reschedule(batch)
+        if model.spec.decoupled:
+            self._next_token(batch)
+
+    def _reschedule(self, batch: _Batch) -> None:
+        """(Re)arm the batch's end: when its last member's decode is done."""
+        end = max([batch.prefill_end, *(w.decode_end for w in batch.members)])
+        if batch.timer is not None and end == batch.end:
+            return
+        if batch.timer is not None:
+            batch.timer.cancel()
+        batch.end = end
+        batch.timer = asyncio.get_running_loop().call_at(end, self._finish, batch)
+
+    def _next_token(self, batch: _Batch) -> None:
+        """Decoupled: arm the timer of the next token of the batch's (single) request."""
+        work = batch.members[0]
+        if work.cancelled or work.tokens_sent >= work.output_tokens:
+            return
+        per_token = (work.decode_end - batch.prefill_end) / max(1, work.output_tokens)
+        due = batch.prefill_end + per_token * (work.tokens_sent + 1)
+        batch.token_timer = asyncio.get_running_loop().call_at(due, self._emit_token, batch)
+
+    def _emit_token(self, batch: _Batch) -> None:
+        work = batch.members[0]
+        if work.cancelled or work.token is None:
+            return
+        work.tokens_sent += 1
+        work.token(work, work.tokens_sent)
+        self._next_token(batch)
+
+    def _finish(self, batch: _Batch) -> None:
+        model = batch.model
+        pool = model.devices
+        if batch.token_timer is not None:  # decoupled: every token is out before the final response
+            batch.token_timer.cancel()
+            batch.token_timer = None
+            work = batch.members[0]
+            while not work.cancelled and work.token is not None and work.tokens_sent < work.output_tokens:
+                work.tokens_sent += 1
+                work.token(work, work.tokens_sent)
+        pool.running.pop(batch, None)
+        batch.timer = None
+        duration_s = batch.end - batch.started
+        total_solo = sum(w.solo_ms for w in batch.members) or 1.0
+        answered_rows = 0
+        for work in batch.members:
+            answered = not work.cancelled
+            if answered:
+                answered_rows += work.rows
+                model.success_count += 1
+                model.success_ns += int((batch.end - work.arrived) * NS_PER_S)
+                model.queue_ns += int((batch.started - work.arrived) * NS_PER_S)
+                model.compute_ns += int(duration_s * NS_PER_S)
+                self._complete(work)
+            self._report(work, batch, duration_s * 1000.0 * work.solo_ms / total_solo, answered)
+        model.inferences += answered_rows
+        model.executions += 1
+        self._release(batch, pool)
+
+    def _release(self, batch: _Batch, pool: _Devices) -> None:
+        heapq.heappush(pool.free, batch.device)
+        batch.model.free_instances += 1
+        if not self._healthy:
+            return
+        self._dispatch(batch.model)  # forms its next batch, which queues for a device
+        self._place(pool)  # on shared devices, perhaps another model's batch goes first
+
+    def _report(self, work: _Work, batch: _Batch, device_ms: float, answered: bool) -> None:
+        if self.on_execution is not None:
+            self.on_execution(
+                Execution(work.request.id, batch.model.spec.name, batch.started, device_ms, answered)
+            )
+
+    def _complete(self, work: _Work) -> None:
+        work.state = _State.DONE
+        if work.deadline is not None:
+            work.deadline.cancel()
+        spec = work.model.spec
+        response = service_pb2.ModelInferResponse(
+            model_name=spec.name, model_version=spec.version, id=work.request.id
+        )
+        if spec.decoupled:
+            work.deliver(work, response, None)  # the empty final response
+            return
+        tokens = _output_tokens(work.request, spec.input_name, work.output_tokens)
+        output = response.outputs.add(name=spec.output_name, datatype="INT32")
+        if spec.max_batch_size > 0:
+            output.shape.extend([work.rows, work.output_tokens])
+            tokens = np.tile(tokens, work.rows)
+        else:
+            output.shape.append(work.output_tokens)
+        response.raw_output_contents.append(tokens.tobytes())
+        work.deliver(work, response, None)
+
+    def _fail(self, work: _Work, error: GatewayError) -> None:
+        if work.state is _State.DONE:
+            return
+        work.state = _State.DONE
+        work.cancelled = True
+        work.model.failures += 1
+        if work.deadline is not None:
+            work.deadline.cancel()
+        work.deliver(work, None, error)
+
+    def _abort(self, batch: _Batch) -> None:
+        """The device group was lost under this batch: its members fail, its time is lost."""
+        model = batch.model
+        pool = model.devices
+        now = clock.now()
+        if batch.timer is not None:
+            batch.timer.cancel()
+            batch.timer = None
+        if batch.token_timer is not None:
+            batch.token_timer.cancel()
+        started = batch in pool.running
+        pool.running.pop(batch, None)
+        elapsed_ms = (now - batch.started) * 1000.0 if started else 0.0
+        total_solo = sum(w.solo_ms for w in batch.members) or 1.0
+        for work in batch.members:
+            if started:
+                self._report(work, batch, elapsed_ms * work.solo_ms / total_solo, False)
+            if work.state is not _State.DONE:
+                self._fail(work, self._unavailable(work))
+        if started:
+            heapq.heappush(pool.free, batch.device)
+        model.free_instances += 1
+
+    def _expire(self, work: _Work) -> None:
+        work.deadline = None
+        if work.state is _State.DONE:
+            return
+        self._fail(work, DeadlineExpired(f"model {work.logical!r} did not finish before the deadline"))
+        self._withdraw(work)
+
+    def _cancel(self, work: _Work) -> None:
+        """The caller went away: the request stops where it is; nobody is answered."""
+        if work.state is _State.DONE:
+            return
+        work.state = _State.DONE
+        work.cancelled = True
+        if work.deadline is not None:
+            work.deadline.cancel()
+            work.deadline = None
+        self._withdraw(work)
+
+    def _withdraw(self, work: _Work) -> None:
+        """A cancelled request stops: out of the queue, or its decode ends now."""
+        work.cancelled = True
+        batch = work.batch
+        if batch is None:
+            return  # still queued: skipped (and dropped) when the next batch is formed
+        if batch.device < 0 or batch.timer is None:
+            return  # its batch waits for a device: it starts without this member's decode
+        now = clock.now()
+        work.decode_end = max(batch.prefill_end, min(work.decode_end, now))
+        if batch.token_timer is not None and batch.model.spec.decoupled:
+            batch.token_timer.cancel()
+            batch.token_timer = None
+        self._reschedule(batch)
+
+
+def _output_tokens(
+    request: service_pb2.ModelInferRequest, input_name: str, count: int
+) -> npt.NDArray[np.int32]:
+    """The emulator's deterministic 'generated' tokens: derived from the sum of the input ids."""
+    total = 0
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name != input_name:
+            continue
+        if index < len(request.raw_input_contents):
+            total = int(np.frombuffer(request.raw_input_contents[index], dtype=np.int32).sum(dtype=np.int64))
+        else:
+            total = int(sum(tensor.contents.int_contents))
+    seed = total % VOCAB
+    steps = np.arange(count, dtype=np.int64)
+    tokens: npt.NDArray[np.int32] = ((seed + 7919 * steps + 17) % VOCAB).astype(np.int32)
+    return tokens
+
+
+class _MemoryStream:
+    """One ``ModelStreamInfer`` call on a ``MemoryBackend``: requests in, responses out."""
+
+    def __init__(
+        self,
+        backend: MemoryBackend,
+        requests: AsyncIterator[service_pb2.ModelInferRequest],
+        timeout_s: float | None,
+    ) -> None:
+        self.backend = backend
+        self._out: asyncio.Queue[service_pb2.ModelStreamInferResponse | GatewayError | None] = asyncio.Queue()
+        self._live: dict[_Work, None] = {}
+        self._closing = False
+        self._ended = False
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read(requests))
+        self._deadline = (
+            loop.call_at(
+                loop.time() + timeout_s, self.broken, DeadlineExpired("the stream's deadline passed")
+            )
+            if timeout_s is not None
+            else None
+        )
+
+    async def _read(self, requests: AsyncIterator[service_pb2.ModelInferRequest]) -> None:
+        async for request in requests:
+            self._submit(request)
+        self._closing = True
+        self._maybe_end()
+
+    def _submit(self, request: service_pb2.ModelInferRequest) -> None:
+        try:
+            work = self.backend._submit(request, request.model_name, self._deliver, self._token)
+        except GatewayError as error:
+            reply = service_pb2.ModelStreamInferResponse(error_message=error.message)
+            reply.infer_response.id = request.id
+            self._out.put_nowait(reply)
+            return
+        if work.state is not _State.DONE:
+            self._live[work] = None
+
+    def _token(self, work: _Work, index: int) -> None:
+        spec = work.model.spec
+        tokens = _output_tokens(work.request, spec.input_name, index)
+        response = service_pb2.ModelInferResponse(
+            model_name=spec.name, model_version=spec.version, id=work.request.id
+        )
+        response.outputs.add(name=spec.output_name, datatype="INT32", shape=[1])
+        response.raw_output_contents.append(tokens[-1:].tobytes())
+        response.parameters["triton_final_response"].bool_param = False
+        self._out.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+
+    def _deliver(
+        self, work: _Work, response: service_pb2.ModelInferResponse | None, error: GatewayError | None
+    ) -> None:
+        self._live.pop(work, None)
+        if error is not None:
+            if isinstance(error, Unavailable):
+                return  # the whole stream breaks (``broken``), as a gRPC stream does
+            reply = service_pb2.ModelStreamInferResponse(error_message=error.message)
+            reply.infer_response.id = work.request.id
+            self._out.put_nowait(reply)
+        elif response is not None:
+            response.parameters["triton_final_response"].bool_param = True
+            self._out.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        if self._closing and not self._live and not self._ended:
+            self._ended = True
+            self._out.put_nowait(None)
+            self._forget()
+
+    def broken(self, error: GatewayError) -> None:
+        """The call failed (backend lost, deadline): iteration raises ``error``."""
+        if self._ended:
+            return
+        self._ended = True
+        self._stop_work()
+        self._out.put_nowait(error)
+        self._forget()
+
+    def cancel(self) -> bool:
+        if self._ended:
+            self._forget()
+            return False
+        self._ended = True
+        self._stop_work()
+        self._out.put_nowait(None)
+        self._forget()
+        return True
+
+    def _stop_work(self) -> None:
+        self._reader.cancel()
+        for work in list(self._live):
+            self.backend._cancel(work)
+        self._live.clear()
+
+    def _forget(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self.backend._streams.pop(self, None)
+
+    def __aiter__(self) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        while True:
+            item = await self._out.get()
+            if item is None:
+                return
+            if isinstance(item, GatewayError):
+                raise item
+            yield item
+
+
+__all__ = ["Execution", "MemoryBackend", "MemoryModel"]

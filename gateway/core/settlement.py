@@ -1,0 +1,73 @@
+"""Settlement: charging a request's observed work and teaching the estimator.
+
+After a request ran, ``settle`` turns what was observed (wall time on the backend, the
+part of it spent waiting in the backend's own queue, the batch it shared) into the
+accelerator-ms it held, settles its quota reservation with that charge (and the
+live-token-ms derived from it), teaches the estimator the ratio of observed to predicted
+work, and returns the request's ``Outcome``. ``abandon`` settles a request that failed
+or was cancelled: by what it held if it started, a full refund if it never did.
+"""
+
+from __future__ import annotations
+
+from gateway.core.estimate import CorrectionKey, Estimator, charged_live_token_ms
+from gateway.core.quota import QuotaLedger, Reservation
+from gateway.core.record import Decision, Outcome, RequestRecord
+
+
+def observed_accelerator_ms(wall_ms: float, backend_queue_ms: float, batch: float) -> float:
+    """Device time held: backend time less the backend's own queueing, shared with its batch."""
+    return max(wall_ms - backend_queue_ms, 0.0) / max(batch, 1e-9)
+
+
+def settle(
+    record: RequestRecord,
+    decision: Decision,
+    reservation: Reservation,
+    correction_key: CorrectionKey,
+    *,
+    quotas: QuotaLedger,
+    estimator: Estimator,
+    backend_model: str,
+    queue_ms: float,
+    wall_ms: float,
+    backend_queue_ms: float,
+    batch: float,
+    first_result_ms: float,
+    output_tokens: int,
+    learn: bool,
+    now: float,
+) -> Outcome:
+    """Charge observed work and (with ``learn``: a final answer) teach the estimator."""
+    observed_ms = observed_accelerator_ms(wall_ms, backend_queue_ms, batch)
+    demand = record.demand
+    live_token_ms = charged_live_token_ms(demand, observed_ms)
+    if learn:
+        quotas.settle(reservation, charged_ms=observed_ms, charged_live_token_ms=live_token_ms, now=now)
+        base_ms = (
+            demand.accelerator_ms / demand.correction if demand.correction > 0 else demand.accelerator_ms
+        )
+        estimator.observe(
+            correction_key, record.identity.tenant, base_ms=base_ms, observed_ms=observed_ms, now=now
+        )
+    return Outcome(
+        admitted=True,
+        status="OK",
+        backend_model=backend_model,
+        approximation=decision.approximation,
+        queue_ms=queue_ms,
+        first_result_ms=first_result_ms,
+        completion_ms=wall_ms,
+        observed_accelerator_ms=observed_ms,
+        charged_accelerator_ms=observed_ms,
+        charged_live_token_ms=live_token_ms,
+        output_tokens=output_tokens,
+    )
+
+
+def abandon(quotas: QuotaLedger, reservation: Reservation, *, started: float | None, now: float) -> None:
+    """A request that failed or was cancelled: settle quota by what it held, or refund all."""
+    if started is None:
+        quotas.release(reservation, now=now)
+    else:
+        quotas.settle(reservation, charged_ms=(now - started) * 1000.0, now=now)

@@ -1,0 +1,106 @@
+"""Shadow traffic: mirroring a share of a route's admitted requests to its candidate
+version, off the caller's path (see ``ShadowTraffic``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from tritonclient.grpc import service_pb2
+
+from gateway import clock
+from gateway.backends.base import Backend
+from gateway.core.errors import GatewayError
+from gateway.core.overload import Shedder
+from gateway.core.overload import effects as overload_effects
+from gateway.core.record import Approximation
+from gateway.scheduler import Slot
+
+if TYPE_CHECKING:
+    from gateway.auth import Tenant
+    from gateway.pipeline import Admitted, Gateway
+
+
+class ShadowTraffic:
+    """Mirror a share of a route's admitted requests to its candidate version (the seed's
+    "shadowing duplicates selected inputs to a candidate while returning only the control
+    result"). The mirror never changes the caller's answer, never enters the production
+    dispatch queues (it runs on the candidate's own instances, bounded by ``max_inflight``),
+    never leaves the request's privacy cell, never runs for dedicated tenants, never
+    cold-loads (the candidate must be warm), and stops from overload ladder step 1. Paired
+    latency is recorded for the candidate; its output is discarded unread."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.samplers: dict[str, Shedder] = {}
+        self.inflight: dict[str, int] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.sent = 0
+        self.skipped = 0
+
+    def maybe_mirror(self, admitted: Admitted, tenant: Tenant) -> None:
+        route = self.gateway.routes.models.get(admitted.record.identity.model)
+        if route is None or route.shadow is None:
+            return
+        shadow = route.shadow
+        if tenant.config.dedicated or admitted.decision.approximation is not Approximation.NONE:
+            return
+        if not overload_effects(admitted.record.ladder_step).shadow_enabled:
+            self.skipped += 1
+            return
+        sampler = self.samplers.setdefault(shadow.backend_model, Shedder())
+        if not sampler.admit(1.0, shadow.rate):
+            return
+        if self.inflight.get(shadow.backend_model, 0) >= shadow.max_inflight:
+            self.skipped += 1
+            return
+        for name in self.gateway.candidate_backends(route, admitted.record.identity.privacy_cell):
+            client = self.gateway.backends[name].client
+            if client.is_warm(shadow.backend_model):
+                break
+        else:
+            self.skipped += 1  # no warm candidate in the request's cell: never cold-load
+            return
+        # On a backend whose models share their devices the candidate runs on production's
+        # accelerators: it may take only a device that is idle now, and holds it in the
+        # device set's schedule while it runs, so dispatch predicts around it (it never waits
+        # in, or delays, a production queue).
+        device_set = self.gateway._device_sets.get(name)
+        slot: Slot | None = None
+        if device_set is not None and device_set.queues:
+            if len(device_set.bound) >= device_set.devices:
+                self.skipped += 1
+                return
+            now = clock.now()
+            slot = Slot(device_set.queues[0], admitted.record.demand.accelerator_ms, now, now)
+            device_set.bound[slot] = None
+        mirrored = service_pb2.ModelInferRequest()
+        mirrored.CopyFrom(admitted.backend_request)
+        mirrored.model_name = shadow.backend_model
+        mirrored.model_version = ""
+        remaining_s = admitted.deadline_at - clock.now()
+        if remaining_s <= 0:
+            if slot is not None:
+                slot.release()
+            return
+        self.inflight[shadow.backend_model] = self.inflight.get(shadow.backend_model, 0) + 1
+        self.sent += 1
+        task = asyncio.get_running_loop().create_task(self._send(client, mirrored, remaining_s, slot))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _send(
+        self,
+        client: Backend,
+        request: service_pb2.ModelInferRequest,
+        timeout_s: float,
+        slot: Slot | None = None,
+    ) -> None:
+        try:
+            await client.infer(request, timeout_s=timeout_s, logical=request.model_name)
+        except GatewayError:
+            pass  # a candidate's failure is evidence about the candidate, never the caller's problem
+        finally:
+            self.inflight[request.model_name] -= 1
+            if slot is not None:
+                slot.release()

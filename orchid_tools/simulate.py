@@ -1,0 +1,1401 @@
+"""``orchid-gateway simulate SCENARIO.yaml``: the production runtime, in virtual time.
+
+This module owns the *scenario* schema (a fleet of emulated backends, arrival
+classes, phases, faults; tenants, classes and settings by reference to or on top
+of a gateway config), its loading with ``file:line:col: key.path: problem``
+errors (exit 2), the arrival schedule, the run, and the report (text, ``--json``,
+``--plot``, ``--compare-policies``).
+
+How a scenario maps onto the runtime (nothing below is re-implemented here):
+
+* The gateway config (``--config`` or the scenario's ``gateway:``) is loaded with
+  ``gateway.config.load_gateway_config``; the scenario's ``settings`` are merged
+  into it and validated by the same schema; its backends are replaced by the
+  scenario's ``fleet``. Tenants and routes load through ``gateway.server``'s
+  ``load_configuration`` (or, for inline ``tenants:``, the same schema and
+  cross-checks), policies through ``load_policies`` (``--policies`` overrides the
+  directory), and the ``Gateway`` is assembled by ``gateway.server.assemble_gateway``
+  over one ``gateway.backends.memory.MemoryBackend`` per fleet entry.
+* Tenants' stored key digests are replaced by digests of keys minted here (the
+  tenants file holds only digests): every arrival still authenticates through the
+  real tenant directory with ``authorization: Bearer <key>`` metadata.
+* Everything runs on ``orchid_tools.virtual_time.VirtualTimeLoop``: the ladder and
+  statistics loops of ``gateway.server`` (``update_ladders_forever``,
+  ``sample_statistics_forever``) at their production intervals, faults as timers,
+  and each arrival as ``Gateway.infer(raw, CallContext)`` with a serialized
+  ``ModelInferRequest`` built as ``tritonclient`` sends it (token tensor, request
+  ``id``, ``orchid.*`` parameters). The caller's gRPC deadline is a timer that
+  cancels the call, as grpc.aio cancels a handler whose deadline passed.
+* Outcomes come from what the caller sees: the response's provenance
+  (``orchid.approximation``) or the error's status and ``orchid-rule``; device
+  time from the backends' execution records.
+
+Determinism: arrivals come from ``numpy.random.default_rng([seed, class index])``
+(or deterministic spacing), the clock is virtual, and the report carries no
+wall-clock value and no request id, with sorted keys and rounded figures: the
+same scenario and seed give a byte-identical ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from tritonclient.grpc import service_pb2
+
+from gateway.backends.memory import Execution, MemoryBackend, MemoryModel
+from gateway.config import (
+    BackendConfig,
+    GatewayConfig,
+    RouteConfig,
+    RouteTable,
+    TenantsFile,
+    check_dedicated,
+    check_references,
+    hash_api_key,
+    load_gateway_config,
+    load_routes,
+)
+from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError
+from gateway.core.profile import DemandProfile
+from gateway.pipeline import BackendHandle, CallContext, GatewayListener
+from gateway.server import (
+    assemble_gateway,
+    load_configuration,
+    load_policies,
+    sample_statistics_forever,
+    update_ladders_forever,
+)
+from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, read_yaml
+from orchid_tools.virtual_time import VirtualTimeLoop
+
+MS_PER_S = 1000.0
+TOKEN_VOCAB = 32_000
+# Gateway rules that refuse a request after it waited in the dispatch queue (bench/surge.py's).
+LATE_RULES = frozenset({"queue.latest_start"})
+OUTCOMES = ("on_time", "late", "rejected_early", "rejected_late", "missed", "failed")
+DEGRADED = ("fallback", "reduced_output")
+
+# --------------------------------------------------------------------------- schema
+
+
+class _Keyed(ValueError):
+    """A cross-field problem that knows the key (relative to the validated object) it is about."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(problem)
+        self.key = key
+        self.problem = problem
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class FleetModel(_Strict):
+    """A backend model the emulated backend serves (what its Triton config would declare)."""
+
+    instances: int | None = Field(default=None, ge=1, description="default: the backend's devices")
+    max_batch_size: int | None = Field(default=None, ge=0, description="default 8 (0 for streaming models)")
+    profile: str | None = Field(default=None, description="routes profile of its real cost")
+    cost: DemandProfile | None = Field(default=None, description="its real cost, when not a routes profile")
+    decoupled: bool | None = Field(default=None, description="streams one response per token")
+
+
+class FleetBackend(_Strict):
+    """One emulated Triton endpoint: a device group in a privacy cell."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    cell: str
+    device_group: str | None = Field(default=None, description="default: the backend's name")
+    labels: dict[str, str] = {}
+    devices: int = Field(ge=1)
+    shared_devices: bool = False
+    max_inflight_per_device: int = Field(default=2, ge=1)
+    time_factor: float = Field(default=1.0, gt=0)
+    models: dict[str, FleetModel] = Field(min_length=1)
+
+    def backend_config(self) -> BackendConfig:
+        return BackendConfig(
+            name=self.name,
+            address=f"memory:{self.name}",
+            labels={**self.labels, "cell": self.cell, "device_group": self.device_group or self.name},
+            devices=self.devices,
+            max_inflight_per_device=self.max_inflight_per_device,
+            shared_devices=self.shared_devices,
+            time_scale=self.time_factor,
+        )
+
+
+class ArrivalClass(_Strict):
+    """A stream of identical requests from one tenant."""
+
+    tenant: str
+    model: str = Field(description="the logical model called")
+    request_class: str | None = Field(default=None, alias="class", description="orchid.class")
+    rate_per_s: float | None = Field(default=None, ge=0)
+    raw_capacity_share: float | None = Field(
+        default=None, gt=0, description="rate as a share of the raw device time of the model's pools"
+    )
+    input_tokens: int = Field(ge=1)
+    output_tokens: int | None = Field(default=None, ge=1, description="orchid.max_output_tokens")
+    items: int = Field(default=1, ge=1)
+    deadline_ms: float | None = Field(default=None, gt=0, description="the gRPC deadline; none: the class's")
+    allow_fallback: bool | None = None
+    arrivals: Literal["poisson", "deterministic"] = "poisson"
+
+    @model_validator(mode="after")
+    def _one_rate(self) -> ArrivalClass:
+        if (self.rate_per_s is None) == (self.raw_capacity_share is None):
+            raise _Keyed("rate_per_s", "give exactly one of rate_per_s and raw_capacity_share")
+        return self
+
+
+class Phase(_Strict):
+    name: str
+    duration_s: float = Field(gt=0)
+    multiplier: float = Field(default=1.0, ge=0, description="of every arrival class's rate")
+    arrivals: dict[str, float] = Field(default={}, description="per arrival class: its multiplier instead")
+
+
+class Fault(_Strict):
+    at_s: float = Field(ge=0)
+    until_s: float | None = Field(default=None, gt=0)
+    kind: Literal["device_group_lost", "underprediction"]
+    backend: str | None = Field(default=None, description="device_group_lost: the backend lost")
+    model: str | None = Field(default=None, description="underprediction: the backend model")
+    factor: float = Field(default=2.0, gt=0, description="underprediction: time x this")
+    longer_than_tokens: int | None = Field(
+        default=None, ge=0, description="underprediction: inputs longer than this (default: the long bucket)"
+    )
+
+    @model_validator(mode="after")
+    def _target(self) -> Fault:
+        if self.kind == "device_group_lost" and self.backend is None:
+            raise _Keyed("backend", "device_group_lost needs the backend (device group) lost")
+        if self.kind == "underprediction" and self.model is None:
+            raise _Keyed("model", "underprediction needs the backend model that runs slower")
+        if self.until_s is not None and self.until_s <= self.at_s:
+            raise _Keyed("until_s", "until_s must be after at_s")
+        return self
+
+
+class ReportSpec(_Strict):
+    interval_s: float = Field(default=1.0, gt=0, description="bins of the timeline and the plot")
+
+
+class Scenario(_Strict):
+    description: str = ""
+    gateway: Path | None = Field(default=None, description="gateway config (relative to this file)")
+    tenants_file: Path | None = None
+    tenants: dict[str, Any] | None = Field(default=None, description="inline tenants file (keys optional)")
+    routes_dir: Path | None = None
+    policies_dir: Path | None = None
+    settings: dict[str, Any] = Field(default={}, description="merged into the gateway config")
+    seed: int = 0
+    fleet: list[FleetBackend] = Field(min_length=1)
+    arrivals: dict[str, ArrivalClass] = Field(min_length=1)
+    phases: list[Phase] = Field(min_length=1)
+    faults: list[Fault] = []
+    report: ReportSpec = ReportSpec()
+
+    @model_validator(mode="after")
+    def _references(self) -> Scenario:
+        if self.tenants is not None and self.tenants_file is not None:
+            raise _Keyed("tenants", "give tenants or tenants_file, not both")
+        names = [b.name for b in self.fleet]
+        for index, name in enumerate(names):
+            if names.index(name) != index:
+                raise _Keyed(f"fleet[{index}].name", f"backend {name!r} is declared twice")
+        for p, phase in enumerate(self.phases):
+            for name in phase.arrivals:
+                if name not in self.arrivals:
+                    raise _Keyed(f"phases[{p}].arrivals.{name}", f"unknown arrival class {name!r}")
+        for f, fault in enumerate(self.faults):
+            if fault.backend is not None and fault.backend not in names:
+                raise _Keyed(f"faults[{f}].backend", f"unknown backend {fault.backend!r}")
+            if fault.model is not None and not any(fault.model in b.models for b in self.fleet):
+                raise _Keyed(f"faults[{f}].model", f"no backend of the fleet serves {fault.model!r}")
+        return self
+
+    @property
+    def duration_s(self) -> float:
+        return sum(p.duration_s for p in self.phases)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _split(key: str) -> list[str | int]:
+    """``fleet[0].name`` or ``fleet.0.name`` -> ``["fleet", 0, "name"]``."""
+    parts: list[str | int] = []
+    for piece in key.replace("[", ".").replace("]", "").split("."):
+        if piece:
+            parts.append(int(piece) if piece.isdigit() else piece)
+    return parts
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A scenario file, parsed with positions, for locating keys in errors."""
+
+    path: Path
+    document: YamlDocument
+
+    def error(self, loc: KeyPath | str, problem: str) -> ConfigError:
+        parts = _split(loc) if isinstance(loc, str) else list(loc)
+        return ConfigError(self.document.location(parts), key_path(parts), problem)
+
+
+def _problem(error: Mapping[str, Any]) -> tuple[list[str | int], str]:
+    loc: list[str | int] = [p for p in error["loc"] if isinstance(p, str | int)]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, _Keyed):
+        return loc + _split(cause.key), cause.problem
+    kind = error["type"]
+    if kind == "missing":
+        return loc, "required field is missing"
+    if kind == "extra_forbidden":
+        return loc, "unknown field (not part of the scenario schema)"
+    message = str(error["msg"])
+    if "input" in error and not isinstance(error["input"], dict | list):
+        message += f" (got {error['input']!r})"
+    return loc, message
+
+
+def _validated(source: _Source, model: type[BaseModel], data: Any, prefix: str = "") -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        # An unknown field first: a misspelt key also makes the key it meant "missing".
+        errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+        loc, problem = _problem(errors[0])
+        if len(errors) > 1:
+            problem += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        raise source.error([*_split(prefix), *loc], problem) from None
+
+
+def load_scenario(path: Path) -> tuple[Scenario, _Source]:
+    """Read and validate a scenario file; every failure is a ``ConfigError`` naming the file
+    (``file:line:col`` of the offending key)."""
+    try:
+        document = read_yaml(path)
+    except YamlError as exc:
+        raise ConfigError(exc.location, "", exc.problem) from None
+    source = _Source(path, document)
+    data = document.value()
+    if not isinstance(data, dict):
+        got = "an empty document" if data is None else type(data).__name__
+        raise ConfigError(str(path), "", f"expected a mapping of scenario sections, got {got}")
+    return _validated(source, Scenario, data), source
+
+
+def _merge(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def minted_key(tenant: str) -> str:
+    """The key this simulator authenticates ``tenant`` with (its digest replaces the file's)."""
+    return f"simulated-key-{tenant}"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A scenario resolved against its gateway config: everything one run needs."""
+
+    scenario: Scenario
+    source: _Source
+    config: GatewayConfig
+    tenants: TenantsFile
+    routes: RouteTable
+    models: dict[str, dict[str, MemoryModel]]  # backend -> backend model -> emulation
+    classes: dict[str, ClassFacts]
+
+
+@dataclass(frozen=True)
+class ClassFacts:
+    """An arrival class priced on its route: the arithmetic the report divides by."""
+
+    name: str
+    tenant: str
+    request_class: str
+    model: str
+    fallback: str | None
+    input_tokens: int
+    output_tokens: int
+    deadline_ms: float  # what the caller waits (the class's default when it sets no deadline)
+    sets_deadline: bool
+    rate_per_s: float
+    primary_ms: float  # profile price on the model asked for, batch of one, time factor 1
+    fallback_ms: float | None  # the same on the route's fallback (its output cap applied)
+
+
+def _resolve(base: Path, value: Path) -> Path:
+    return value if value.is_absolute() else (base / value).resolve()
+
+
+def prepare(
+    scenario: Scenario,
+    source: _Source,
+    *,
+    config_path: Path | None = None,
+    policies_dir: Path | None = None,
+) -> Prepared:
+    here = source.path.resolve().parent
+    path = config_path or (_resolve(here, scenario.gateway) if scenario.gateway else None)
+    if path is None:
+        raise source.error([], "no gateway config: set `gateway:` in the scenario or pass --config FILE")
+    base = load_gateway_config(path)
+    backends = [
+        _validated(source, BackendConfig, b.backend_config().model_dump(), f"fleet[{i}]")
+        for i, b in enumerate(scenario.fleet)
+    ]
+    data = base.model_dump()
+    data.update(local_triton=None, backends=backends)
+    data = _merge(data, scenario.settings)
+    config: GatewayConfig = _validated(source, GatewayConfig, data, "settings")
+    update: dict[str, Any] = {}
+    if scenario.tenants_file is not None:
+        update["tenants_file"] = _resolve(here, scenario.tenants_file)
+    if scenario.routes_dir is not None:
+        update["routes_dir"] = _resolve(here, scenario.routes_dir)
+    if scenario.policies_dir is not None:
+        update["policies_dir"] = _resolve(here, scenario.policies_dir)
+    if policies_dir is not None:
+        update["policies_dir"] = policies_dir.resolve()
+    if scenario.tenants is not None:
+        update["tenants_file"] = source.path
+    config = config.model_copy(update=update)
+    if scenario.tenants is not None:
+        inline = dict(scenario.tenants)
+        people = inline.get("tenants")
+        if isinstance(people, dict):  # inline tenants need no key: the simulator mints one
+            inline["tenants"] = {
+                name: {"key_sha256": [hash_api_key(minted_key(str(name)))], **t} if isinstance(t, dict) else t
+                for name, t in people.items()
+            }
+        tenants: TenantsFile = _validated(source, TenantsFile, inline, "tenants")
+        routes = load_routes(config.routes_dir)
+        check_references(config, tenants, routes)
+        check_dedicated(config, tenants, routes)
+    else:
+        tenants, routes = load_configuration(config)
+    tenants = tenants.model_copy(
+        update={
+            "tenants": {
+                name: t.model_copy(update={"key_sha256": (hash_api_key(minted_key(name)),)})
+                for name, t in tenants.tenants.items()
+            }
+        }
+    )
+    models = {b.name: _fleet_models(source, i, b, tenants, routes) for i, b in enumerate(scenario.fleet)}
+    classes = {
+        name: _class_facts(source, name, spec, scenario, config, tenants, routes)
+        for name, spec in scenario.arrivals.items()
+    }
+    return Prepared(scenario, source, config, tenants, routes, models, classes)
+
+
+def _route_of(backend_model: str, tenants: TenantsFile, routes: RouteTable) -> RouteConfig | None:
+    """The route whose requests this backend model runs: shared, dedicated or shadow."""
+    for route in routes.models.values():
+        if route.backend_model == backend_model:
+            return route
+    for tenant in tenants.tenants.values():
+        for logical, own in tenant.dedicated_models.items():
+            if own == backend_model and logical in routes.models:
+                return routes.models[logical]
+    for route in routes.models.values():
+        if route.shadow is not None and route.shadow.backend_model == backend_model:
+            return route
+    return None
+
+
+def _fleet_models(
+    source: _Source, index: int, backend: FleetBackend, tenants: TenantsFile, routes: RouteTable
+) -> dict[str, MemoryModel]:
+    out: dict[str, MemoryModel] = {}
+    for name, spec in backend.models.items():
+        key = f"fleet[{index}].models.{name}"
+        route = _route_of(name, tenants, routes)
+        if spec.cost is not None:
+            profile = spec.cost
+        elif spec.profile is not None:
+            if spec.profile not in routes.profiles:
+                raise source.error(
+                    f"{key}.profile", f"unknown profile {spec.profile!r} (routes: {_known(routes.profiles)})"
+                )
+            profile = routes.profiles[spec.profile]
+        elif route is not None:
+            profile = routes.profiles[route.profile]
+        else:
+            raise source.error(
+                key, "no route serves this backend model: name its cost with `profile:` or `cost:`"
+            )
+        decoupled = spec.decoupled if spec.decoupled is not None else bool(route and route.streaming)
+        out[name] = MemoryModel(
+            name=name,
+            profile=profile,
+            instances=spec.instances or backend.devices,
+            max_batch_size=spec.max_batch_size
+            if spec.max_batch_size is not None
+            else (0 if decoupled else 8),
+            default_max_output_tokens=route.shape.default_max_output_tokens if route else 64,
+            output_limit_parameter=(route.shape.output_limit_parameter or "")
+            if route
+            else "max_output_tokens",
+            decoupled=decoupled,
+            version=(route.version or "1") if route else "1",
+            input_name=route.shape.tokens_input if route else "INPUT_IDS",
+        )
+    return out
+
+
+def _known(names: Mapping[str, Any] | Sequence[str]) -> str:
+    return ", ".join(sorted(names)) or "none"
+
+
+def _class_facts(
+    source: _Source,
+    name: str,
+    spec: ArrivalClass,
+    scenario: Scenario,
+    config: GatewayConfig,
+    tenants: TenantsFile,
+    routes: RouteTable,
+) -> ClassFacts:
+    key = f"arrivals.{name}"
+    tenant = tenants.tenants.get(spec.tenant)
+    if tenant is None:
+        raise source.error(
+            f"{key}.tenant", f"unknown tenant {spec.tenant!r} (known: {_known(tenants.tenants)})"
+        )
+    route = routes.models.get(spec.model)
+    if route is None:
+        raise source.error(f"{key}.model", f"unknown model {spec.model!r} (routes: {_known(routes.models)})")
+    if route.streaming:
+        raise source.error(
+            f"{key}.model", f"model {spec.model!r} streams: the simulator sends ModelInfer only"
+        )
+    request_class = spec.request_class or config.default_class
+    if request_class not in config.classes:
+        raise source.error(
+            f"{key}.class", f"unknown class {request_class!r} (known: {_known(config.classes)})"
+        )
+    output_tokens = spec.output_tokens or route.shape.default_max_output_tokens
+    profile = routes.profiles[route.profile]
+    primary_ms = profile.accelerator_ms(spec.input_tokens, output_tokens) * spec.items
+    fallback = routes.models.get(route.fallback) if route.fallback else None
+    fallback_ms = None
+    if fallback is not None:
+        capped = min(output_tokens, fallback.shape.max_output_tokens)
+        fallback_ms = routes.profiles[fallback.profile].accelerator_ms(spec.input_tokens, capped) * spec.items
+    rate = spec.rate_per_s
+    if rate is None:
+        assert spec.raw_capacity_share is not None
+        raw = _raw_rate(scenario, route, tenant.home_cell, primary_ms)
+        if raw <= 0:
+            raise source.error(
+                f"{key}.raw_capacity_share", f"no backend in cell {tenant.home_cell!r} serves {spec.model!r}"
+            )
+        rate = spec.raw_capacity_share * raw
+    deadline_ms = spec.deadline_ms or config.classes[request_class].default_deadline_ms
+    return ClassFacts(
+        name=name,
+        tenant=spec.tenant,
+        request_class=request_class,
+        model=spec.model,
+        fallback=route.fallback,
+        input_tokens=spec.input_tokens,
+        output_tokens=output_tokens,
+        deadline_ms=deadline_ms,
+        sets_deadline=spec.deadline_ms is not None,
+        rate_per_s=rate,
+        primary_ms=primary_ms,
+        fallback_ms=fallback_ms,
+    )
+
+
+def _raw_rate(scenario: Scenario, route: RouteConfig, cell: str, price_ms: float) -> float:
+    """Requests/s of ``price_ms`` the devices of the route's pools in ``cell`` run at all."""
+    rate = 0.0
+    for backend in scenario.fleet:
+        if backend.cell != cell or route.backend_model not in backend.models:
+            continue
+        if route.backends and backend.name not in route.backends:
+            continue
+        model = backend.models[route.backend_model]
+        devices = backend.devices if backend.shared_devices else (model.instances or backend.devices)
+        rate += devices * MS_PER_S / (price_ms * backend.time_factor)
+    return rate
+
+
+# --------------------------------------------------------------------------- arrivals
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    at_s: float
+    klass: int  # index into the class list
+    phase: int
+
+
+@dataclass(frozen=True)
+class PhaseWindow:
+    name: str
+    start_s: float
+    end_s: float
+    multiplier: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def phase_windows(scenario: Scenario) -> list[PhaseWindow]:
+    windows, t = [], 0.0
+    for phase in scenario.phases:
+        windows.append(PhaseWindow(phase.name, t, t + phase.duration_s, phase.multiplier))
+        t += phase.duration_s
+    return windows
+
+
+def schedule(prepared: Prepared, seed: int) -> list[Arrival]:
+    """Every arrival of the run, in time order: per class, deterministic spacing (``k / rate``
+    from each phase's start) or Poisson gaps from ``default_rng([seed, class index])``."""
+    scenario = prepared.scenario
+    windows = phase_windows(scenario)
+    arrivals: list[Arrival] = []
+    for index, (name, spec) in enumerate(scenario.arrivals.items()):
+        facts = prepared.classes[name]
+        rng = np.random.default_rng([seed, index])
+        for p, (phase, window) in enumerate(zip(scenario.phases, windows, strict=True)):
+            rate = facts.rate_per_s * phase.arrivals.get(name, phase.multiplier)
+            if rate <= 0:
+                continue
+            if spec.arrivals == "deterministic":
+                count = math.floor(rate * window.duration_s + 1e-9)
+                arrivals.extend(Arrival(window.start_s + k / rate, index, p) for k in range(count))
+            else:
+                t = window.start_s
+                while True:
+                    t += float(rng.exponential(1.0 / rate))
+                    if t >= window.end_s:
+                        break
+                    arrivals.append(Arrival(t, index, p))
+    arrivals.sort(key=lambda a: (a.at_s, a.klass))
+    return arrivals
+
+
+def request_template(facts: ClassFacts, spec: ArrivalClass, route: RouteConfig) -> bytes:
+    """A ``ModelInferRequest`` as tritonclient would serialize it (without its id): the
+    token tensor, and the ``orchid.*`` hints the class sets."""
+    request = service_pb2.ModelInferRequest(model_name=facts.model)
+    tensor = request.inputs.add(name=route.shape.tokens_input, datatype="INT32")
+    tensor.shape.extend([spec.items, spec.input_tokens])
+    tokens = np.arange(spec.input_tokens * spec.items, dtype=np.int32) % TOKEN_VOCAB
+    request.raw_input_contents.append(tokens.astype(np.int32).tobytes())
+    if spec.request_class is not None:
+        request.parameters["orchid.class"].string_param = spec.request_class
+    if spec.output_tokens is not None:
+        request.parameters["orchid.max_output_tokens"].int64_param = spec.output_tokens
+    if spec.allow_fallback is not None:
+        request.parameters["orchid.allow_fallback"].bool_param = spec.allow_fallback
+    raw: bytes = request.SerializeToString()
+    return raw
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class _SimBackend(MemoryBackend):
+    """A ``MemoryBackend`` that notes which requests reached it (a failure after that is the
+    backend's, not a refusal)."""
+
+    def __init__(self, *args: Any, submitted: set[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._submitted = submitted
+
+    async def infer(
+        self, request: service_pb2.ModelInferRequest, *, timeout_s: float, logical: str
+    ) -> service_pb2.ModelInferResponse:
+        self._submitted.add(request.id)
+        return await super().infer(request, timeout_s=timeout_s, logical=logical)
+
+
+class _LadderRecorder(GatewayListener):
+    """The ladder step of every pool at every update (the gateway's ``ladder`` event)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, t0: float) -> None:
+        self.loop = loop
+        self.t0 = t0
+        self.samples: dict[str, list[tuple[float, int]]] = defaultdict(list)
+
+    def ladder(self, pool: str, step: int) -> None:
+        self.samples[pool].append((self.loop.time() - self.t0, step))
+
+
+@dataclass
+class RunRecord:
+    """What one run produced, per arrival (index-aligned with the schedule)."""
+
+    arrivals: list[Arrival]
+    outcome: list[str]
+    approximation: list[str]
+    rule: list[str]
+    finished_s: list[float]
+    executions: list[tuple[int, Execution]]  # (arrival index, execution); -1: not an arrival's
+    ladder: dict[str, list[tuple[float, int]]]
+    policy_version: str
+    policy_label: str
+    faults: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_once(prepared: Prepared, arrivals: list[Arrival], *, policies_dir: Path | None = None) -> RunRecord:
+    """Run the production runtime over ``arrivals`` on a fresh virtual-time loop."""
+    config = prepared.config
+    if policies_dir is not None:
+        config = config.model_copy(update={"policies_dir": policies_dir.resolve()})
+    policy = load_policies(config)
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(_run(prepared, config, policy, arrivals))
+    finally:
+        loop.close()
+
+
+async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals: list[Arrival]) -> RunRecord:
+    loop = asyncio.get_running_loop()
+    scenario = prepared.scenario
+    names = list(scenario.arrivals)
+    count = len(arrivals)
+    record = RunRecord(
+        arrivals=arrivals,
+        outcome=[""] * count,
+        approximation=[""] * count,
+        rule=[""] * count,
+        finished_s=[0.0] * count,
+        executions=[],
+        ladder={},
+        policy_version=policy.version,
+        policy_label=policy.current().label,
+    )
+    submitted: set[str] = set()
+
+    def executed(execution: Execution) -> None:
+        index = int(execution.request_id) if execution.request_id.isdigit() else -1
+        record.executions.append((index, execution))
+
+    backends: dict[str, _SimBackend] = {}
+    handles: dict[str, BackendHandle] = {}
+    for spec in scenario.fleet:
+        client = _SimBackend(
+            spec.name,
+            prepared.models[spec.name],
+            devices=spec.devices if spec.shared_devices else None,
+            time_factor=spec.time_factor,
+            on_execution=executed,
+            submitted=submitted,
+        )
+        backends[spec.name] = client
+        cfg = spec.backend_config()
+        handles[spec.name] = BackendHandle(
+            client, cfg.labels, cfg.devices, cfg.max_inflight_per_device, cfg.time_scale, cfg.shared_devices
+        )
+    t0 = loop.time()
+    recorder = _LadderRecorder(loop, t0)
+    gateway = await assemble_gateway(
+        config, prepared.tenants, prepared.routes, handles, policy, listener=recorder
+    )
+    background = [
+        loop.create_task(update_ladders_forever(gateway), name="ladders"),
+        loop.create_task(sample_statistics_forever(gateway), name="stats"),
+    ]
+    for fault in scenario.faults:
+        record.faults.append(_arm_fault(loop, t0, fault, backends, prepared))
+
+    templates: list[bytes] = []
+    metadata: list[tuple[tuple[str, str | bytes], ...]] = []
+    facts = [prepared.classes[n] for n in names]
+    for name, f in zip(names, facts, strict=True):
+        templates.append(request_template(f, scenario.arrivals[name], prepared.routes.models[f.model]))
+        metadata.append((("authorization", f"Bearer {minted_key(f.tenant)}"),))
+    done = loop.create_future()
+    remaining = [count]
+
+    def finish(index: int, outcome: str, approximation: str = "", rule: str = "") -> None:
+        record.outcome[index] = outcome
+        record.approximation[index] = approximation
+        record.rule[index] = rule
+        record.finished_s[index] = loop.time() - t0
+        remaining[0] -= 1
+        if remaining[0] == 0 and not done.done():
+            done.set_result(None)
+
+    def start(index: int) -> None:
+        arrival = arrivals[index]
+        f = facts[arrival.klass]
+        # The id first, then the template: protobuf merges concatenated messages.
+        raw = service_pb2.ModelInferRequest(id=str(index)).SerializeToString() + templates[arrival.klass]
+        deadline_s = f.deadline_ms / MS_PER_S
+        call = CallContext(
+            metadata=metadata[arrival.klass],
+            time_remaining_s=deadline_s if f.sets_deadline else None,
+            received_at=loop.time(),
+        )
+        task = loop.create_task(gateway.infer(raw, call))
+        caller_gives_up = loop.call_at(loop.time() + deadline_s, task.cancel) if f.sets_deadline else None
+
+        def settled(task: asyncio.Task[service_pb2.ModelInferResponse]) -> None:
+            if caller_gives_up is not None:
+                caller_gives_up.cancel()
+            if task.cancelled():
+                finish(index, "missed", rule="caller.deadline")
+                return
+            error = task.exception()
+            if error is None:
+                response = task.result()
+                params = response.parameters
+                approximation = params["orchid.approximation"].string_param
+                late = loop.time() - t0 - arrival.at_s > deadline_s + 1e-9
+                finish(index, "late" if late else "on_time", approximation)
+                return
+            if not isinstance(error, GatewayError):
+                finish(index, "failed", rule=type(error).__name__)
+                return
+            rule = error.rule or ""
+            if rule in LATE_RULES:
+                finish(index, "rejected_late", rule=rule)
+            elif str(index) in submitted:
+                # It reached a backend: a deadline there is a miss, anything else a failure.
+                outcome = "missed" if isinstance(error, DeadlineExpired) else "failed"
+                finish(index, outcome, rule=rule or error.status)
+            elif isinstance(error, DeadlineExpired):
+                finish(index, "rejected_late", rule=rule or error.status)
+            else:
+                finish(index, "rejected_early", rule=rule or error.status)
+
+        task.add_done_callback(settled)
+
+    for index, arrival in enumerate(arrivals):
+        loop.call_at(t0 + arrival.at_s, start, index)
+    if count:
+        await done
+    for task in background:
+        task.cancel()
+    await asyncio.gather(*background, return_exceptions=True)
+    for client in backends.values():
+        await client.close()
+    record.ladder = dict(recorder.samples)
+    return record
+
+
+def _arm_fault(
+    loop: asyncio.AbstractEventLoop,
+    t0: float,
+    fault: Fault,
+    backends: Mapping[str, MemoryBackend],
+    prepared: Prepared,
+) -> dict[str, Any]:
+    applied: dict[str, Any] = {"kind": fault.kind, "at_s": fault.at_s, "until_s": fault.until_s}
+    actions: list[tuple[float, Callable[[], None]]] = []
+    if fault.kind == "device_group_lost":
+        assert fault.backend is not None
+        backend = backends[fault.backend]
+        applied["backend"] = fault.backend
+        actions.append((fault.at_s, lambda: backend.set_healthy(False)))
+        if fault.until_s is not None:
+            actions.append((fault.until_s, lambda: backend.set_healthy(True)))
+    else:
+        assert fault.model is not None
+        model = fault.model
+        route = _route_of(model, prepared.tenants, prepared.routes)
+        longer_than = fault.longer_than_tokens
+        if longer_than is None:
+            longer_than = route.shape.long_input_tokens if route is not None else 0
+        serving = [b for b in backends.values() if b.is_warm(model)]
+        applied.update(model=model, factor=fault.factor, longer_than_tokens=longer_than)
+
+        def slow(factor: float) -> Callable[[], None]:
+            def apply() -> None:
+                for backend in serving:
+                    backend.slow_down(model, factor, longer_than=longer_than)
+
+            return apply
+
+        actions.append((fault.at_s, slow(fault.factor)))
+        if fault.until_s is not None:
+            actions.append((fault.until_s, slow(1.0)))
+    for at_s, action in actions:
+        loop.call_at(t0 + at_s, action)
+    return applied
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _r(value: float, digits: int = 3) -> float:
+    rounded = round(value, digits)
+    return 0.0 if rounded == 0 else rounded  # no "-0.0"
+
+
+def _pct(part: float, whole: float) -> float | None:
+    return _r(100.0 * part / whole, 2) if whole > 0 else None
+
+
+def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any]:
+    """The run as a JSON-ready document (sorted keys at dump; rounded figures)."""
+    scenario = prepared.scenario
+    config = prepared.config
+    names = list(scenario.arrivals)
+    facts = [prepared.classes[n] for n in names]
+    windows = phase_windows(scenario)
+    protected = config.protected_utilization
+    envelope_ms = sum(b.devices * protected * MS_PER_S / b.time_factor for b in scenario.fleet)
+    devices = sum(b.devices for b in scenario.fleet)
+    shadow_models = {r.shadow.backend_model for r in prepared.routes.models.values() if r.shadow is not None}
+
+    # Device time per arrival: useful (its caller got an answer in time) or wasted.
+    wasted: dict[tuple[int, int], float] = defaultdict(float)
+    useful: dict[tuple[int, int], float] = defaultdict(float)
+    shadow_ms: dict[int, float] = defaultdict(float)
+    for index, execution in record.executions:
+        if index < 0 or index >= len(record.arrivals):
+            continue
+        arrival = record.arrivals[index]
+        key = (arrival.phase, arrival.klass)
+        if (
+            execution.model in shadow_models
+            and execution.model != prepared.routes.models[facts[arrival.klass].model].backend_model
+        ):
+            shadow_ms[arrival.phase] += execution.device_ms
+        elif execution.answered and record.outcome[index] == "on_time":
+            useful[key] += execution.device_ms
+        else:
+            wasted[key] += execution.device_ms
+
+    per: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
+    rules: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
+    saving: dict[tuple[int, int], float] = defaultdict(float)
+    offered_ms: dict[tuple[int, int], float] = defaultdict(float)
+    for index, arrival in enumerate(record.arrivals):
+        key = (arrival.phase, arrival.klass)
+        f = facts[arrival.klass]
+        counts = per[key]
+        counts["offered"] += 1
+        offered_ms[key] += f.primary_ms
+        outcome = record.outcome[index]
+        counts[outcome] += 1
+        if outcome == "on_time":
+            approximation = record.approximation[index] or "none"
+            counts[approximation] += 1
+            if approximation == "fallback" and f.fallback_ms is not None:
+                saving[key] += f.primary_ms - f.fallback_ms
+        elif record.rule[index]:
+            rules[key][f"{outcome}:{record.rule[index]}"] += 1
+
+    def block(
+        counts: Counter[str], duration: float, offered: float, waste: float, served: float
+    ) -> dict[str, Any]:
+        offered_n = counts["offered"]
+        out: dict[str, Any] = {
+            "offered": offered_n,
+            "offered_per_s": _r(offered_n / duration),
+            "offered_ms_per_s": _r(offered / duration),
+            "full": counts["none"],
+            "fallback": counts["fallback"],
+            "reduced_output": counts["reduced_output"],
+            "degraded": counts["fallback"] + counts["reduced_output"],
+            "wasted_device_ms": _r(waste),
+            "wasted_device_ms_per_s": _r(waste / duration),
+            "served_device_ms_per_s": _r(served / duration),
+        }
+        for outcome in OUTCOMES:
+            out[outcome] = counts[outcome]
+            out[f"{outcome}_pct"] = _pct(counts[outcome], offered_n)
+        out["degraded_pct"] = _pct(out["degraded"], offered_n)
+        out["degraded_pct_of_on_time"] = _pct(out["degraded"], counts["on_time"])
+        return out
+
+    phases_out: list[dict[str, Any]] = []
+    for p, window in enumerate(windows):
+        duration = window.duration_s
+        classes_out: dict[str, Any] = {}
+        total = Counter[str]()
+        total_offered = total_waste = total_served = total_saving = 0.0
+        for k, name in enumerate(names):
+            key = (p, k)
+            counts = per.get(key, Counter())
+            total.update(counts)
+            total_offered += offered_ms[key]
+            total_waste += wasted[key]
+            total_served += useful[key]
+            total_saving += saving[key]
+            entry = block(counts, duration, offered_ms[key], wasted[key], useful[key])
+            entry["fallback_saving_ms_per_s"] = _r(saving[key] / duration)
+            entry["refusals"] = dict(sorted(rules.get(key, Counter()).items()))
+            classes_out[name] = entry
+        tenants_out: dict[str, Any] = {}
+        for tenant in sorted({f.tenant for f in facts}):
+            members = [k for k, f in enumerate(facts) if f.tenant == tenant]
+            t_counts = Counter[str]()
+            for k in members:
+                t_counts.update(per.get((p, k), Counter()))
+            t_offered = sum(offered_ms[(p, k)] for k in members)
+            t_served = sum(useful[(p, k)] for k in members)
+            t_waste = sum(wasted[(p, k)] for k in members)
+            entry = block(t_counts, duration, t_offered, t_waste, t_served)
+            entry["fallback_saving_ms_per_s"] = _r(sum(saving[(p, k)] for k in members) / duration)
+            entry["weight"] = prepared.tenants.tenants[tenant].weight
+            entry["share_of_served_pct"] = _pct(t_served, total_served)
+            entry["share_of_offered_pct"] = _pct(t_offered, total_offered)
+            tenants_out[tenant] = entry
+        totals = block(total, duration, total_offered, total_waste, total_served)
+        totals["fallback_saving_ms_per_s"] = _r(total_saving / duration)
+        totals["shadow_device_ms"] = _r(shadow_ms[p])
+        phases_out.append(
+            {
+                "name": window.name,
+                "start_s": _r(window.start_s),
+                "end_s": _r(window.end_s),
+                "duration_s": _r(duration),
+                "multiplier": window.multiplier,
+                "offered_pct_of_protected": _pct(total_offered / duration, envelope_ms),
+                "classes": classes_out,
+                "tenants": tenants_out,
+                "totals": totals,
+                "ladder": _ladder_phase(record.ladder, window),
+            }
+        )
+    return {
+        "scenario": prepared.source.path.name,
+        "description": scenario.description.strip(),
+        "seed": seed,
+        "policy": {"label": record.policy_label, "version": record.policy_version},
+        "envelope": {
+            "devices": devices,
+            "protected_utilization": protected,
+            "protected_ms_per_s": _r(envelope_ms),
+            "raw_ms_per_s": _r(sum(b.devices * MS_PER_S / b.time_factor for b in scenario.fleet)),
+        },
+        "classes": {
+            f.name: {
+                "tenant": f.tenant,
+                "class": f.request_class,
+                "model": f.model,
+                "fallback": f.fallback,
+                "input_tokens": f.input_tokens,
+                "output_tokens": f.output_tokens,
+                "deadline_ms": _r(f.deadline_ms),
+                "rate_per_s": _r(f.rate_per_s, 4),
+                "primary_ms": _r(f.primary_ms, 4),
+                "fallback_ms": _r(f.fallback_ms, 4) if f.fallback_ms is not None else None,
+            }
+            for f in facts
+        },
+        "faults": record.faults,
+        "phases": phases_out,
+        "timeline": _timeline(prepared, record, windows),
+    }
+
+
+def _ladder_phase(ladder: Mapping[str, list[tuple[float, int]]], window: PhaseWindow) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pool in sorted(ladder):
+        steps = [s for t, s in ladder[pool] if window.start_s <= t < window.end_s]
+        if not steps:
+            continue
+        counts = Counter(steps)
+        out[pool] = {
+            "max_step": max(steps),
+            "time_at_step_pct": {str(s): _pct(counts[s], len(steps)) for s in sorted(counts)},
+        }
+    return out
+
+
+def _timeline(prepared: Prepared, record: RunRecord, windows: list[PhaseWindow]) -> dict[str, Any]:
+    interval = prepared.scenario.report.interval_s
+    end = windows[-1].end_s
+    bins = max(1, math.ceil(end / interval - 1e-9))
+    facts = [prepared.classes[n] for n in prepared.scenario.arrivals]
+    tenants = sorted({f.tenant for f in facts})
+    offered = {t: [0] * bins for t in tenants}
+    on_time = {t: [0] * bins for t in tenants}
+    degraded = {t: [0] * bins for t in tenants}
+    for index, arrival in enumerate(record.arrivals):
+        b = min(bins - 1, int(arrival.at_s / interval))
+        tenant = facts[arrival.klass].tenant
+        offered[tenant][b] += 1
+        if record.outcome[index] == "on_time":
+            on_time[tenant][b] += 1
+            if record.approximation[index] in DEGRADED:
+                degraded[tenant][b] += 1
+    ladder: dict[str, list[int]] = {}
+    for pool in sorted(record.ladder):
+        steps = [0] * bins
+        for t, step in record.ladder[pool]:
+            b = min(bins - 1, int(t / interval))
+            steps[b] = max(steps[b], step)
+        ladder[pool] = steps
+    return {
+        "interval_s": interval,
+        "start_s": [_r(i * interval) for i in range(bins)],
+        "tenants": {
+            t: {"offered": offered[t], "on_time": on_time[t], "degraded": degraded[t]} for t in tenants
+        },
+        "ladder_max_step": ladder,
+    }
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+COMPARED = (
+    "on_time_pct",
+    "degraded_pct",
+    "rejected_early_pct",
+    "rejected_late_pct",
+    "missed_pct",
+    "failed_pct",
+    "wasted_device_ms_per_s",
+    "fallback_saving_ms_per_s",
+)
+
+
+def differences(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> dict[str, Any]:
+    """Per phase and class (and totals, tenants): candidate - baseline, for the figures that
+    differ; max ladder step per pool too."""
+    out: dict[str, Any] = {}
+    for before, after in zip(baseline["phases"], candidate["phases"], strict=True):
+        phase: dict[str, Any] = {}
+        groups = [("totals", before["totals"], after["totals"])]
+        groups += [(f"class {n}", before["classes"][n], after["classes"][n]) for n in before["classes"]]
+        groups += [(f"tenant {n}", before["tenants"][n], after["tenants"][n]) for n in before["tenants"]]
+        for label, b, a in groups:
+            delta = {}
+            for metric in COMPARED:
+                x, y = b.get(metric), a.get(metric)
+                if x is None or y is None or x == y:
+                    continue
+                delta[metric] = _r(y - x, 3)
+            if delta:
+                phase[label] = delta
+        for pool in sorted(set(before["ladder"]) | set(after["ladder"])):
+            x = before["ladder"].get(pool, {}).get("max_step", 0)
+            y = after["ladder"].get(pool, {}).get("max_step", 0)
+            if x != y:
+                phase[f"ladder {pool}"] = {"max_step": y - x}
+        if phase:
+            out[before["name"]] = phase
+    return out
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _fmt(value: Any, suffix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.1f}{suffix}"
+    return f"{value:,}{suffix}"
+
+
+def _span(phase: Mapping[str, Any]) -> str:
+    return f"{phase['start_s']:g}-{phase['end_s']:g}"
+
+
+def _pct2(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} %"
+
+
+def render_text(document: Mapping[str, Any]) -> str:
+    env = document["envelope"]
+    policy = document["policy"]
+    lines = [
+        f"Simulation: {document['scenario']} (seed {document['seed']}; policy "
+        f"{policy['label'] or '-'} {policy['version']})",
+        f"Fleet: {env['devices']} devices; protected envelope {_fmt(env['protected_ms_per_s'])} "
+        f"accelerator-ms/s ({env['protected_utilization']:.0%} of {_fmt(env['raw_ms_per_s'])})",
+    ]
+    for fault in document["faults"]:
+        target = (
+            fault.get("backend")
+            or f"{fault.get('model')} x{fault.get('factor')} over {fault.get('longer_than_tokens')} tokens"
+        )
+        until = f" until {fault['until_s']} s" if fault.get("until_s") is not None else ""
+        lines.append(f"Fault: {fault['kind']} {target} at {fault['at_s']} s{until}")
+    lines.append("")
+    header = (
+        f"{'phase':<10} {'time s':>9} {'mult':>5} {'offered ms/s':>13} {'% protected':>11} {'step':>4}"
+        f" {'on time':>8} {'degraded':>8} {'rej early':>9} {'rej late':>8} {'missed':>7} {'failed':>7}"
+        f" {'wasted ms/s':>11} {'fb saving ms/s':>14}"
+    )
+    lines.append(header)
+    for phase in document["phases"]:
+        t = phase["totals"]
+        step = max((v["max_step"] for v in phase["ladder"].values()), default=0)
+        lines.append(
+            f"{phase['name']:<10} {_span(phase):>9} {phase['multiplier']:>5.2f}"
+            f" {_fmt(t['offered_ms_per_s']):>13} {_pct2(phase['offered_pct_of_protected']):>11} {step:>4}"
+            f" {_fmt(t['on_time_pct'], '%'):>8} {_fmt(t['degraded_pct'], '%'):>8}"
+            f" {_fmt(t['rejected_early_pct'], '%'):>9} {_fmt(t['rejected_late_pct'], '%'):>8}"
+            f" {_fmt(t['missed_pct'], '%'):>7} {_fmt(t['failed_pct'], '%'):>7}"
+            f" {_fmt(t['wasted_device_ms_per_s']):>11} {_fmt(t['fallback_saving_ms_per_s']):>14}"
+        )
+    lines.append("")
+    lines.append(
+        f"{'phase':<10} {'class':<12} {'offered':>8} {'on time':>8} {'full':>7} {'fallback':>8}"
+        f" {'reduced':>8}"
+        f" {'rej early':>9} {'rej late':>8} {'missed':>7} {'failed':>7} {'wasted dev-ms':>13}"
+    )
+    for phase in document["phases"]:
+        for name, c in phase["classes"].items():
+            if not c["offered"]:
+                continue
+            lines.append(
+                f"{phase['name']:<10} {name:<12} {c['offered']:>8,} {_fmt(c['on_time_pct'], '%'):>8}"
+                f" {_fmt(_pct(c['full'], c['offered']), '%'):>7}"
+                f" {_fmt(_pct(c['fallback'], c['offered']), '%'):>8}"
+                f" {_fmt(_pct(c['reduced_output'], c['offered']), '%'):>8}"
+                f" {_fmt(c['rejected_early_pct'], '%'):>9} {_fmt(c['rejected_late_pct'], '%'):>8}"
+                f" {_fmt(c['missed_pct'], '%'):>7} {_fmt(c['failed_pct'], '%'):>7}"
+                f" {_fmt(c['wasted_device_ms']):>13}"
+            )
+    lines.append("")
+    lines.append(
+        f"{'phase':<10} {'tenant':<12} {'weight':>6} {'offered ms/s':>13} {'served ms/s':>12}"
+        f" {'% of served':>11} {'on time':>8} {'degraded':>8}"
+    )
+    for phase in document["phases"]:
+        for name, t in phase["tenants"].items():
+            if not t["offered"]:
+                continue
+            lines.append(
+                f"{phase['name']:<10} {name:<12} {t['weight']:>6.1f} {_fmt(t['offered_ms_per_s']):>13}"
+                f" {_fmt(t['served_device_ms_per_s']):>12} {_fmt(t['share_of_served_pct'], '%'):>11}"
+                f" {_fmt(t['on_time_pct'], '%'):>8} {_fmt(t['degraded_pct'], '%'):>8}"
+            )
+    timeline = document["timeline"]
+    lines.append("")
+    lines.append(f"Ladder step, max per {timeline['interval_s']:g} s:")
+    for pool, steps in timeline["ladder_max_step"].items():
+        lines.append(f"  {pool:<28} {''.join(str(s) for s in steps)}")
+    return "\n".join(lines) + "\n"
+
+
+_LABELS = {
+    "on_time_pct": ("on time", "%"),
+    "degraded_pct": ("degraded", "%"),
+    "rejected_early_pct": ("rejected early", "%"),
+    "rejected_late_pct": ("rejected late", "%"),
+    "missed_pct": ("missed", "%"),
+    "failed_pct": ("failed", "%"),
+    "wasted_device_ms_per_s": ("wasted", " device-ms/s"),
+    "fallback_saving_ms_per_s": ("fallback saving", " ms/s"),
+}
+
+
+def _groups(phase: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    groups: list[tuple[str, Mapping[str, Any]]] = [("totals", phase["totals"])]
+    groups += [(f"class {n}", c) for n, c in phase["classes"].items()]
+    groups += [(f"tenant {n}", t) for n, t in phase["tenants"].items()]
+    return groups
+
+
+def render_comparison(
+    baseline: Mapping[str, Any], candidate: Mapping[str, Any], diff: Mapping[str, Any]
+) -> str:
+    """Both runs side by side: on time always, every other figure where the two differ."""
+    b_policy, c_policy = baseline["policy"], candidate["policy"]
+    lines = [
+        f"Policy comparison: {baseline['scenario']} (seed {baseline['seed']}): same arrivals, two policies",
+        f"  baseline:  {b_policy['label'] or '-'} {b_policy['version']}",
+        f"  candidate: {c_policy['label'] or '-'} {c_policy['version']}",
+        "",
+        f"{'phase':<10} {'group':<16} {'on time %':>17}  other figures (baseline -> candidate)",
+    ]
+    for before, after in zip(baseline["phases"], candidate["phases"], strict=True):
+        for (label, b), (_, a) in zip(_groups(before), _groups(after), strict=True):
+            if not b["offered"]:
+                continue
+            on_time = f"{_fmt(b['on_time_pct'])} -> {_fmt(a['on_time_pct'])}"
+            changed = []
+            for metric in COMPARED[1:]:
+                x, y = b.get(metric), a.get(metric)
+                if x != y:
+                    name, unit = _LABELS[metric]
+                    changed.append(f"{name} {_fmt(x)} -> {_fmt(y)}{unit}")
+            lines.append(f"{before['name']:<10} {label:<16} {on_time:>17}  {'; '.join(changed) or '='}")
+        b_steps = {k: v["max_step"] for k, v in before["ladder"].items()}
+        a_steps = {k: v["max_step"] for k, v in after["ladder"].items()}
+        for pool in sorted(set(b_steps) | set(a_steps)):
+            if b_steps.get(pool, 0) != a_steps.get(pool, 0):
+                lines.append(
+                    f"{before['name']:<10} {'ladder':<16} {pool}: max step "
+                    f"{b_steps.get(pool, 0)} -> {a_steps.get(pool, 0)}"
+                )
+    lines.append("")
+    if diff:
+        lines.append(
+            f"The candidate differs in {sum(len(g) for g in diff.values())} groups' figures "
+            "(--json: `differences`)."
+        )
+    else:
+        lines.append("No difference: the candidate policy decides this scenario exactly as the baseline.")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot(documents: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> None:
+    """Per tenant on-time share, degraded share, and the ladder step, over time (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    styles = ("-", "--")
+    for (label, document), style in zip(documents, styles, strict=False):
+        timeline = document["timeline"]
+        t = timeline["start_s"]
+        suffix = f" ({label})" if len(documents) > 1 else ""
+        for tenant, series in timeline["tenants"].items():
+            offered = series["offered"]
+            on_time = [
+                100.0 * o / n if n else float("nan") for o, n in zip(series["on_time"], offered, strict=True)
+            ]
+            degraded = [
+                100.0 * d / o if o else float("nan")
+                for d, o in zip(series["degraded"], series["on_time"], strict=True)
+            ]
+            axes[0].plot(t, on_time, style, label=f"{tenant}{suffix}")
+            axes[1].plot(t, degraded, style, label=f"{tenant}{suffix}")
+        for pool, steps in timeline["ladder_max_step"].items():
+            axes[2].step(t, steps, style, where="post", label=f"{pool}{suffix}")
+    for window in documents[0][1]["phases"]:
+        for ax in axes:
+            ax.axvline(window["start_s"], color="grey", linewidth=0.5)
+    axes[0].set_ylabel("on time, % of offered")
+    axes[0].set_ylim(-2, 102)
+    axes[1].set_ylabel("degraded, % of on time")
+    axes[1].set_ylim(-2, 102)
+    axes[2].set_ylabel("ladder step (max)")
+    axes[2].set_ylim(-0.2, 6.2)
+    axes[2].set_xlabel("virtual time, s")
+    for ax in axes:
+        ax.legend(fontsize="small", loc="best")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"orchid-gateway simulate: {documents[0][1]['scenario']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "scenario", type=Path, help="scenario YAML, e.g. examples/orchid/simulate/seed-surge.yaml"
+    )
+    parser.add_argument("--config", type=Path, help="gateway config (default: the scenario's `gateway:`)")
+    parser.add_argument("--policies", type=Path, help="policy directory (default: the config's)")
+    parser.add_argument(
+        "--compare-policies",
+        type=Path,
+        metavar="DIR2",
+        help="run the same arrivals against this policy directory too",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as deterministic JSON")
+    parser.add_argument(
+        "--plot", type=Path, metavar="FILE.png", help="draw on-time, degraded share and ladder step"
+    )
+    parser.add_argument("--seed", type=int, help="seed of the Poisson arrivals (default: the scenario's)")
+    parser.add_argument(
+        "--log-level", default="ERROR", help="the runtime's log level (ladder steps log at WARNING)"
+    )
+
+
+def simulate(
+    scenario_path: Path,
+    *,
+    config_path: Path | None = None,
+    policies: Path | None = None,
+    compare_policies: Path | None = None,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Load, run and report; with ``compare_policies``: baseline, candidate and differences."""
+    scenario, source = load_scenario(scenario_path)
+    prepared = prepare(scenario, source, config_path=config_path, policies_dir=policies)
+    if compare_policies is not None and not compare_policies.is_dir():
+        raise ConfigError(str(compare_policies), "", "policy directory does not exist")
+    used_seed = scenario.seed if seed is None else seed
+    arrivals = schedule(prepared, used_seed)
+    baseline = report(prepared, run_once(prepared, arrivals), seed=used_seed)
+    if compare_policies is None:
+        return baseline
+    candidate = report(prepared, run_once(prepared, arrivals, policies_dir=compare_policies), seed=used_seed)
+    return {
+        "baseline": baseline,
+        "candidate": candidate,
+        "differences": differences(baseline, candidate),
+    }
+
+
+def render_json(document: Mapping[str, Any]) -> str:
+    return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; 2 (with ``FILE[:line:col]: key.path: problem`` on stderr) for a bad
+    scenario, config, tenants, routes or policy file."""
+    logging.basicConfig(level=str(args.log_level).upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        document = simulate(
+            args.scenario,
+            config_path=args.config,
+            policies=args.policies,
+            compare_policies=args.compare_policies,
+            seed=args.seed,
+        )
+    except ConfigError as exc:
+        print(f"orchid-gateway simulate: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        sys.stdout.write(render_json(document))
+    elif "baseline" in document:
+        sys.stdout.write(render_text(document["baseline"]))
+        sys.stdout.write("\n")
+        sys.stdout.write(
+            render_comparison(document["baseline"], document["candidate"], document["differences"])
+        )
+    else:
+        sys.stdout.write(render_text(document))
+    if args.plot is not None:
+        documents = (
+            [("baseline", document["baseline"]), ("candidate", document["candidate"])]
+            if "baseline" in document
+            else [("", document)]
+        )
+        plot(documents, args.plot)
+    return 0
