@@ -25,9 +25,11 @@ from gateway.backends.base import Backend, ModelSpec
 from gateway.backends.stats import PoolTiming, StatsSample, timing_between
 from gateway.config import GatewayConfig, RequestClassConfig, RouteConfig, RouteTable
 from gateway.core import admission, pricing, settlement
+from gateway.core.dispatch import LATE_RULE
 from gateway.core.errors import (
     DeadlineExpired,
     DeadlineInfeasible,
+    GatewayError,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -274,12 +276,18 @@ class Gateway:
         *,
         operation: str,
         mode: Mode,
+        late: Admitted | None = None,
     ) -> Admitted:
         """Authenticated request in; an ``Admitted`` bound to a pool out, or a ``GatewayError``.
 
         Prices the request on its route (and on the route's warm fallback when the
         decision may need it), evaluates the policy snapshot, and lets the pure
-        ``admission.decide`` choose."""
+        ``admission.decide`` choose.
+
+        ``late``: this request was admitted to its primary but its latest start passed in
+        the queue. The primary then counts as denied for capacity (DEADLINE_EXCEEDED,
+        ``queue.latest_start``), so the decision is the warm fallback if policy allows it
+        and it can still finish in time, or that refusal; its demand was offered once."""
         logical = request.model_name
         route = self.tenant_route(tenant, logical)
         if route.streaming != (mode is Mode.STREAMING):
@@ -305,7 +313,7 @@ class Gateway:
         now = clock.now()
         deadline_ms = self._deadline_ms(call, request_class)
         identity = Identity(
-            request_id=uuid.uuid4().hex,
+            request_id=late.record.identity.request_id if late is not None else uuid.uuid4().hex,
             tenant=tenant.name,
             request_class=class_name,
             model=logical,
@@ -333,6 +341,19 @@ class Gateway:
         # action: a request its own tenant's quota, entitlement or policy refuses is not load
         # (the flooder's excess is its own problem); one refused for want of capacity is.
         admissible = primary.policy.allowed or primary.policy.status == "DEADLINE_EXCEEDED"
+        if late is not None:
+            admissible = False  # offered (and admitted) once already, on its first pass
+            primary = admission.Candidate(
+                primary.record,
+                dataclasses.replace(
+                    primary.policy,
+                    allowed=False,
+                    status="DEADLINE_EXCEEDED",
+                    rule=LATE_RULE,
+                    message="the request could not start before its deadline",
+                    retry_after_ms=None,
+                ),
+            )
         shed = False
         if primary.policy.allowed and mode is Mode.ONLINE and load.shed(flow):
             # Part of this flow's excess at step 5+: policy decides how it is refused.
@@ -450,8 +471,9 @@ class Gateway:
         # Reserve the predicted demand of what will run; settled with the observed charge. A
         # refusal here (the tenant's own concurrency or queued-work limit) is not pool load.
         reservation = self.quotas.reserve_record(chosen.record, now=now)
-        load.offer(now, flow, offered_ms)
-        load.admitted(now, flow, offered_ms, chosen.record.demand.accelerator_ms)
+        if late is None:
+            load.offer(now, flow, offered_ms)
+            load.admitted(now, flow, offered_ms, chosen.record.demand.accelerator_ms)
         if chosen is fallback_priced and fallback_load is not None:
             f_flow = fallback_load.flow(
                 class_name, tenant.name, weight=tenant.config.weight, class_weight=request_class.weight
@@ -636,7 +658,10 @@ class Gateway:
         admitted = await self.admit(request, tenant, call, operation="ModelInfer", mode=Mode.ONLINE)
         try:
             slot = await self.acquire(admitted)
-        except BaseException:  # never ran (queue full, too late, caller gone): refund all
+        except DeadlineExpired as late:  # its latest start passed in the queue: the fallback?
+            self.quotas.release(admitted.reservation, now=clock.now())
+            admitted, slot = await self._rescue(request, tenant, call, admitted, late)
+        except BaseException:  # never ran (queue full, caller gone): refund all
             self.quotas.release(admitted.reservation, now=clock.now())
             raise
         started = clock.now()
@@ -666,6 +691,32 @@ class Gateway:
         response.model_name = admitted.record.identity.model
         attach_provenance(response, settled)
         return response
+
+    async def _rescue(
+        self,
+        request: service_pb2.ModelInferRequest,
+        tenant: Tenant,
+        call: CallContext,
+        admitted: Admitted,
+        late: DeadlineExpired,
+    ) -> tuple[Admitted, Slot]:
+        """A request whose latest start passed in its primary's queue: decided again, once,
+        with the primary counted as too late (see ``admit``'s ``late``). It runs on the warm
+        fallback if policy allows and it can still finish in time; otherwise the caller gets
+        the late refusal. A request already on its fallback is not decided again."""
+        if admitted.decision.verdict is not Verdict.ADMIT or admitted.route.fallback is None:
+            raise late
+        try:
+            rescued = await self.admit(
+                request, tenant, call, operation="ModelInfer", mode=Mode.ONLINE, late=admitted
+            )
+        except GatewayError:
+            raise late from None
+        try:
+            return rescued, await self.acquire(rescued)
+        except BaseException:
+            self.quotas.release(rescued.reservation, now=clock.now())
+            raise
 
     def settle(
         self,

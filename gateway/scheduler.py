@@ -16,7 +16,7 @@ import asyncio
 
 from gateway import clock
 from gateway.core import dispatch
-from gateway.core.dispatch import CONTROL_CLASS, DeviceSet, Waiter
+from gateway.core.dispatch import CONTROL_CLASS, LATE_RULE, DeviceSet, Waiter
 from gateway.core.errors import DeadlineExpired
 
 __all__ = ["CONTROL_CLASS", "DeviceSet", "DispatchQueue", "Slot"]
@@ -96,6 +96,6 @@ class DispatchQueue(dispatch.DispatchQueue):
             future.cancel()
             if isinstance(exc, TimeoutError):
                 raise DeadlineExpired(
-                    "the request could not start before its deadline", rule="queue.latest_start"
+                    "the request could not start before its deadline", rule=LATE_RULE
                 ) from None
             raise

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.core.dispatch import LATE_RULE
 from gateway.core.overload import LadderEffects
 from gateway.core.record import Approximation, Decision, RequestRecord, Verdict
 from gateway.policy.snapshot import PolicyResult
@@ -131,9 +132,12 @@ def decide(primary: Candidate, fallback: Candidate | None, context: AdmissionCon
     )
     if fallback is not None and eligible and fallback.policy.allowed:
         if capacity_denied:
-            reason = "fallback:primary_" + (
-                "infeasible" if primary.policy.status == "DEADLINE_EXCEEDED" else "shed"
-            )
+            if primary.policy.rule == LATE_RULE:
+                reason = "fallback:primary_late"  # its latest start passed in the primary's queue
+            elif primary.policy.status == "DEADLINE_EXCEEDED":
+                reason = "fallback:primary_infeasible"
+            else:
+                reason = "fallback:primary_shed"
             return _admit(
                 fallback, route_reason=reason, approximation=Approximation.FALLBACK, context=context
             )

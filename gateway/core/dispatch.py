@@ -85,6 +85,8 @@ from typing import Any
 from gateway.core.errors import GatewayError, ResourceExhausted
 
 CONTROL_CLASS = "control"
+# The refusal of a request whose latest start passed while it waited (the driver raises it).
+LATE_RULE = "queue.latest_start"
 
 
 # The short lane is kept only while short work has asked for a device this recently: a few

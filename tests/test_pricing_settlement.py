@@ -1,0 +1,132 @@
+"""Pricing and settlement in the decision core, driven by hand with explicit times.
+
+``core.pricing.price`` builds a request's record on one pool (demand from the profile and
+the estimator's correction, budget with the queue wait the dispatch queue predicts);
+``core.settlement`` charges observed work, teaches the estimator and refunds. No event
+loop and no clock: every time here is the test's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.core import pricing, settlement
+from gateway.core.dispatch import DispatchQueue, Slot
+from gateway.core.estimate import CorrectionKey, Estimator
+from gateway.core.profile import DemandProfile
+from gateway.core.quota import QuotaConfig, QuotaLedger, QuotaSettings
+from gateway.core.record import Approximation, Decision, Identity, Mode, RequestRecord, Shape, Verdict
+
+FULL = DemandProfile(fixed_ms=4.4, prefill_ms_per_token=0.1, decode_ms_per_token=0.41875)
+IDENTITY = Identity(
+    request_id="r1",
+    tenant="orchid",
+    request_class="interactive",
+    model="full-v18",
+    model_version="",
+    operation="ModelInfer",
+    mode=Mode.ONLINE,
+    privacy_cell="eu-restricted",
+)
+TEACHING = Shape(items=1, input_tokens=256, max_output_tokens=64, bucket="short")
+RESERVES = pricing.Reserves(deadline_ms=200.0, upstream_ms=12.0, fail_ms=15.0)
+
+
+def priced(
+    queue: DispatchQueue, estimator: Estimator, *, now: float, received_at: float = 0.0
+) -> tuple[RequestRecord, CorrectionKey]:
+    return pricing.price(
+        IDENTITY,
+        TEACHING,
+        profile=FULL,
+        backend_model="full-v18",
+        version="",
+        time_scale=1.0,
+        estimator=estimator,
+        queue=queue,
+        reserves=RESERVES,
+        weight=2.0,
+        received_at=received_at,
+        ladder_step=0,
+        now=now,
+    )
+
+
+def test_the_teaching_request_is_priced_at_56_8_ms_with_its_reserves() -> None:
+    queue = DispatchQueue("full-v18", devices=1, slots=2, max_queued=10)
+    record, key = priced(queue, Estimator(), now=0.045, received_at=0.0)
+    assert record.demand.accelerator_ms == pytest.approx(56.8)  # 4.4 + 25.6 + 26.8
+    assert record.budget.elapsed_ms == pytest.approx(45.0)
+    assert record.budget.queue_wait_ms == 0.0  # an idle pool
+    assert key.model == "full-v18" and key.bucket == "short"
+
+
+def test_the_predicted_queue_wait_is_the_work_bound_ahead() -> None:
+    queue = DispatchQueue("full-v18", devices=1, slots=2, max_queued=10)
+    running = queue.request(0.0, latest_start=1.0, cost_ms=100.0)
+    assert isinstance(running, Slot)
+    record, _ = priced(queue, Estimator(), now=0.04)
+    assert record.budget.queue_wait_ms == pytest.approx(60.0)  # the device frees at 0.1 s
+    assert pricing.latest_start(0.0, RESERVES, 56.8) == pytest.approx((200.0 - 56.8 - 15.0) / 1000.0)
+
+
+def test_settlement_charges_observed_work_and_teaches_the_estimator() -> None:
+    quotas = QuotaLedger(
+        QuotaSettings(
+            tenants={"orchid": {"interactive": QuotaConfig(accelerator_ms_per_s=100.0, burst_ms=1000.0)}}
+        )
+    )
+    estimator = Estimator()
+    queue = DispatchQueue("full-v18", devices=1, slots=2, max_queued=10)
+    record, key = priced(queue, estimator, now=0.0)
+    reservation = quotas.reserve_record(record, now=0.0)
+    assert quotas.available("orchid", "interactive", now=0.0).available_accelerator_ms == pytest.approx(943.2)
+    decision = Decision(
+        verdict=Verdict.ADMIT,
+        target_model="full-v18",
+        route_reason="primary",
+        approximation=Approximation.NONE,
+    )
+    # 130 ms on the backend, of which 16 ms waiting in its own queue, alone in its batch:
+    # 114 ms held, twice the 56.8 ms predicted.
+    outcome = settlement.settle(
+        record,
+        decision,
+        reservation,
+        key,
+        quotas=quotas,
+        estimator=estimator,
+        backend_model="full-v18",
+        queue_ms=5.0,
+        wall_ms=130.0,
+        backend_queue_ms=16.0,
+        batch=1.0,
+        first_result_ms=130.0,
+        output_tokens=64,
+        learn=True,
+        now=0.2,
+    )
+    assert outcome.charged_accelerator_ms == pytest.approx(114.0)
+    # The reservation (56.8) is replaced by the charge (114), after 0.2 s of refill at 100 ms/s.
+    after = quotas.available("orchid", "interactive", now=0.2).available_accelerator_ms
+    assert after == pytest.approx(943.2 + 20.0 + 56.8 - 114.0)
+    assert estimator.correction(key, "orchid", 0.2) > 1.0  # it learned the underprediction
+    assert settlement.observed_accelerator_ms(100.0, 20.0, 2.0) == pytest.approx(40.0)
+
+
+def test_abandon_refunds_what_never_started_and_charges_what_ran() -> None:
+    quotas = QuotaLedger(
+        QuotaSettings(
+            tenants={"orchid": {"interactive": QuotaConfig(accelerator_ms_per_s=100.0, burst_ms=200.0)}}
+        )
+    )
+    queue = DispatchQueue("full-v18", devices=1, slots=2, max_queued=10)
+    record, _ = priced(queue, Estimator(), now=0.0)
+    never = quotas.reserve_record(record, now=0.0)
+    settlement.abandon(quotas, never, started=None, now=0.0)
+    assert quotas.available("orchid", "interactive", now=0.0).available_accelerator_ms == pytest.approx(200.0)
+    ran = quotas.reserve_record(record, now=0.0)
+    settlement.abandon(quotas, ran, started=0.0, now=0.03)  # it held the device for 30 ms
+    # 143.2 left after the reservation, 3 ms of refill, then the 56.8 reserved becomes 30 charged.
+    left = quotas.available("orchid", "interactive", now=0.03).available_accelerator_ms
+    assert left == pytest.approx(143.2 + 3.0 + 56.8 - 30.0)
