@@ -649,7 +649,9 @@ class _LadderRecorder(GatewayListener):
         self.samples: dict[str, list[tuple[float, int]]] = defaultdict(list)
 
     def ladder(self, pool: str, step: int) -> None:
-        self.samples[pool].append((self.loop.time() - self.t0, step))
+        # Rounded to the microsecond: the ladder loop's sleeps accumulate float error (its
+        # 200th update runs at 19.99999999999996 s, in the same loop turn as a timer at 20 s).
+        self.samples[pool].append((round(self.loop.time() - self.t0, 6), step))
 
 
 @dataclass
@@ -659,7 +661,7 @@ class RunRecord:
     arrivals: list[Arrival]
     outcome: list[str]
     approximation: list[str]
-    rule: list[str]
+    rule: list[str]  # the deciding rule of a refusal; the rules of a degraded answer
     finished_s: list[float]
     executions: list[tuple[int, Execution]]  # (arrival index, execution); -1: not an arrival's
     ladder: dict[str, list[tuple[float, int]]]
@@ -750,6 +752,10 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
             done.set_result(None)
 
     def start(index: int) -> None:
+        # Each arrival arms the next: the loop's timer heap stays small (10,000 timers armed
+        # up front make every timer operation of the run ~14 comparisons deep).
+        if index + 1 < count:
+            loop.call_at(t0 + arrivals[index + 1].at_s, start, index + 1)
         arrival = arrivals[index]
         f = facts[arrival.klass]
         # The id first, then the template: protobuf merges concatenated messages.
@@ -774,8 +780,13 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
                 response = task.result()
                 params = response.parameters
                 approximation = params["orchid.approximation"].string_param
+                # A degraded answer keeps why (provenance: orchid.route_reason, orchid.rules).
+                why = ""
+                if approximation in DEGRADED:
+                    reason, rules = params["orchid.route_reason"], params["orchid.rules"]
+                    why = f"{reason.string_param} [{rules.string_param}]"
                 late = loop.time() - t0 - arrival.at_s > deadline_s + 1e-9
-                finish(index, "late" if late else "on_time", approximation)
+                finish(index, "late" if late else "on_time", approximation, why)
                 return
             if not isinstance(error, GatewayError):
                 finish(index, "failed", rule=type(error).__name__)
@@ -794,9 +805,8 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
 
         task.add_done_callback(settled)
 
-    for index, arrival in enumerate(arrivals):
-        loop.call_at(t0 + arrival.at_s, start, index)
     if count:
+        loop.call_at(t0 + arrivals[0].at_s, start, 0)
         await done
     for task in background:
         task.cancel()
@@ -893,6 +903,7 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
 
     per: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
     rules: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
+    degradations: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
     saving: dict[tuple[int, int], float] = defaultdict(float)
     offered_ms: dict[tuple[int, int], float] = defaultdict(float)
     for index, arrival in enumerate(record.arrivals):
@@ -908,6 +919,8 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             counts[approximation] += 1
             if approximation == "fallback" and f.fallback_ms is not None:
                 saving[key] += f.primary_ms - f.fallback_ms
+            if approximation in DEGRADED:
+                degradations[key][f"{approximation}: {record.rule[index]}"] += 1
         elif record.rule[index]:
             rules[key][f"{outcome}:{record.rule[index]}"] += 1
 
@@ -951,6 +964,7 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             entry = block(counts, duration, offered_ms[key], wasted[key], useful[key])
             entry["fallback_saving_ms_per_s"] = _r(saving[key] / duration)
             entry["refusals"] = dict(sorted(rules.get(key, Counter()).items()))
+            entry["degradations"] = dict(sorted(degradations.get(key, Counter()).items()))
             classes_out[name] = entry
         tenants_out: dict[str, Any] = {}
         for tenant in sorted({f.tenant for f in facts}):
@@ -1127,6 +1141,7 @@ def _pct2(value: float | None) -> str:
 
 
 def render_text(document: Mapping[str, Any]) -> str:
+    pw = max(10, *(len(p["name"]) for p in document["phases"]))  # the phase column's width
     env = document["envelope"]
     policy = document["policy"]
     lines = [
@@ -1144,7 +1159,7 @@ def render_text(document: Mapping[str, Any]) -> str:
         lines.append(f"Fault: {fault['kind']} {target} at {fault['at_s']} s{until}")
     lines.append("")
     header = (
-        f"{'phase':<10} {'time s':>9} {'mult':>5} {'offered ms/s':>13} {'% protected':>11} {'step':>4}"
+        f"{'phase':<{pw}} {'time s':>9} {'mult':>5} {'offered ms/s':>13} {'% protected':>11} {'step':>4}"
         f" {'on time':>8} {'degraded':>8} {'rej early':>9} {'rej late':>8} {'missed':>7} {'failed':>7}"
         f" {'wasted ms/s':>11} {'fb saving ms/s':>14}"
     )
@@ -1153,7 +1168,7 @@ def render_text(document: Mapping[str, Any]) -> str:
         t = phase["totals"]
         step = max((v["max_step"] for v in phase["ladder"].values()), default=0)
         lines.append(
-            f"{phase['name']:<10} {_span(phase):>9} {phase['multiplier']:>5.2f}"
+            f"{phase['name']:<{pw}} {_span(phase):>9} {phase['multiplier']:>5.2f}"
             f" {_fmt(t['offered_ms_per_s']):>13} {_pct2(phase['offered_pct_of_protected']):>11} {step:>4}"
             f" {_fmt(t['on_time_pct'], '%'):>8} {_fmt(t['degraded_pct'], '%'):>8}"
             f" {_fmt(t['rejected_early_pct'], '%'):>9} {_fmt(t['rejected_late_pct'], '%'):>8}"
@@ -1162,7 +1177,7 @@ def render_text(document: Mapping[str, Any]) -> str:
         )
     lines.append("")
     lines.append(
-        f"{'phase':<10} {'class':<12} {'offered':>8} {'on time':>8} {'full':>7} {'fallback':>8}"
+        f"{'phase':<{pw}} {'class':<12} {'offered':>8} {'on time':>8} {'full':>7} {'fallback':>8}"
         f" {'reduced':>8}"
         f" {'rej early':>9} {'rej late':>8} {'missed':>7} {'failed':>7} {'wasted dev-ms':>13}"
     )
@@ -1171,7 +1186,7 @@ def render_text(document: Mapping[str, Any]) -> str:
             if not c["offered"]:
                 continue
             lines.append(
-                f"{phase['name']:<10} {name:<12} {c['offered']:>8,} {_fmt(c['on_time_pct'], '%'):>8}"
+                f"{phase['name']:<{pw}} {name:<12} {c['offered']:>8,} {_fmt(c['on_time_pct'], '%'):>8}"
                 f" {_fmt(_pct(c['full'], c['offered']), '%'):>7}"
                 f" {_fmt(_pct(c['fallback'], c['offered']), '%'):>8}"
                 f" {_fmt(_pct(c['reduced_output'], c['offered']), '%'):>8}"
@@ -1181,7 +1196,7 @@ def render_text(document: Mapping[str, Any]) -> str:
             )
     lines.append("")
     lines.append(
-        f"{'phase':<10} {'tenant':<12} {'weight':>6} {'offered ms/s':>13} {'served ms/s':>12}"
+        f"{'phase':<{pw}} {'tenant':<12} {'weight':>6} {'offered ms/s':>13} {'served ms/s':>12}"
         f" {'% of served':>11} {'on time':>8} {'degraded':>8}"
     )
     for phase in document["phases"]:
@@ -1189,7 +1204,7 @@ def render_text(document: Mapping[str, Any]) -> str:
             if not t["offered"]:
                 continue
             lines.append(
-                f"{phase['name']:<10} {name:<12} {t['weight']:>6.1f} {_fmt(t['offered_ms_per_s']):>13}"
+                f"{phase['name']:<{pw}} {name:<12} {t['weight']:>6.1f} {_fmt(t['offered_ms_per_s']):>13}"
                 f" {_fmt(t['served_device_ms_per_s']):>12} {_fmt(t['share_of_served_pct'], '%'):>11}"
                 f" {_fmt(t['on_time_pct'], '%'):>8} {_fmt(t['degraded_pct'], '%'):>8}"
             )
