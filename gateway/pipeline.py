@@ -243,10 +243,13 @@ class Gateway:
     async def bind_pool(
         self, route: RouteConfig, cell: str, logical: str
     ) -> tuple[BackendHandle, ModelSpec, DispatchQueue]:
-        """Pick the healthy backend in the request's cell with the least predicted wait (the
-        prediction is only made when there is a choice)."""
-        best: tuple[float, BackendHandle, ModelSpec, DispatchQueue] | None = None
+        """Pick the healthy backend in the request's cell with the least predicted wait; among
+        equals (idle devices on several), the one with the least work per device still to run,
+        so a fleet's backends share the load (and their ladders see their share of it) instead
+        of the first filling up. Nothing is predicted when there is no choice."""
+        best: tuple[tuple[float, float], BackendHandle, ModelSpec, DispatchQueue] | None = None
         candidates = self.candidate_backends(route, cell)
+        now = clock.now()
         for name in candidates:
             handle = self.backends[name]
             backend = handle.client
@@ -257,9 +260,12 @@ class Gateway:
             except Unavailable:
                 continue
             queue = self.queue_for(name, spec)
-            wait = queue.predicted_wait_ms(clock.now()) if len(candidates) > 1 else 0.0
-            if best is None or wait < best[0]:
-                best = (wait, handle, spec, queue)
+            if len(candidates) > 1:
+                key = (queue.predicted_wait_ms(now), queue.inflight_remaining_ms(now) / queue.devices)
+            else:
+                key = (0.0, 0.0)
+            if best is None or key < best[0]:
+                best = (key, handle, spec, queue)
         if best is None:
             raise Unavailable(
                 f"no healthy backend serves model {logical!r} in this credential's privacy cell"
@@ -729,12 +735,17 @@ class Gateway:
         learn: bool = True,
         backend_wait_s: float | None = None,
         first_result: float | None = None,
+        finished_answer: bool = True,
     ) -> Settled:
         """Charge observed work: backend time minus the time the request waited in Triton's
         own queue, and teach the estimator. That wait is ``backend_wait_s`` when the
         dispatch queue knows it (a request bound ahead waits until the device before it
         frees, which the queue observes at release); otherwise the pool's mean from
-        Triton's statistics."""
+        Triton's statistics.
+
+        The outcome is complete only for a finished answer (``finished_answer``: false for a
+        stream's partial responses) whose output limit no rule or ladder step reduced (a
+        reduced limit may have cut the answer)."""
         wall_ms = (finished - started) * 1000.0
         timing = self.pool_timing.get(admitted.queue.name)
         if backend_wait_s is not None:
@@ -758,6 +769,9 @@ class Gateway:
             learn=learn,
             now=finished,
         )
+        complete = finished_answer and admitted.decision.max_output_tokens is None
+        if not complete:
+            outcome = dataclasses.replace(outcome, complete=False)
         stages = StageTimes(admitted.received_at, admitted.admitted_at, started, finished)
         return Settled(admitted.record, admitted.decision, outcome, stages)
 
