@@ -6,8 +6,8 @@ evaluation timer. One concept per module:
 
     schema        what rules can read (declared once), PolicyContext, activation()
     source        located YAML: node marks, expression offsets -> file line:col
-    analysis      engine-independent checks: names, limits, bounded evaluation, int/double
-    engine        the CEL engines (cel-expr default, cel-python) behind one protocol
+    analysis      what no checker covers: limits, syntax tree, bounded evaluation, stage scope
+    engine        cel-cpp's type checker (for both engines); the CEL engines behind one protocol
     model         stages, actions, modes, compiled Rule / Variable
     loader        policy directory -> PolicySnapshot, or PolicyLoadError with diagnostics
     snapshot      PolicySnapshot.evaluate / explain -> PolicyResult

@@ -1,18 +1,32 @@
-"""CEL engines behind one small protocol.
+"""CEL engines behind one small protocol, and the one type checker both use.
 
-This module owns the two CEL implementations the policy core can run on and
-the seam between them and the rest of the package:
+This module owns the two CEL implementations the policy core can run on, the
+seam between them and the rest of the package, and the type checker:
 
-- ``cel-expr`` (default): ``cel-expr-python``, Google's cel-cpp. Expressions
-  are type-checked at compile against the schema's declared variables. Its one
-  surprise: a runtime error (division by zero, missing map key, overflow) is
-  *returned* as a value of type ``ERROR`` whose ``value()`` is the message,
-  not raised. ``CelExprEngine`` detects that explicitly and raises
-  ``EvaluationError`` - an ERROR value must never reach a rule as a result.
-- ``cel-python``: ``celpy``, pure Python, about 50-100x slower, with no type
-  checker. The engine-independent checks in ``analysis`` (names, bounded
-  evaluation, int vs double) run for both, so lint behaves the same; the
-  result types that only a checker would prove are verified at runtime here.
+- ``TypeChecker``: cel-cpp's own checker (``cel-expr-python``), given the
+  schema's declared variables (``{dotted name: CEL type}``, from
+  ``schema.FIELDS`` and the policy set's ``variables``). It is the only place
+  expression types are decided: undeclared references, operand types
+  (``budget.slack_ms < 0``), non-bool operands, unknown functions and
+  overloads, selections on non-messages, and the result type the loader
+  compares with what a condition, message or action must be. Its standard
+  library is declared without the timestamp and duration functions
+  (``EXCLUDED_FUNCTIONS``): nothing in the schema is a time, and the two
+  engines print them differently.
+- ``cel-expr`` (default): ``cel-expr-python``, Google's cel-cpp. Compiling is
+  checking: the program comes out of the checker. Its one surprise: a runtime
+  error (division by zero, missing map key, overflow) is *returned* as a value
+  of type ``ERROR`` whose ``value()`` is the message, not raised.
+  ``CelExprEngine`` detects that explicitly and raises ``EvaluationError`` -
+  an ERROR value must never reach a rule as a result.
+- ``cel-python``: ``celpy``, pure Python, about 50-100x slower. It has no
+  checker of its own, so ``CelPythonEngine.compile`` runs the same
+  ``TypeChecker`` first: lint reports the same problems, with the same types,
+  on both engines. Results are still checked at runtime by the snapshot.
+
+Checker errors come back as ``CompileProblem`` with 1-based (line, column)
+inside the expression; cel-cpp places a field selection at its ``.`` and a
+call at its ``(``, and those are moved to the name the author wrote.
 
 Inputs are handed to ``bind`` as flat ``{dotted name: plain value}``
 (``{"budget.slack_ms": 68.0}``); each engine builds its own activation.
@@ -44,7 +58,7 @@ class CompileProblem(Exception):
 class CompiledExpression(Protocol):
     @property
     def result_type(self) -> str:
-        """The checked CEL result type (``bool``, ``list(string)``), ``dyn`` when unknown."""
+        """The checker's result type (``bool``, ``list(string)``); ``dyn`` when it is not static."""
         ...
 
     def evaluate(self, bindings: Any) -> Any:
@@ -64,7 +78,10 @@ class Engine(Protocol):
     prefers_plan: bool
 
     def compile(self, text: str, declarations: Mapping[str, str]) -> CompiledExpression:
-        """Compile ``text`` with variables ``{dotted name: CEL type}``; raises ``CompileProblem``."""
+        """Type-check ``text`` against ``{dotted name: CEL type}`` (``TypeChecker``) and compile it.
+
+        Raises ``CompileProblem`` with every problem the checker found.
+        """
         ...
 
     def bind(self, inputs: Mapping[str, Any]) -> Any:
@@ -73,10 +90,31 @@ class Engine(Protocol):
 
 
 # ---------------------------------------------------------------------------
-# cel-expr-python (cel-cpp)
+# The type checker: cel-cpp's, for both engines
 # ---------------------------------------------------------------------------
 
+# cel-cpp standard-library functions left out of the policy dialect: no schema
+# field is a timestamp or a duration, and the two engines disagree on them
+# (``string(duration('1.5s'))`` is "1.500s" on cel-cpp, "1s" on celpy).
+# Declared to the checker, so using one is its "undeclared reference", like any
+# unknown function.
+EXCLUDED_FUNCTIONS: tuple[str, ...] = (
+    "timestamp",
+    "duration",
+    "getFullYear",
+    "getMonth",
+    "getDayOfYear",
+    "getDayOfMonth",
+    "getDate",
+    "getDayOfWeek",
+    "getHours",
+    "getMinutes",
+    "getSeconds",
+    "getMilliseconds",
+)
+
 _CEL_ERROR = re.compile(r"ERROR: <input>:(\d+):(\d+): (.*)")
+_IDENT_CHAR = re.compile(r"[_a-zA-Z0-9]")
 
 
 def _to_schema_type(name: str) -> str:
@@ -104,6 +142,131 @@ def _to_schema_type(name: str) -> str:
         "BYTES": "bytes",
     }
     return simple.get(upper, schema.DYN)
+
+
+class TypeChecker:
+    """cel-cpp's type checker over declared variables: where every expression type is decided.
+
+    One cel-cpp environment per distinct set of declarations (a policy set has
+    two or three: with and without its variables, and the plan's), cached.
+    """
+
+    def __init__(self) -> None:
+        from cel_expr_python import cel
+
+        self._cel = cel
+        exclusions = "".join(f"    - name: {name}\n" for name in EXCLUDED_FUNCTIONS)
+        self._config = cel.NewEnvConfigFromYaml(f"stdlib:\n  exclude_functions:\n{exclusions}")
+        self._envs: dict[tuple[tuple[str, str], ...], Any] = {}
+        self._lock = threading.Lock()
+
+    def _type(self, notation: str) -> Any:
+        cel = self._cel
+        simple = {
+            "bool": cel.Type.BOOL,
+            "int": cel.Type.INT,
+            "uint": cel.Type.UINT,
+            "double": cel.Type.DOUBLE,
+            "string": cel.Type.STRING,
+            "bytes": cel.Type.BYTES,
+        }
+        if notation in simple:
+            return simple[notation]
+        if notation.startswith("list(") and notation.endswith(")"):
+            return cel.Type.List(self._type(notation[5:-1]))
+        if notation.startswith("map(") and notation.endswith(")"):
+            inner = notation[4:-1]
+            depth = 0
+            for index, ch in enumerate(inner):
+                if ch == "(":
+                    depth += 1
+                elif ch == ")":
+                    depth -= 1
+                elif ch == "," and depth == 0:
+                    return cel.Type.Map(
+                        self._type(inner[:index].strip()), self._type(inner[index + 1 :].strip())
+                    )
+        return cel.Type.DYN
+
+    def _env(self, declarations: Mapping[str, str]) -> Any:
+        key = tuple(sorted(declarations.items()))
+        with self._lock:
+            env = self._envs.get(key)
+            if env is None:
+                env = self._cel.NewEnv(
+                    config=self._config,
+                    variables={name: self._type(t) for name, t in declarations.items()},
+                )
+                self._envs[key] = env
+            return env
+
+    def check(self, text: str, declarations: Mapping[str, str]) -> tuple[Any, str]:
+        """(the checked cel-cpp expression, its result type); raises ``CompileProblem``."""
+        try:
+            expr = self._env(declarations).compile(text)
+        except RuntimeError as exc:
+            raise CompileProblem(_parse_cel_errors(str(exc), text)) from exc
+        return expr, _to_schema_type(expr.return_type().name())
+
+
+def _parse_cel_errors(message: str, text: str) -> list[tuple[int, int, str]]:
+    problems: list[tuple[int, int, str]] = []
+    for line in message.splitlines():
+        match = _CEL_ERROR.search(line)
+        if match:
+            found = re.sub(r"\s*\[[A-Z_]+\]$", "", match.group(3)).strip()
+            found = found.replace(" (in container '')", "")
+            position = _at_name(text, int(match.group(1)), int(match.group(2)))
+            problems.append((*position, found))
+    if not problems:
+        found = re.sub(
+            r"^[A-Z_]+: ", "", message.strip().splitlines()[0] if message.strip() else "compile error"
+        )
+        problems.append((1, 1, re.sub(r"\s*\[[A-Z_]+\]$", "", found)))
+    return problems
+
+
+def _at_name(text: str, line: int, column: int) -> tuple[int, int]:
+    """Move a cel-cpp position from a selection's ``.`` or a call's ``(`` to the name written there."""
+    lines = text.split("\n")
+    if not 1 <= line <= len(lines) or not 1 <= column <= len(lines[line - 1]):
+        return line, column
+    source = lines[line - 1]
+    index = column - 1
+    if source[index] == ".":  # request.tennant: point at 'tennant'
+        after = index + 1
+        while after < len(source) and source[after] in " \t":
+            after += 1
+        if after < len(source) and _IDENT_CHAR.match(source[after]):
+            return line, after + 1
+    elif source[index] == "(":  # foo(1), request.model.lower(): point at the function's name
+        end = index
+        while end > 0 and source[end - 1] in " \t":
+            end -= 1
+        start = end
+        while start > 0 and _IDENT_CHAR.match(source[start - 1]):
+            start -= 1
+        if start < end:
+            return line, start + 1
+    return line, column
+
+
+_CHECKER: TypeChecker | None = None
+_CHECKER_LOCK = threading.Lock()
+
+
+def get_checker() -> TypeChecker:
+    """The shared ``TypeChecker``."""
+    global _CHECKER
+    with _CHECKER_LOCK:
+        if _CHECKER is None:
+            _CHECKER = TypeChecker()
+        return _CHECKER
+
+
+# ---------------------------------------------------------------------------
+# cel-expr-python (cel-cpp)
+# ---------------------------------------------------------------------------
 
 
 class _CelExprExpression:
@@ -140,7 +303,7 @@ class _CelExprExpression:
 
 
 class CelExprEngine:
-    """The default engine: cel-expr-python (cel-cpp), type-checked at compile."""
+    """The default engine: cel-expr-python (cel-cpp); its program is the checker's output."""
 
     name = "cel-expr"
     prefers_plan = True
@@ -148,75 +311,16 @@ class CelExprEngine:
     def __init__(self) -> None:
         from cel_expr_python import cel
 
-        self._cel = cel
-        self._envs: dict[tuple[tuple[str, str], ...], Any] = {}
-        self._lock = threading.Lock()
+        self._checker = get_checker()
+        self._error_type = cel.Type.ERROR
         self._bind_env = cel.NewEnv(variables={})
 
-    def _type(self, notation: str) -> Any:
-        cel = self._cel
-        simple = {
-            "bool": cel.Type.BOOL,
-            "int": cel.Type.INT,
-            "uint": cel.Type.UINT,
-            "double": cel.Type.DOUBLE,
-            "string": cel.Type.STRING,
-            "bytes": cel.Type.BYTES,
-        }
-        if notation in simple:
-            return simple[notation]
-        if notation.startswith("list(") and notation.endswith(")"):
-            return cel.Type.List(self._type(notation[5:-1]))
-        if notation.startswith("map(") and notation.endswith(")"):
-            inner = notation[4:-1]
-            depth = 0
-            for index, ch in enumerate(inner):
-                if ch == "(":
-                    depth += 1
-                elif ch == ")":
-                    depth -= 1
-                elif ch == "," and depth == 0:
-                    return cel.Type.Map(
-                        self._type(inner[:index].strip()), self._type(inner[index + 1 :].strip())
-                    )
-        return cel.Type.DYN
-
-    def _env(self, declarations: Mapping[str, str]) -> Any:
-        key = tuple(sorted(declarations.items()))
-        with self._lock:
-            env = self._envs.get(key)
-            if env is None:
-                env = self._cel.NewEnv(variables={name: self._type(t) for name, t in declarations.items()})
-                self._envs[key] = env
-            return env
-
     def compile(self, text: str, declarations: Mapping[str, str]) -> CompiledExpression:
-        env = self._env(declarations)
-        try:
-            expr = env.compile(text)
-        except RuntimeError as exc:
-            raise CompileProblem(_parse_cel_errors(str(exc))) from exc
-        result_type = _to_schema_type(expr.return_type().name())
-        return _CelExprExpression(expr, result_type, self._cel.Type.ERROR)
+        expr, result_type = self._checker.check(text, declarations)
+        return _CelExprExpression(expr, result_type, self._error_type)
 
     def bind(self, inputs: Mapping[str, Any]) -> Any:
         return self._bind_env.Activation(inputs)
-
-
-def _parse_cel_errors(message: str) -> list[tuple[int, int, str]]:
-    problems: list[tuple[int, int, str]] = []
-    for line in message.splitlines():
-        match = _CEL_ERROR.search(line)
-        if match:
-            text = re.sub(r"\s*\[[A-Z_]+\]$", "", match.group(3)).strip()
-            text = text.replace(" (in container '')", "")
-            problems.append((int(match.group(1)), int(match.group(2)), text))
-    if not problems:
-        text = re.sub(
-            r"^[A-Z_]+: ", "", message.strip().splitlines()[0] if message.strip() else "compile error"
-        )
-        problems.append((1, 1, re.sub(r"\s*\[[A-Z_]+\]$", "", text)))
-    return problems
 
 
 # ---------------------------------------------------------------------------
@@ -270,7 +374,7 @@ def _from_celpy(value: Any) -> Any:
 
 
 class CelPythonEngine:
-    """The pure-Python engine (celpy): no type checker, runtime result checks instead."""
+    """The pure-Python engine (celpy). It has no checker: ``TypeChecker`` checks for it."""
 
     name = "cel-python"
     prefers_plan = False
@@ -278,12 +382,13 @@ class CelPythonEngine:
     def __init__(self) -> None:
         import celpy
 
-        self._celpy = celpy
+        self._checker = get_checker()
         self._env = celpy.Environment()
 
     def compile(self, text: str, declarations: Mapping[str, str]) -> CompiledExpression:
         from celpy.celparser import CELParseError
 
+        _, result_type = self._checker.check(text, declarations)
         try:
             ast = self._env.compile(text)
             program = self._env.program(ast)
@@ -293,7 +398,7 @@ class CelPythonEngine:
             raise CompileProblem([(int(line), int(column), "syntax error")]) from exc
         except Exception as exc:
             raise CompileProblem([(1, 1, f"cel-python cannot compile this expression: {exc}")]) from exc
-        return _CelPythonExpression(program, schema.DYN)
+        return _CelPythonExpression(program, result_type)
 
     def bind(self, inputs: Mapping[str, Any]) -> Any:
         return {name: _to_celpy(value) for name, value in schema.nest(inputs).items()}

@@ -386,22 +386,30 @@ class _Compiler:
         expected: str | None,
         what: str,
     ) -> tuple[CompiledExpression | None, Analysis]:
+        """Bounds and dialect (``analysis``), then types (the engine's checker): every problem found."""
         text = str(node.value)
         analysis = analyze(text, scope)
-        if analysis.problems:
-            for problem in analysis.problems:
-                self.report(source, node, problem.line, problem.column, problem.message)
+        for problem in analysis.problems:
+            self.report(source, node, problem.line, problem.column, problem.message)
+        if not analysis.parsed:
             return None, analysis
         try:
             compiled = self.engine.compile(text, self.declarations())
         except CompileProblem as exc:
+            seen = {(p.line, p.column) for p in analysis.problems}
             for line, column, message in exc.problems:
-                self.report(source, node, line, column, message)
+                if (line, column) not in seen:  # e.g. ``Foo{}``: construction, not also "undeclared"
+                    self.report(source, node, line, column, message)
             return None, analysis
-        result_type = compiled.result_type if compiled.result_type != schema.DYN else analysis.result_type
-        if expected is not None and result_type not in (expected, schema.DYN):
+        if analysis.problems:
+            return None, analysis
+        if expected is not None and compiled.result_type not in (expected, schema.DYN):
             self.report(
-                source, node, 1, 1, f"{what} must be a CEL {expected} expression; this one is {result_type}"
+                source,
+                node,
+                1,
+                1,
+                f"{what} must be a CEL {expected} expression; this one is {compiled.result_type}",
             )
             return None, analysis
         return compiled, analysis
@@ -520,8 +528,7 @@ def compile_policies(
         rules.append(rule)
 
     # Variables: discover dependencies, order them, then type and compile in order.
-    any_type = {v.name: schema.DYN for v in variables}
-    uses = {v.name: analyze(str(v.node.value), Scope(variable_types=any_type)).variables for v in variables}
+    uses = {v.name: analyze(str(v.node.value), Scope()).variables for v in variables}
     order, cycles = _topological(variables, uses)
     by_name = {v.name: v for v in variables}
     for cycle in cycles:
@@ -533,9 +540,7 @@ def compile_policies(
     if not cycles:
         for name in order:
             variable = by_name[name]
-            scope = Scope(
-                variable_types=dict(compiler.variable_types), variable_origins=dict(compiler.variable_origins)
-            )
+            scope = Scope(variable_origins=dict(compiler.variable_origins))
             compiled, analysis = compiler.expression(
                 variable.source, variable.node, scope, None, f"variable '{name}'"
             )
@@ -543,7 +548,7 @@ def compile_policies(
                 compiler.variable_types[name] = schema.DYN
                 compiler.variable_origins[name] = frozenset({Origin.CALLER})
                 continue
-            cel_type = compiled.result_type if compiled.result_type != schema.DYN else analysis.result_type
+            cel_type = compiled.result_type
             compiler.variable_types[name] = cel_type
             compiler.variable_origins[name] = origins_of(analysis, compiler.variable_origins)
             compiler.variable_reads[name] = analysis.reads
@@ -560,15 +565,13 @@ def compile_policies(
                 )
             )
     else:
-        compiler.variable_types.update(any_type)
+        compiler.variable_types.update({v.name: schema.DYN for v in variables})
 
     # Rules.
     compiled_rules: list[Rule] = []
     for rule in rules:
         scope = Scope(
-            variable_types=dict(compiler.variable_types),
-            variable_origins=dict(compiler.variable_origins),
-            allow_backend=rule.stage is Stage.ROUTING,
+            variable_origins=dict(compiler.variable_origins), allow_backend=rule.stage is Stage.ROUTING
         )
         condition, condition_analysis = compiler.expression(
             rule.source, rule.condition, scope, schema.BOOL, "condition"
