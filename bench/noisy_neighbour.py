@@ -163,6 +163,7 @@ from surge import (
 
 from gateway.backends.local import LocalTriton
 from gateway.config import load_routes
+from orchid_tools.simulate import degradation  # "fallback,reduced_output" counts as fallback
 
 SHAPE = "short"  # bench/surge.py's SHAPES key: 256 input / 64 output tokens
 TENANTS = ("orchid", "lumen")
@@ -436,7 +437,7 @@ async def drive(
                 outcome.t_end = loop.time() - t0
                 if gateway:
                     params = service_pb2.ModelInferResponse.FromString(raw).parameters
-                    outcome.approximation = params["orchid.approximation"].string_param
+                    outcome.approximation = degradation(params["orchid.approximation"].string_param)
                     outcome.model = params["orchid.model"].string_param
                     outcome.ladder_step = int(params["orchid.ladder_step"].int64_param)
                     outcome.predicted_ms = float(params["orchid.predicted_accelerator_ms"].double_param)

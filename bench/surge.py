@@ -227,6 +227,7 @@ from gateway.config import load_routes
 from gateway.core.overload import DEFAULT_WINDOW_S as DEMAND_WINDOW_S
 from gateway.core.profile import DemandProfile
 from orchid_tools.capacity import compute_worksheet, workload_from_data
+from orchid_tools.simulate import degradation  # "fallback,reduced_output" counts as fallback
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "orchid"
@@ -374,7 +375,8 @@ class Quality:
     scores: dict[str, float]
 
     def of(self, approximation: str) -> float:
-        return self.scores[approximation or FULL]
+        """An answer degraded several ways (``fallback,reduced_output``) counts the lowest."""
+        return min(self.scores[part] for part in (approximation or FULL).split(","))
 
 
 def load_quality(directory: Path = REPO / "routes") -> Quality:
@@ -799,7 +801,7 @@ async def drive(
                 outcome.t_end = loop.time() - t0
                 if provenance:
                     params = service_pb2.ModelInferResponse.FromString(raw).parameters
-                    outcome.approximation = params["orchid.approximation"].string_param
+                    outcome.approximation = degradation(params["orchid.approximation"].string_param)
                     outcome.model = params["orchid.model"].string_param
                     outcome.ladder_step = int(params["orchid.ladder_step"].int64_param)
                     outcome.predicted_ms = float(params["orchid.predicted_accelerator_ms"].double_param)

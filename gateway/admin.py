@@ -5,16 +5,22 @@ truth; its Python modules are generated from it at build time (``setup.py``, run
 ``pip install -e .`` in ``scripts/bootstrap.sh``) into ``gateway._proto`` and are not
 committed. Every call needs an admin credential; a failed reload answers
 FAILED_PRECONDITION with the ``file:line:col`` diagnostics while the last good policy
-keeps serving.
+keeps serving. Like the inference service, every method receives raw bytes and decodes
+them after authentication (``messages.decode``): a malformed request answers
+UNAUTHENTICATED without a valid credential, else INVALID_ARGUMENT, never grpc's
+UNKNOWN with a logged traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
 from gateway.core.errors import PermissionDenied
+from gateway.messages import decode
 from gateway.pipeline import Gateway
 from gateway.protocol import peer_subjects
 from gateway.status import to_status
@@ -29,27 +35,37 @@ except ModuleNotFoundError as exc:  # pragma: no cover - a checkout that was nev
 
 SERVICE = admin_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name
 
+RawUnary = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]
+Method = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
 
 class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        try:
-            tenant = self.gateway.tenants.authenticate(
-                tuple(context.invocation_metadata() or ()), peer_subjects=peer_subjects(context)
-            )
-            if not tenant.config.admin:
-                raise PermissionDenied("this operation needs an admin credential")
-        except Exception as error:  # a refusal keeps its status; a bug is INTERNAL, not hidden
-            status = to_status(error, where="admin")
-            context.set_trailing_metadata(status.trailing_metadata)
-            await context.abort(status.code, status.message)
+    """The methods assume an authorized caller: ``add_to_server`` registers each one behind
+    ``authorized`` (authenticate, decode, admin check)."""
+
+    def authorized(self, method: Method, request_type: Any) -> RawUnary:
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                tenant = self.gateway.tenants.authenticate(
+                    tuple(context.invocation_metadata() or ()), peer_subjects=peer_subjects(context)
+                )
+                request = decode(request_type, raw)
+                if not tenant.config.admin:
+                    raise PermissionDenied("this operation needs an admin credential")
+            except Exception as error:  # a refusal keeps its status; a bug is INTERNAL, not hidden
+                status = to_status(error, where="admin")
+                context.set_trailing_metadata(status.trailing_metadata)
+                await context.abort(status.code, status.message)
+            return await method(request, context)
+
+        return call
 
     async def ReloadPolicies(
         self, request: admin_pb2.ReloadPoliciesRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ReloadPoliciesResponse:
-        await self._authorize(context)
         result = await asyncio.to_thread(self.gateway.policy.reload)
         reply = admin_pb2.ReloadPoliciesResponse(
             ok=result.ok,
@@ -70,7 +86,6 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
     async def PolicyStatus(
         self, request: admin_pb2.PolicyStatusRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.PolicyStatusResponse:
-        await self._authorize(context)
         store = self.gateway.policy
         return admin_pb2.PolicyStatusResponse(
             version=store.version,
@@ -82,7 +97,6 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
     async def LadderStatus(
         self, request: admin_pb2.LadderStatusRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.LadderStatusResponse:
-        await self._authorize(context)
         pools = []
         for name, load in sorted(self.gateway.loads.items()):
             state = load.ladder.state
@@ -98,6 +112,27 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
         return admin_pb2.LadderStatusResponse(pools=pools)
 
 
+_REQUESTS = {
+    "ReloadPolicies": admin_pb2.ReloadPoliciesRequest,
+    "PolicyStatus": admin_pb2.PolicyStatusRequest,
+    "LadderStatus": admin_pb2.LadderStatusRequest,
+}
+
+
+def _serialize(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return data
+
+
 def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
-    # The generated gRPC module has no annotations (grpcio-tools writes none for services).
-    admin_pb2_grpc.add_GatewayAdminServicer_to_server(AdminServicer(gateway), server)  # type: ignore[no-untyped-call]
+    """Every method of the service, raw bytes in (``request_deserializer=None``)."""
+    servicer = AdminServicer(gateway)
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            servicer.authorized(getattr(servicer, name), request_type),
+            request_deserializer=None,
+            response_serializer=_serialize,
+        )
+        for name, request_type in _REQUESTS.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -3,6 +3,12 @@
 Identity comes only from the credential (``authorization: Bearer <api key>``
 metadata), never from a self-declared header. Keys are compared by their
 SHA-256 digest; the clear key is never stored or logged.
+
+The header's form: exactly one ``authorization`` entry (a call carrying two or more is
+refused UNAUTHENTICATED: a proxy in front may have checked a different one than the
+gateway would use); the scheme ``Bearer`` in any case (``bearer``, ``BEARER``: schemes
+are case-insensitive, RFC 9110 section 11.1); whitespace around the key is ignored; the
+key itself is case-sensitive.
 """
 
 from __future__ import annotations
@@ -48,11 +54,14 @@ class TenantDirectory:
 
         ``peer_subjects`` come from the TLS handshake (the certificate chain was verified
         against the configured client CA), never from request metadata."""
-        header: str | None = None
-        for key, value in metadata:
-            if key == "authorization":
-                header = value.decode("latin-1") if isinstance(value, bytes) else value
-                break
+        headers = [
+            value.decode("latin-1") if isinstance(value, bytes) else value
+            for key, value in metadata
+            if key == "authorization"
+        ]
+        if len(headers) > 1:
+            raise Unauthenticated("more than one 'authorization' header: send exactly one")
+        header = headers[0] if headers else None
         if header is None:
             for subject in peer_subjects:
                 tenant = self._by_subject.get(subject)

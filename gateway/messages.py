@@ -1,34 +1,77 @@
-"""The KServe message edge of the request path: parsing a request, the provenance a
-response carries, and the error reply a stream sends for one failed request.
+"""The KServe message edge of the request path: decoding a request's bytes, the provenance
+a response carries, and the error reply a stream sends for one failed request.
+
+Every RPC decodes its own bytes (``decode``) after authenticating the caller, so a
+message that is not valid protobuf (a model name that is not UTF-8, a truncated field)
+answers INVALID_ARGUMENT with one bounded log line, never grpc's UNKNOWN and traceback.
 
 Provenance (``orchid.*`` response parameters) is the caller's record of what ran:
-model and version, route reason, approximation, policy version and rules, ladder
-step, predicted and charged accelerator-ms. It never carries another tenant's
-data or payload.
+model and version, route reason, approximation, whether the answer is complete, policy
+version and rules, ladder step, predicted and charged accelerator-ms. It never carries
+another tenant's data or payload.
+
+- ``orchid.approximation``: the degradations that applied, comma-separated in the order
+  ``fallback,reduced_output``, or ``none``.
+- ``orchid.complete``: false when the answer is partial: a stream's responses before
+  its final one, a stream request that failed midway (its error reply), and any answer
+  whose output limit policy or the overload ladder reduced below what the caller asked
+  (the output may have been cut).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2
 
 from gateway.core.errors import GatewayError, InvalidArgument
+from gateway.core.record import Approximation, Decision
+from gateway.status import bounded
 
 if TYPE_CHECKING:
     from gateway.pipeline import Settled
 
+log = logging.getLogger(__name__)
 
-def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest()
+M = TypeVar("M", bound=Message)
+
+
+def decode(message_type: type[M], raw: bytes, *, quiet: bool = False) -> M:
+    """Parse ``raw`` as ``message_type``; INVALID_ARGUMENT if it is not valid protobuf. Call it
+    after authentication: each refusal writes one bounded log line (type and size, never
+    the bytes), unless ``quiet`` (the unauthenticated health RPCs)."""
+    request: M = message_type()
     try:
         request.ParseFromString(raw)
     except DecodeError:
-        raise InvalidArgument("malformed ModelInferRequest: the message is not valid protobuf") from None
+        name = message_type.DESCRIPTOR.name
+        if not quiet:
+            log.info("refused a malformed %s (%d bytes): INVALID_ARGUMENT", name, len(raw))
+        raise InvalidArgument(
+            f"malformed {name}: the message is not valid protobuf (truncated, or a string field "
+            "that is not UTF-8)"
+        ) from None
+    return request
+
+
+def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
+    request: service_pb2.ModelInferRequest = decode(service_pb2.ModelInferRequest, raw)
     if not request.model_name:
         raise InvalidArgument("model_name is required")
     return request
+
+
+def approximation(decision: Decision) -> str:
+    """The degradations that applied: ``fallback``, ``reduced_output``, both (comma-separated,
+    in that order) or ``none``."""
+    applied = []
+    if decision.approximation is Approximation.FALLBACK:
+        applied.append(str(Approximation.FALLBACK))
+    if decision.max_output_tokens is not None or decision.approximation is Approximation.REDUCED_OUTPUT:
+        applied.append(str(Approximation.REDUCED_OUTPUT))
+    return ",".join(applied) or str(Approximation.NONE)
 
 
 def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
@@ -37,7 +80,7 @@ def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
         "orchid.model": decision.target_model,
         "orchid.model_version": record.identity.model_version,
         "orchid.route_reason": decision.route_reason,
-        "orchid.approximation": str(decision.approximation),
+        "orchid.approximation": approximation(decision),
         "orchid.complete": outcome.complete,
         "orchid.policy_version": decision.policy_version,
         "orchid.rules": ",".join(decision.rules),
@@ -70,8 +113,12 @@ def flag_response(response: service_pb2.ModelInferResponse, name: str) -> bool:
 
 
 def stream_error(error: GatewayError, client_id: str) -> service_pb2.ModelStreamInferResponse:
-    reply = service_pb2.ModelStreamInferResponse(error_message=f"{error.status}: {error.message}")
+    """The reply that ends one request on a stream: ``STATUS: message`` (bounded like a
+    status message), the rule and retry-after as parameters, and ``orchid.complete=false``
+    (whatever it sent before this reply was not a complete answer)."""
+    reply = service_pb2.ModelStreamInferResponse(error_message=bounded(f"{error.status}: {error.message}"))
     reply.infer_response.id = client_id
     for key, value in error.trailing_metadata():
         reply.infer_response.parameters[key].string_param = value
+    reply.infer_response.parameters["orchid.complete"].bool_param = False
     return reply

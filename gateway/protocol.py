@@ -2,10 +2,14 @@
 
 Adapts protobuf calls to the request path in ``pipeline`` and is the one place
 that turns a domain ``GatewayError`` into a gRPC status with trailing metadata
-(``orchid-rule``, ``retry-after-ms``). ModelInfer and ModelStreamInfer receive
-raw bytes so a malformed message is answered with INVALID_ARGUMENT (grpc's
-own deserializer would answer INTERNAL). Admin-only RPCs (repository control,
-shared memory, trace and log settings) are refused for non-admin credentials.
+(``orchid-rule``, ``retry-after-ms``; messages bounded by ``status.bounded``).
+Every method receives raw bytes and decodes them itself after authenticating the
+caller (``messages.decode``): a malformed message answers UNAUTHENTICATED without a
+credential, else INVALID_ARGUMENT, never grpc's own UNKNOWN with a logged traceback.
+Only ServerLive and ServerReady (health) need no credential. Admin-only RPCs
+(repository control, shared memory, trace and log settings) are refused for
+non-admin credentials; ModelStatistics is admin-only (PERMISSION_DENIED for every
+tenant, whatever model it names).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from gateway.core.errors import (
     PermissionDenied,
     Unavailable,
 )
+from gateway.messages import decode
 from gateway.pipeline import CallContext, Gateway, GatewayListener
-from gateway.status import to_status
+from gateway.status import shown, to_status
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +63,14 @@ async def _abort(context: grpc.aio.ServicerContext, error: BaseException, listen
     await context.abort(status.code, status.message)
 
 
-def _unary(
-    handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
-    listener: GatewayListener,
-) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+RawUnary = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]
+Handler = Callable[[Any, Tenant, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _unary(handler: RawUnary, listener: GatewayListener) -> RawUnary:
+    async def wrapped(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await handler(request, context)
+            return await handler(raw, context)
         except Exception as error:  # domain errors, untranslated backend errors, bugs
             await _abort(context, error, listener)
         return None  # unreachable: abort raises
@@ -82,14 +88,15 @@ class InferenceServicer:
 
     # ------------------------------------------------------------ health/metadata
 
-    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def ServerLive(self, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        decode(service_pb2.ServerLiveRequest, raw, quiet=True)
         return service_pb2.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def ServerReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        decode(service_pb2.ServerReadyRequest, raw, quiet=True)
         return service_pb2.ServerReadyResponse(ready=self.ready())
 
-    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self._tenant(context)
+    async def ServerMetadata(self, request: Any, tenant: Tenant, context: grpc.aio.ServicerContext) -> Any:
         return service_pb2.ServerMetadataResponse(
             name="orchid-gateway",
             version=__version__,
@@ -101,28 +108,38 @@ class InferenceServicer:
             tuple(context.invocation_metadata() or ()), peer_subjects=peer_subjects(context)
         )
 
-    async def _route_backend(self, context: grpc.aio.ServicerContext, name: str) -> tuple[str, Any, Any]:
-        tenant = self._tenant(context)
+    def authenticated(self, handler: Handler, request_type: Any) -> RawUnary:
+        """``handler`` behind authentication, then decoding: no credential is UNAUTHENTICATED
+        whatever the bytes; a credential with bytes that are not a ``request_type`` is
+        INVALID_ARGUMENT."""
+
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            tenant = self._tenant(context)
+            return await handler(decode(request_type, raw), tenant, context)
+
+        return call
+
+    async def _route_backend(self, tenant: Tenant, name: str) -> tuple[str, Any, Any]:
         route = self.gateway.tenant_route(tenant, name)
         handle, _, _ = await self.gateway.bind_pool(route, tenant.config.home_cell, name)
         return route.backend_model, route, handle.client
 
-    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def ModelReady(self, request: Any, tenant: Tenant, context: grpc.aio.ServicerContext) -> Any:
         try:
-            backend_model, route, backend = await self._route_backend(context, request.name)
+            backend_model, route, backend = await self._route_backend(tenant, request.name)
         except Unavailable:
             return service_pb2.ModelReadyResponse(ready=False)
         return service_pb2.ModelReadyResponse(ready=await backend.model_ready(backend_model, route.version))
 
-    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        backend_model, route, backend = await self._route_backend(context, request.name)
+    async def ModelMetadata(self, request: Any, tenant: Tenant, context: grpc.aio.ServicerContext) -> Any:
+        backend_model, route, backend = await self._route_backend(tenant, request.name)
         self._check_version(request.version, route, request.name)
         reply = await backend.metadata(backend_model, route.version)
         reply.name = request.name
         return reply
 
-    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        backend_model, route, backend = await self._route_backend(context, request.name)
+    async def ModelConfig(self, request: Any, tenant: Tenant, context: grpc.aio.ServicerContext) -> Any:
+        backend_model, route, backend = await self._route_backend(tenant, request.name)
         self._check_version(request.version, route, request.name)
         reply = await backend.config(backend_model, route.version)
         reply.config.name = request.name
@@ -131,12 +148,13 @@ class InferenceServicer:
     @staticmethod
     def _check_version(version: str, route: Any, name: str) -> None:
         if version and route.version and version != route.version:
-            raise NotFound(f"unknown version {version!r} of model {name!r}")
+            raise NotFound(f"unknown version {shown(version)} of model {shown(name)}")
 
-    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def ModelStatistics(self, request: Any, tenant: Tenant, context: grpc.aio.ServicerContext) -> Any:
         # Triton's statistics are totals over every tenant sharing the model: another tenant's
-        # request counts and timings. Only admins may read them (tenants: see the metrics).
-        tenant = self._tenant(context)
+        # request counts and timings. Only admins may read them (tenants: see the metrics). A
+        # tenant is refused before the name is looked at, so its own, another tenant's and a
+        # missing model answer alike: no existence oracle.
         if not tenant.config.admin:
             raise PermissionDenied("model statistics need an admin credential")
         names = [request.name] if request.name else list(tenant.config.models)
@@ -171,16 +189,14 @@ class InferenceServicer:
 
     # ------------------------------------------------------------ admin-only
 
-    async def _admin_only(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        tenant = self._tenant(context)
+    async def _admin_only(self, request: Any, tenant: Tenant, context: grpc.aio.ServicerContext) -> Any:
         if not tenant.config.admin:
             raise PermissionDenied("this operation needs an admin credential")
         raise InvalidArgument(
             "this operation is not available through the gateway; use the backend's admin port"
         )
 
-    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        tenant = self._tenant(context)
+    async def RepositoryIndex(self, request: Any, tenant: Tenant, context: grpc.aio.ServicerContext) -> Any:
         if not tenant.config.admin:
             raise PermissionDenied("this operation needs an admin credential")
         reply = service_pb2.RepositoryIndexResponse()
@@ -202,9 +218,9 @@ _ADMIN_ONLY = (
     "LogSettings",
 )
 
+_OPEN = ("ServerLive", "ServerReady")  # health: no credential, decoded quietly
+
 _UNARY = {
-    "ServerLive": service_pb2.ServerLiveRequest,
-    "ServerReady": service_pb2.ServerReadyRequest,
     "ServerMetadata": service_pb2.ServerMetadataRequest,
     "ModelReady": service_pb2.ModelReadyRequest,
     "ModelMetadata": service_pb2.ModelMetadataRequest,
@@ -230,20 +246,22 @@ def _serialize(message: Any) -> bytes:
 
 
 def method_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    """Every method takes raw bytes (``request_deserializer=None``) and decodes them itself
+    after authentication, so grpc's own decoder never answers for the gateway."""
+    listener = servicer.gateway.listener
+    calls: dict[str, RawUnary] = {name: getattr(servicer, name) for name in _OPEN}
     for name, request_type in _UNARY.items():
-        fn = servicer._admin_only if name in _ADMIN_ONLY else getattr(servicer, name)
-        wrapped = _unary(fn, servicer.gateway.listener)
+        handler = servicer._admin_only if name in _ADMIN_ONLY else getattr(servicer, name)
+        calls[name] = servicer.authenticated(handler, request_type)
+    # The pipeline authenticates, then parses (``messages.parse_infer_request``).
+    calls["ModelInfer"] = servicer.ModelInfer
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for name, call in calls.items():
+        wrapped = _unary(call, listener)
         wrapped.__name__ = name
         handlers[name] = grpc.unary_unary_rpc_method_handler(
-            wrapped, request_deserializer=request_type.FromString, response_serializer=_serialize
+            wrapped, request_deserializer=None, response_serializer=_serialize
         )
-    # Raw bytes in: the pipeline parses, so malformed input is INVALID_ARGUMENT, not INTERNAL.
-    handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-        _unary(servicer.ModelInfer, servicer.gateway.listener),
-        request_deserializer=None,
-        response_serializer=_serialize,
-    )
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
         servicer.ModelStreamInfer, request_deserializer=None, response_serializer=_serialize
     )

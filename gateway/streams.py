@@ -3,6 +3,12 @@
 Each request on a client stream is admitted on its own by the ``Gateway``, waits for a
 dispatch slot like any other request and holds it until its final response; a refused
 request answers with an error reply and the stream goes on (see ``StreamSession``).
+
+Every message carries the request's running state: a partial response says
+``orchid.complete=false``; the final response (sent when the caller asked for it with
+``triton_enable_empty_final_response``) says whether the answer completed; a request
+that fails midway ends with an error reply that says ``orchid.complete=false``. A
+stream the caller cancels sends nothing more: what it sent said false.
 """
 
 from __future__ import annotations
@@ -215,6 +221,7 @@ class StreamSession:
             output_tokens=entry.tokens,
             learn=final,
             first_result=entry.first_result if entry.first_result is not None else now,
+            finished_answer=final,
         )
         if final:
             self.gateway.listener.settled(settled)

@@ -230,7 +230,8 @@ class Outcome:
 
     @property
     def fallback(self) -> bool:
-        return self.admitted and self.provenance.get("orchid.approximation") == "fallback"
+        # orchid.approximation lists every degradation: "fallback" or "fallback,reduced_output".
+        return self.admitted and "fallback" in self.provenance.get("orchid.approximation", "").split(",")
 
 
 def parameter_value(param: Any) -> str:

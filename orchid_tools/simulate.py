@@ -87,6 +87,15 @@ LATE_RULES = frozenset({"queue.latest_start"})
 OUTCOMES = ("on_time", "late", "rejected_early", "rejected_late", "missed", "failed")
 DEGRADED = ("fallback", "reduced_output")
 
+
+def degradation(approximation: str) -> str:
+    """The report's column for an answer's ``orchid.approximation`` (which may list several,
+    e.g. ``fallback,reduced_output``): ``fallback`` if the fallback answered, else
+    ``reduced_output`` if its output was capped, else ``none``."""
+    parts = approximation.split(",") if approximation else []
+    return next((kind for kind in DEGRADED if kind in parts), "none")
+
+
 # --------------------------------------------------------------------------- schema
 
 
@@ -779,7 +788,7 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
             if error is None:
                 response = task.result()
                 params = response.parameters
-                approximation = params["orchid.approximation"].string_param
+                approximation = degradation(params["orchid.approximation"].string_param)
                 # A degraded answer keeps why (provenance: orchid.route_reason, orchid.rules).
                 why = ""
                 if approximation in DEGRADED:

@@ -229,3 +229,10 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     for model in ("full-v18", "compact-v11", "full-v18-stream"):
         assert f"  {model} (" in out, out
     assert "orchid.request_id" in out
+
+
+def test_a_capped_fallback_answer_counts_as_fallback() -> None:
+    # orchid.approximation lists every degradation that applied.
+    for listed, fallback in (("fallback,reduced_output", True), ("reduced_output", False), ("none", False)):
+        outcome = Outcome(SHORT, OK, 0.05, provenance={"orchid.approximation": listed})
+        assert outcome.fallback is fallback

@@ -72,3 +72,27 @@ def test_an_unknown_exception_is_internal_without_its_text(caplog: pytest.LogCap
 def test_internal_as_a_domain_error_is_not_rewritten() -> None:
     status = to_status(Internal("unexpected backend answer"), where="test")
     assert (status.code, status.message) == (grpc.StatusCode.INTERNAL, "unexpected backend answer")
+
+
+def test_a_quoted_name_is_cut_to_the_bound_and_marked() -> None:
+    from gateway.status import ELLIPSIS, NAME_BOUND, bounded, shown
+
+    name = "n\x00'" * 30000  # escapes, a quote inside: repr switches to double quotes
+    message = bounded(f"unknown version {name!r} of model {'m' * 70000!r}")
+    assert message == f"unknown version {shown(name)} of model {shown('m' * 70000)}"
+    assert shown("m" * 70000) == repr("m" * NAME_BOUND + ELLIPSIS)
+    assert shown(name) == repr(name[:NAME_BOUND] + ELLIPSIS)
+    # Short names and prose apostrophes are left alone; to_status applies the bound.
+    prose = "this operation is not available through the gateway; use the backend's admin port"
+    assert bounded(prose) == prose and bounded("unknown model 'gpt-17'") == "unknown model 'gpt-17'"
+    status = to_status(NotFound(f"unknown model {'x' * 65536!r}"), where="test")
+    assert status.message == f"unknown model {shown('x' * 65536)}"
+
+
+def test_a_whole_message_is_cut_to_its_byte_bound() -> None:
+    from gateway.status import ELLIPSIS, MESSAGE_BOUND, bounded
+
+    for filler in ("1, ", "\u00e9", "\U0001f600"):  # 1-, 2- and 4-byte UTF-8
+        message = bounded("shape [" + filler * 20000 + "]")
+        assert len(message.encode("utf-8")) <= MESSAGE_BOUND and message.endswith(ELLIPSIS)
+        assert message.startswith("shape [" + filler * 10)
