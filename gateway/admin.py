@@ -1,4 +1,5 @@
-"""``orchid.admin.v1.GatewayAdmin``: the gateway's own admin service (policy reload, status).
+"""``orchid.admin.v1.GatewayAdmin``: the gateway's own admin service (policy reload, status,
+quality evidence).
 
 The service is defined in ``proto/orchid/admin/v1/admin.proto``, the only source of
 truth; its Python modules are generated from it at build time (``setup.py``, run by
@@ -9,6 +10,10 @@ keeps serving. Like the inference service, every method receives raw bytes and d
 them after authentication (``messages.decode``): a malformed request answers
 UNAUTHENTICATED without a valid credential, else INVALID_ARGUMENT, never grpc's
 UNKNOWN with a logged traceback.
+
+``PublishEvidence`` records an evaluation in the gateway's evidence store
+(``gateway.evidence``): it governs fallback and reduced output from the next request.
+``ListEvidence`` shows the latest evidence and each route's verdict on it.
 """
 
 from __future__ import annotations
@@ -19,9 +24,13 @@ from typing import Any
 
 import grpc
 
-from gateway.core.errors import PermissionDenied
+from gateway import clock
+from gateway.core.errors import InvalidArgument, PermissionDenied
+from gateway.core.evidence import Evidence, EvidenceKey, EvidenceVerdict
+from gateway.evidence import population
 from gateway.messages import decode
 from gateway.pipeline import Gateway
+from gateway.policy.context import quality_floor
 from gateway.protocol import peer_subjects
 from gateway.status import to_status
 
@@ -111,11 +120,92 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
             )
         return admin_pb2.LadderStatusResponse(pools=pools)
 
+    async def PublishEvidence(
+        self, request: admin_pb2.PublishEvidenceRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.PublishEvidenceResponse:
+        try:
+            recorded = self.gateway.evidence.publish(self._evidence(request.evidence))
+        except InvalidArgument as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+        return admin_pb2.PublishEvidenceResponse(evidence=_evidence_message(recorded))
+
+    def _evidence(self, message: admin_pb2.EvidenceRecord) -> Evidence:
+        route = self.gateway.routes.models.get(message.model)
+        if route is None:
+            raise InvalidArgument(f"unknown model {message.model[:128]!r}: evidence names a route")
+        return Evidence(
+            key=EvidenceKey(
+                message.model, message.version or route.version, message.population, message.output_cap
+            ),
+            score=message.score,
+            sample_size=message.sample_size,
+            owner=message.owner,
+            evaluated_at=message.evaluated_at or clock.wall(),
+            review_by=message.review_by or None,
+            max_age_s=message.max_age_s or None,
+        )
+
+    async def ListEvidence(
+        self, request: admin_pb2.ListEvidenceRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListEvidenceResponse:
+        gateway, now = self.gateway, clock.wall()
+        statuses = []
+        for name, route in sorted(gateway.routes.models.items()):
+            fallback = gateway.routes.models.get(route.fallback) if route.fallback else None
+            floor = quality_floor(route, fallback)
+            verdicts = gateway.evidence.route_evidence(name, route, fallback, floor=floor, now=now)
+            pop = population(route, fallback)
+            if fallback is not None and route.fallback:
+                key = EvidenceKey(route.fallback, fallback.version, pop)
+                statuses.append(_status(name, "fallback", verdicts.fallback, floor, key))
+            if route.reduced_output is not None:
+                key = EvidenceKey(name, route.version, pop, route.reduced_output.max_output_tokens)
+                statuses.append(_status(name, "reduced_output", verdicts.reduced_output, floor, key))
+        return admin_pb2.ListEvidenceResponse(
+            evidence=[_evidence_message(e) for e in gateway.evidence.all()], routes=statuses
+        )
+
+
+def _evidence_message(evidence: Evidence) -> admin_pb2.EvidenceRecord:
+    key = evidence.key
+    return admin_pb2.EvidenceRecord(
+        model=key.model,
+        version=key.version,
+        population=key.population,
+        output_cap=key.output_cap,
+        score=evidence.score,
+        sample_size=evidence.sample_size,
+        owner=evidence.owner,
+        evaluated_at=evidence.evaluated_at or 0.0,
+        review_by=evidence.review_by or 0.0,
+        max_age_s=evidence.max_age_s or 0.0,
+        source=evidence.source,
+    )
+
+
+def _status(
+    route: str, degradation: str, verdict: EvidenceVerdict, floor: float, key: EvidenceKey
+) -> admin_pb2.RouteEvidenceStatus:
+    expires = verdict.evidence.expires_at() if verdict.evidence is not None else None
+    return admin_pb2.RouteEvidenceStatus(
+        route=route,
+        degradation=degradation,
+        status=str(verdict.status),
+        floor=floor,
+        model=key.model,
+        version=key.version,
+        population=key.population,
+        output_cap=key.output_cap,
+        expires_at=expires or 0.0,
+    )
+
 
 _REQUESTS = {
     "ReloadPolicies": admin_pb2.ReloadPoliciesRequest,
     "PolicyStatus": admin_pb2.PolicyStatusRequest,
     "LadderStatus": admin_pb2.LadderStatusRequest,
+    "PublishEvidence": admin_pb2.PublishEvidenceRequest,
+    "ListEvidence": admin_pb2.ListEvidenceRequest,
 }
 
 

@@ -14,15 +14,18 @@ can act on.
 from __future__ import annotations
 
 import hashlib
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.core.errors import ConfigError
+from gateway.core.memory import SEED_DEVICE_MEMORY_GIB, SEED_RUNTIME_RESERVE_GIB, DeviceMemory, resident_bytes
 from gateway.core.overload import LadderConfig
 from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaSettings
+from gateway.core.risk import DEFAULT_RISK_CLASSES
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, read_yaml
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -51,6 +54,18 @@ class BackendConfig(_Strict):
     time_scale: float = Field(
         default=1.0, gt=0, description="its devices run time_scale x profile ms (capacity emulators)"
     )
+    device_memory_gib: float = Field(
+        default=SEED_DEVICE_MEMORY_GIB, gt=0, description="memory of each device (the live-memory bound)"
+    )
+    runtime_reserve_gib: float = Field(
+        default=SEED_RUNTIME_RESERVE_GIB,
+        ge=0,
+        description="per device: runtime, workspace and allocator reserve, not for models or live state",
+    )
+
+    @property
+    def memory(self) -> DeviceMemory:
+        return DeviceMemory.from_gib(self.device_memory_gib, self.runtime_reserve_gib)
 
     @field_validator("labels")
     @classmethod
@@ -75,6 +90,14 @@ class LocalTritonConfig(_Strict):
         default=False,
         description="all its models run on the same `devices` accelerators (e.g. the fallback placed "
         "beside the primary on each device): dispatch predicts device time across all of them",
+    )
+    device_memory_gib: float = Field(
+        default=SEED_DEVICE_MEMORY_GIB, gt=0, description="memory of each device (the live-memory bound)"
+    )
+    runtime_reserve_gib: float = Field(
+        default=SEED_RUNTIME_RESERVE_GIB,
+        ge=0,
+        description="per device: runtime, workspace and allocator reserve, not for models or live state",
     )
 
 
@@ -116,7 +139,12 @@ class TlsConfig(_Strict):
 
 class TelemetryConfig(_Strict):
     metrics_listen: str | None = Field(
-        default=None, description="host:port for the Prometheus scrape endpoint"
+        default=None,
+        description="host:port of the HTTP telemetry listener (/metrics; /status with status_page); "
+        "no host: 127.0.0.1",
+    )
+    status_page: bool = Field(
+        default=True, description="serve /status and /status.json (admin credential) on metrics_listen"
     )
     decision_log: str | None = Field(default=None, description="file for JSON-lines decisions; None: logger")
     trace_sample_ratio: float = Field(default=0.0, ge=0, le=1)
@@ -140,6 +168,11 @@ class GatewayConfig(_Strict):
     ladder: LadderConfig = LadderConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig | None = None
+    risk_classes: tuple[str, ...] = Field(
+        default=DEFAULT_RISK_CLASSES,
+        min_length=1,
+        description="declared risk classes, lowest first (gateway.core.risk)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:
@@ -150,6 +183,8 @@ class GatewayConfig(_Strict):
         names = [b.name for b in self.backends]
         if len(names) != len(set(names)):
             raise ValueError("backend names must be unique")
+        if len(self.risk_classes) != len(set(self.risk_classes)):
+            raise ValueError("risk_classes must be unique")
         return self
 
 
@@ -175,6 +210,7 @@ class TenantConfig(_Strict):
     )
     allow_fallback: bool = True
     admin: bool = False
+    risk_class: str = Field(default="standard", description="minimum risk class of its requests")
 
     @field_validator("key_sha256")
     @classmethod
@@ -236,8 +272,43 @@ class ShapeSpec(_Strict):
 
 
 class QualityEvidence(_Strict):
+    """A route's seeded quality evidence (``gateway.evidence`` keeps the live evidence).
+
+    Dates are ISO 8601 (a date, or a date-time; naive means UTC). Without ``evaluated_at``
+    the evidence is undated: it holds from startup until a published evaluation replaces it,
+    unless ``review_by`` (an absolute date) ends it; ``max_age_days`` needs ``evaluated_at``."""
+
     population: str
     score: float = Field(ge=0, le=1)
+    sample_size: int = Field(default=0, ge=0)
+    owner: str = ""
+    evaluated_at: str | None = None
+    review_by: str | None = None
+    max_age_days: float | None = Field(default=None, gt=0)
+
+    @field_validator("evaluated_at", "review_by")
+    @classmethod
+    def _iso_date(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_time(value)
+        return value
+
+    @model_validator(mode="after")
+    def _age_needs_date(self) -> QualityEvidence:
+        if self.max_age_days is not None and self.evaluated_at is None:
+            raise ValueError("max_age_days needs evaluated_at (the age is counted from it)")
+        return self
+
+
+def parse_time(text: str) -> float:
+    """ISO 8601 date or date-time to Unix seconds (naive: UTC). ValueError if malformed."""
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"not an ISO 8601 date or date-time: {text!r}") from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
 
 
 class ReducedOutput(_Strict):
@@ -272,6 +343,7 @@ class RouteConfig(_Strict):
     reduced_output: ReducedOutput | None = None
     shadow: ShadowConfig | None = None
     backends: tuple[str, ...] = Field(default=(), description="backend names serving it; empty = all")
+    risk_class: str = Field(default="standard", description="minimum risk class of its requests")
 
     def for_tenant(self, model: str, tenant: TenantConfig) -> RouteConfig | None:
         """This route as ``tenant`` runs it. A dedicated tenant runs only on the backend model
@@ -440,6 +512,28 @@ def check_dedicated(config: GatewayConfig, tenants: TenantsFile, routes: RouteTa
             owners[backend_model] = f"tenant {name!r}"
 
 
+def check_memory(config: GatewayConfig, routes: RouteTable) -> None:
+    """Every route's model fits the devices of the backends that may serve it: its weights and
+    workspace beside the runtime reserve within device memory (else no request could run)."""
+    memories = {b.name: (b.device_memory_gib, b.runtime_reserve_gib) for b in config.backends}
+    if config.local_triton is not None:
+        local = config.local_triton
+        memories["local"] = (local.device_memory_gib, local.runtime_reserve_gib)
+    for route in routes.models.values():
+        profile = routes.profiles[route.profile]
+        for backend in route.backends or tuple(memories):
+            if backend not in memories:
+                continue
+            device_gib, reserve_gib = memories[backend]
+            if DeviceMemory.from_gib(device_gib, reserve_gib).live_room_bytes(resident_bytes(profile)) < 0:
+                raise _route_error(
+                    config.routes_dir,
+                    ("profiles", route.profile, "weights_bytes"),
+                    f"weights and workspace ({resident_bytes(profile):,} B) with backend {backend!r}'s "
+                    f"runtime reserve ({reserve_gib:g} GiB) exceed its device memory ({device_gib:g} GiB)",
+                )
+
+
 def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteTable) -> None:
     """Cross-file checks: tenants name real models and classes; routes name real backends."""
     backend_names = {b.name for b in config.backends} | ({"local"} if config.local_triton else set())
@@ -461,6 +555,13 @@ def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteT
                     key=f"tenants.{name}.classes",
                 )
 
+        if tenant.risk_class not in config.risk_classes:
+            raise _error_at(
+                config.tenants_file,
+                ("tenants", name, "risk_class"),
+                f"unknown risk class {tenant.risk_class!r} (declared: {', '.join(config.risk_classes)})",
+                key=f"tenants.{name}.risk_class",
+            )
         if tenant.default_cell is not None and tenant.default_cell not in tenant.cells:
             raise _error_at(
                 config.tenants_file, ("tenants", name, "default_cell"), "must be one of the tenant's cells"
@@ -469,6 +570,13 @@ def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteT
         if name not in tenants.tenants:
             raise _error_at(config.tenants_file, ("quotas", "tenants", name), "unknown tenant")
     for name, route in routes.models.items():
+        if route.risk_class not in config.risk_classes:
+            raise _route_error(
+                config.routes_dir,
+                ("models", name, "risk_class"),
+                f"unknown risk class {route.risk_class!r} (declared: {', '.join(config.risk_classes)})",
+                key=f"models.{name}.risk_class",
+            )
         for index, backend in enumerate(route.backends):
             if backend not in backend_names:
                 raise _route_error(

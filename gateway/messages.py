@@ -12,6 +12,11 @@ another tenant's data or payload.
 
 - ``orchid.approximation``: the degradations that applied, comma-separated in the order
   ``fallback,reduced_output``, or ``none``.
+- ``orchid.risk_class``: the request's resolved risk class (``gateway.core.risk``).
+- ``orchid.evidence_population``, ``orchid.evidence_at``, ``orchid.evidence_owner``: on a
+  degraded answer (fallback, or the output capped at the route's reduced length), the
+  quality evidence it rests on: its evaluation population, its evaluation date (ISO 8601
+  UTC, or ``undated`` for evidence a route file seeded without a date) and its owner.
 - ``orchid.complete``: false when the answer is partial: a stream's responses before
   its final one, a stream request that failed midway (its error reply), and any answer
   whose output limit policy or the overload ladder reduced below what the caller asked
@@ -21,6 +26,7 @@ another tenant's data or payload.
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -76,7 +82,7 @@ def approximation(decision: Decision) -> str:
 
 def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
     record, decision, outcome = settled.record, settled.decision, settled.outcome
-    return {
+    out: dict[str, str | int | float | bool] = {
         "orchid.model": decision.target_model,
         "orchid.model_version": record.identity.model_version,
         "orchid.route_reason": decision.route_reason,
@@ -88,7 +94,18 @@ def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
         "orchid.predicted_accelerator_ms": round(record.demand.accelerator_ms, 3),
         "orchid.charged_accelerator_ms": round(outcome.charged_accelerator_ms, 3),
         "orchid.request_id": record.identity.request_id,
+        "orchid.risk_class": record.identity.risk_class,
     }
+    evidence = settled.evidence
+    if evidence is not None:
+        out["orchid.evidence_population"] = evidence.key.population
+        out["orchid.evidence_at"] = (
+            datetime.fromtimestamp(evidence.evaluated_at, UTC).isoformat(timespec="seconds")
+            if evidence.evaluated_at is not None
+            else "undated"
+        )
+        out["orchid.evidence_owner"] = evidence.owner
+    return out
 
 
 def attach_provenance(response: service_pb2.ModelInferResponse, settled: Settled) -> None:

@@ -25,6 +25,7 @@ from gateway.backends.base import Backend, ModelSpec
 from gateway.backends.stats import PoolTiming, StatsSample, timing_between
 from gateway.config import GatewayConfig, RequestClassConfig, RouteConfig, RouteTable
 from gateway.core import admission, pricing, settlement
+from gateway.core import memory as device_memory
 from gateway.core.dispatch import LATE_RULE
 from gateway.core.errors import (
     DeadlineExpired,
@@ -37,8 +38,11 @@ from gateway.core.errors import (
     error_for_status,
 )
 from gateway.core.estimate import CorrectionKey, Estimator
+from gateway.core.evidence import Evidence, RouteEvidence
 from gateway.core.load import PoolLoad
+from gateway.core.memory import DeviceMemory
 from gateway.core.overload import effects as overload_effects
+from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaLedger, QuotaView, Reservation
 from gateway.core.record import (
     Decision,
@@ -49,8 +53,11 @@ from gateway.core.record import (
     Shape,
     Verdict,
 )
+from gateway.core.risk import resolve_risk_class
+from gateway.evidence import DENIED_DEGRADATION, EvidenceStore
 from gateway.messages import attach_provenance, parse_infer_request
-from gateway.policy.context import build_policy_context
+from gateway.policy.context import build_policy_context, quality_floor
+from gateway.policy.model import ISOLATION_RULE
 from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
 from gateway.policy.snapshot import PolicyResult
 from gateway.policy.store import PolicyStore
@@ -111,6 +118,7 @@ class BackendHandle:
     max_inflight_per_device: int
     time_scale: float = 1.0  # its devices run time_scale x the profile's milliseconds
     shared_devices: bool = False  # all its models run on the same `devices` accelerators
+    memory: DeviceMemory | None = None  # each device's memory; None: live state is not bounded
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +146,7 @@ class Admitted:
     reservation: Reservation
     received_at: float
     admitted_at: float
+    evidence: Evidence | None = None  # the quality evidence a degraded answer rests on
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +164,7 @@ class Settled:
     decision: Decision
     outcome: Outcome
     stages: StageTimes | None = None
+    evidence: Evidence | None = None  # the quality evidence a degraded answer rests on
 
 
 class Gateway:
@@ -175,6 +185,7 @@ class Gateway:
         self.routes = routes
         self.backends = backends
         self.policy = policy
+        self.evidence = EvidenceStore(routes)  # seeded from the route files; the admin RPC publishes
         self.quotas = QuotaLedger(tenants.settings.quotas)
         self.listener: GatewayListener = listener or GatewayListener()
         self.loads: dict[str, PoolLoad] = {}
@@ -218,16 +229,22 @@ class Gateway:
         names = route.backends or tuple(self.backends)
         return [n for n in names if n in self.backends and self.backends[n].labels.get("cell") == cell]
 
-    def queue_for(self, backend_name: str, spec: ModelSpec) -> DispatchQueue:
+    def queue_for(
+        self, backend_name: str, spec: ModelSpec, profile: DemandProfile | None = None
+    ) -> DispatchQueue:
+        """The pool of ``spec`` on the backend, created on first use. ``profile`` (the route's)
+        places the model's replica on the pool's devices for the live-memory bound."""
         key = (backend_name, spec.name)
         queue = self._queues.get(key)
         if queue is None:
             handle = self.backends[backend_name]
             devices = spec.instances  # in the emulator each instance stands for one device
-            device_set = None
+            device_set = DeviceSet(devices, memory=handle.memory)
             if handle.shared_devices:
                 devices = handle.devices
-                device_set = self._device_sets.setdefault(backend_name, DeviceSet(devices))
+                device_set = self._device_sets.setdefault(
+                    backend_name, DeviceSet(devices, memory=handle.memory)
+                )
             queue = DispatchQueue(
                 f"{backend_name}/{spec.name}",
                 devices=devices,
@@ -237,6 +254,8 @@ class Gateway:
                 device_set=device_set,
             )
             queue.device_set.short_lane = self.config.limits.short_lane_devices
+            if profile is not None:
+                queue.device_set.place(spec.name, device_memory.resident_bytes(profile))
             self._queues[key] = queue
         return queue
 
@@ -259,7 +278,7 @@ class Gateway:
                 spec = await backend.model_spec(route.backend_model, logical=logical)
             except Unavailable:
                 continue
-            queue = self.queue_for(name, spec)
+            queue = self.queue_for(name, spec, self.routes.profiles.get(route.profile))
             if len(candidates) > 1:
                 key = (queue.predicted_wait_ms(now), queue.inflight_remaining_ms(now) / queue.devices)
             else:
@@ -327,6 +346,12 @@ class Gateway:
             operation=operation,
             mode=mode,
             privacy_cell=cell,
+            risk_class=resolve_risk_class(
+                self.config.risk_classes,
+                tenant_default=tenant.config.risk_class,
+                route_default=route.risk_class,
+                requested=hints.risk_class,
+            ),
             allow_fallback=hints.allow_fallback and tenant.config.allow_fallback,
             operation_id=hints.operation_id,
         )
@@ -338,10 +363,18 @@ class Gateway:
         priced = self._price(
             identity, route, shape, handle, queue, call, deadline_ms, request_class, load.step, now
         )
+        # Work that can never fit on an idle device of the pool is refused before it is offered.
+        device_memory.check_fits(priced.record, queue.device_set.live_room_bytes)
         offered_ms = priced.record.demand.accelerator_ms
         policy = self.policy.current()
         reduce_output = load.reduce_output(flow)
-        context = self._policy_context(tenant, route, cell, load, quota, reduce_output=reduce_output)
+        shared_fallback = self.routes.models.get(route.fallback) if route.fallback else None
+        verdicts = self.evidence.route_evidence(
+            logical, route, shared_fallback, floor=quality_floor(route, shared_fallback), now=clock.wall()
+        )
+        context = self._policy_context(
+            tenant, route, cell, load, quota, reduce_output=reduce_output, evidence=verdicts
+        )
         primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context))
         # Offered demand is admissible work, priced on the model asked for, before any ladder
         # action: a request its own tenant's quota, entitlement or policy refuses is not load
@@ -370,7 +403,6 @@ class Gateway:
         fallback: admission.Candidate | None = None
         fallback_priced: _Priced | None = None
         fallback_load: PoolLoad | None = None
-        shared_fallback = self.routes.models.get(route.fallback) if route.fallback else None
         # A dedicated tenant's fallback must be dedicated too; otherwise it has none.
         fallback_route = (
             shared_fallback.for_tenant(route.fallback, tenant.config)
@@ -438,6 +470,7 @@ class Gateway:
             ),
         )
         self.listener.decided(primary.record, decision, primary.policy)
+        self._count_evidence_denials(logical, route, verdicts, effects.fallback_for_eligible, reduce_output)
         if decision.verdict is Verdict.REJECT:
             if admissible or shed or decision.rules == (admission.DEFER_BATCH_RULE,):
                 load.offer(now, flow, offered_ms)
@@ -474,6 +507,16 @@ class Gateway:
             raise Unavailable(
                 f"no backend allowed by policy serves model {logical!r}", rule="routing.excluded_backend"
             )
+        if chosen_policy.annotation_map.get("isolation") == "dedicated" and (
+            chosen.route.backend_model not in tenant.config.dedicated_models.values()
+        ):
+            # The one enforcement of `annotate: {isolation: dedicated}` (policy.model's registry):
+            # a reserved backend model is its own pool, so its batches hold no other tenant.
+            raise PermissionDenied(
+                f"policy requires dedicated isolation, and model {logical!r} has no capacity "
+                "reserved for this credential",
+                rule=ISOLATION_RULE,
+            )
         # Reserve the predicted demand of what will run; settled with the observed charge. A
         # refusal here (the tenant's own concurrency or queued-work limit) is not pool load.
         reservation = self.quotas.reserve_record(chosen.record, now=now)
@@ -489,6 +532,16 @@ class Gateway:
                 now, f_flow, chosen.record.demand.accelerator_ms, chosen.record.demand.accelerator_ms
             )
         max_output = decision.max_output_tokens or chosen.record.shape.max_output_tokens
+        used_evidence = None
+        if decision.verdict is Verdict.FALLBACK:
+            used_evidence = verdicts.fallback.evidence
+        elif (
+            decision.max_output_tokens is not None
+            and route.reduced_output is not None
+            and decision.max_output_tokens == route.reduced_output.max_output_tokens
+            and verdicts.reduced_output.valid
+        ):
+            used_evidence = verdicts.reduced_output.evidence
         backend_request = self._backend_request(request, chosen.route, max_output, mode)
         return Admitted(
             record=chosen.record,
@@ -502,7 +555,19 @@ class Gateway:
             reservation=reservation,
             received_at=call.received_at,
             admitted_at=clock.now(),
+            evidence=used_evidence,
         )
+
+    @staticmethod
+    def _count_evidence_denials(
+        logical: str, route: RouteConfig, verdicts: RouteEvidence, fallback_step: bool, reduce_output: bool
+    ) -> None:
+        """Count a request the ladder would degrade (fallback step, or picked for a capped
+        output) on a route whose evidence for that degradation is not valid."""
+        if fallback_step and route.fallback and not verdicts.fallback.valid:
+            DENIED_DEGRADATION.labels(logical, "fallback", str(verdicts.fallback.status)).inc()
+        if reduce_output and route.reduced_output is not None and not verdicts.reduced_output.valid:
+            DENIED_DEGRADATION.labels(logical, "reduced_output", str(verdicts.reduced_output.status)).inc()
 
     def _price(
         self,
@@ -560,6 +625,7 @@ class Gateway:
         *,
         shed: bool = False,
         reduce_output: bool = False,
+        evidence: RouteEvidence | None = None,
     ) -> PolicyContext:
         """What this gateway observes (fallback warmth, live load, configured backends), put
         into policy's terms by the one builder, ``gateway.policy.context``."""
@@ -592,6 +658,7 @@ class Gateway:
                 for name in (route.backends or tuple(self.backends))
                 if name in self.backends
             ),
+            evidence=evidence,
         )
 
     def pool_load(
@@ -773,7 +840,7 @@ class Gateway:
         if not complete:
             outcome = dataclasses.replace(outcome, complete=False)
         stages = StageTimes(admitted.received_at, admitted.admitted_at, started, finished)
-        return Settled(admitted.record, admitted.decision, outcome, stages)
+        return Settled(admitted.record, admitted.decision, outcome, stages, evidence=admitted.evidence)
 
     async def acquire(self, admitted: Admitted) -> Slot:
         """Wait for a dispatch slot in the admitted request's pool, in its class's and tenant's share."""
@@ -788,6 +855,7 @@ class Gateway:
             weight=tenant.config.weight if tenant else 1.0,
             class_weight=request_class.weight if request_class else 1.0,
             long=admitted.record.shape.long,
+            live_bytes=admitted.record.demand.peak_memory_bytes,
         )
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:

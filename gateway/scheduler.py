@@ -4,8 +4,9 @@ The core's ``DispatchQueue`` decides who gets a device and when; this module doe
 waiting. ``DispatchQueue.acquire`` asks the core for a slot at ``clock.now()``; when it
 must wait, it parks an asyncio future on the core's ``Waiter`` and sleeps until the core
 grants it a slot or refuses it, or until its latest start passes (then it withdraws the
-waiter and answers DEADLINE_EXCEEDED, rule ``queue.latest_start``). After every call into
-the core it resolves the futures of the waiters the core changed. Releasing a slot is a
+waiter and raises the core's ``refusal``: DEADLINE_EXCEEDED, rule ``queue.latest_start``, or
+for work held for live memory RESOURCE_EXHAUSTED, rule ``memory.live_tokens``). After every
+call into the core it resolves the futures of the waiters the core changed. Releasing a slot is a
 call into the core at ``clock.now()`` too. Live this is the monotonic clock; in the
 simulator and the core's tests it is a virtual one.
 """
@@ -16,8 +17,7 @@ import asyncio
 
 from gateway import clock
 from gateway.core import dispatch
-from gateway.core.dispatch import CONTROL_CLASS, LATE_RULE, DeviceSet, Waiter
-from gateway.core.errors import DeadlineExpired
+from gateway.core.dispatch import CONTROL_CLASS, DeviceSet, Waiter
 
 __all__ = ["CONTROL_CLASS", "DeviceSet", "DispatchQueue", "Slot"]
 
@@ -45,8 +45,10 @@ def _settle(devices: DeviceSet) -> None:
 class DispatchQueue(dispatch.DispatchQueue):
     """The core queue, with an awaitable ``acquire``."""
 
-    def _make_slot(self, cost_ms: float, now: float, start: float, *, long: bool) -> dispatch.Slot:
-        return Slot(self, cost_ms, now, start, long=long)
+    def _make_slot(
+        self, cost_ms: float, now: float, start: float, *, long: bool, live_bytes: int = 0
+    ) -> dispatch.Slot:
+        return Slot(self, cost_ms, now, start, long=long, live_bytes=live_bytes)
 
     async def acquire(
         self,
@@ -58,8 +60,10 @@ class DispatchQueue(dispatch.DispatchQueue):
         weight: float = 1.0,
         class_weight: float = 1.0,
         long: bool = False,
+        live_bytes: int = 0,
     ) -> Slot:
-        """Wait for a slot; ``latest_start`` is in event-loop seconds."""
+        """Wait for a slot; ``latest_start`` is in event-loop seconds; ``live_bytes`` the live
+        sequence state the request will hold on its device."""
         try:
             granted = self.request(
                 clock.now(),
@@ -70,6 +74,7 @@ class DispatchQueue(dispatch.DispatchQueue):
                 weight=weight,
                 class_weight=class_weight,
                 long=long,
+                live_bytes=live_bytes,
             )
         finally:
             _settle(self.device_set)  # waiters pushed out to make room
@@ -89,13 +94,12 @@ class DispatchQueue(dispatch.DispatchQueue):
             assert isinstance(slot, Slot)
             return slot
         except (TimeoutError, asyncio.CancelledError) as exc:
+            refusal = self.refusal(waiter, clock.now()) if isinstance(exc, TimeoutError) else None
             late = self.withdraw(waiter, clock.now())
             if late is not None:
                 late.release(clock.now())  # granted in the same instant we gave up: pass it on
             _settle(self.device_set)
             future.cancel()
-            if isinstance(exc, TimeoutError):
-                raise DeadlineExpired(
-                    "the request could not start before its deadline", rule=LATE_RULE
-                ) from None
+            if refusal is not None:
+                raise refusal from None
             raise

@@ -24,12 +24,11 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from gateway import admin, clock
 from gateway.auth import TenantDirectory
@@ -41,6 +40,7 @@ from gateway.config import (
     RouteTable,
     TenantsFile,
     check_dedicated,
+    check_memory,
     check_references,
     load_gateway_config,
     load_routes,
@@ -52,7 +52,9 @@ from gateway.policy.decision_log import DecisionLog
 from gateway.policy.diagnostics import PolicyLoadError
 from gateway.policy.store import PolicyStore
 from gateway.protocol import SERVICE, InferenceServicer, add_to_server
-from gateway.telemetry import Telemetry
+from gateway.statusboard import StatusBoard
+from gateway.statuspage import TelemetryListener
+from gateway.telemetry import ListenerGroup, Telemetry
 
 log = logging.getLogger("orchid.gateway")
 
@@ -68,6 +70,7 @@ def load_configuration(config: GatewayConfig) -> tuple[TenantsFile, RouteTable]:
     tenants = load_tenants(config.tenants_file)
     routes = load_routes(config.routes_dir)
     check_references(config, tenants, routes)
+    check_memory(config, routes)
     check_dedicated(config, tenants, routes)
     return tenants, routes
 
@@ -127,7 +130,8 @@ class GatewayServer:
         self.port = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._decision_file: TextIO | None = None
-        self._metrics_server: Any = None
+        self.status_board = StatusBoard()
+        self.telemetry_listener: TelemetryListener | None = None
 
     def _decision_log(self) -> DecisionLog:
         path = self.config.telemetry.decision_log
@@ -150,6 +154,8 @@ class GatewayServer:
                     shared_devices=local.shared_devices,
                     # The emulator's devices run `time_factor` x the profile's milliseconds.
                     time_scale=local.time_factor if local.time_factor > 0 else 1e-3,
+                    device_memory_gib=local.device_memory_gib,
+                    runtime_reserve_gib=local.runtime_reserve_gib,
                 )
             )
         return backends
@@ -185,17 +191,28 @@ class GatewayServer:
                 backend.max_inflight_per_device,
                 backend.time_scale,
                 backend.shared_devices,
+                backend.memory,
             )
         self.policy = await asyncio.to_thread(load_policies, config)
         self.telemetry = Telemetry(config.telemetry, decision_log=self._decision_log())
-        if config.telemetry.metrics_listen:
-            host, _, port = config.telemetry.metrics_listen.rpartition(":")
-            self._metrics_server, _ = start_http_server(
-                int(port), addr=host or "127.0.0.1", registry=self.telemetry.metrics.registry
-            )
         self.gateway = await assemble_gateway(
-            config, tenants, routes, clients, self.policy, listener=self.telemetry
+            config,
+            tenants,
+            routes,
+            clients,
+            self.policy,
+            listener=ListenerGroup(self.telemetry, self.status_board),
         )
+        self.telemetry.bind(self.gateway)
+        self.status_board.bind(self.gateway)
+        if config.telemetry.metrics_listen:
+            self.telemetry_listener = TelemetryListener(
+                self.telemetry.metrics.registry,
+                self.gateway.tenants,
+                self.status_board if config.telemetry.status_page else None,
+                listen=config.telemetry.metrics_listen,
+            )
+            await self.telemetry_listener.start()
         limit = config.limits.max_message_bytes
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -273,8 +290,8 @@ class GatewayServer:
             await asyncio.to_thread(self.local_triton.stop)
         if self._workdir is not None:
             self._workdir.cleanup()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+        if self.telemetry_listener is not None:
+            await self.telemetry_listener.stop()
         if self._decision_file is not None:
             self._decision_file.close()
 

@@ -68,11 +68,13 @@ class ShadowTraffic:
         device_set = self.gateway._device_sets.get(name)
         slot: Slot | None = None
         if device_set is not None and device_set.queues:
-            if len(device_set.bound) >= device_set.devices:
-                self.skipped += 1
-                return
             now = clock.now()
-            slot = Slot(device_set.queues[0], admitted.record.demand.accelerator_ms, now, now)
+            live_bytes = admitted.record.demand.peak_memory_bytes
+            if len(device_set.bound) >= device_set.devices or not device_set.fits(now, live_bytes):
+                self.skipped += 1  # no idle device, or not the memory for its live state there
+                return
+            demand = admitted.record.demand
+            slot = Slot(device_set.queues[0], demand.accelerator_ms, now, now, live_bytes=live_bytes)
             device_set.bound[slot] = None
         mirrored = service_pb2.ModelInferRequest()
         mirrored.CopyFrom(admitted.backend_request)

@@ -72,6 +72,7 @@ class RequestHints:
     max_output_tokens: int | None = None
     allow_fallback: bool = True
     operation_id: str = ""
+    risk_class: str | None = None  # orchid.risk_class (checked by gateway.core.risk)
 
 
 def _param_kind(param: service_pb2.InferParameter) -> str | None:
@@ -111,14 +112,26 @@ def read_hints(request: service_pb2.ModelInferRequest) -> RequestHints:
         if _param_kind(p) != "string_param" or not (0 < len(p.string_param) <= 128):
             raise InvalidArgument("parameter orchid.operation_id must be a string of 1-128 characters")
         operation_id = p.string_param
+    risk_class: str | None = None
+    if "orchid.risk_class" in params:
+        p = params["orchid.risk_class"]
+        if _param_kind(p) != "string_param" or not p.string_param:
+            raise InvalidArgument("parameter orchid.risk_class must be a non-empty string")
+        risk_class = p.string_param
     for name in params:
         if name.startswith("orchid.") and name not in _KNOWN_HINTS:
             raise InvalidArgument(f"unknown parameter {name!r}; known: {', '.join(sorted(_KNOWN_HINTS))}")
-    return RequestHints(request_class, max_output, allow_fallback, operation_id)
+    return RequestHints(request_class, max_output, allow_fallback, operation_id, risk_class)
 
 
 _KNOWN_HINTS = frozenset(
-    {"orchid.class", "orchid.max_output_tokens", "orchid.allow_fallback", "orchid.operation_id"}
+    {
+        "orchid.class",
+        "orchid.max_output_tokens",
+        "orchid.allow_fallback",
+        "orchid.operation_id",
+        "orchid.risk_class",
+    }
 )
 
 # Triton request parameters that steer the backend on the caller's behalf. Through a shared

@@ -12,7 +12,13 @@ The pipeline emits ``decided`` (every admission decision) and ``settled``
   (``admission`` = authenticate + shape + estimate + policy, ``queue``,
   ``backend``), built after the fact from stage timestamps so the request path
   carries no tracing calls; sampled (``trace_sample_ratio``);
-* decision-log lines (``gateway.policy.decision_log``: whitelisted fields only).
+* decision-log lines (``gateway.policy.decision_log``: whitelisted fields only);
+* gauges read at scrape time from the bound ``Gateway`` (``GatewayCollector``): each
+  pool's offered demand, protected envelope, healthy devices and queue depth, and each
+  backend's readiness (what the status page and the alert rules read).
+
+``ListenerGroup`` fans the request path's events out to several listeners (telemetry
+and the status page's ``gateway.statusboard.StatusBoard``).
 
 What never leaves through here: tensors, outputs, prompts, request parameter
 values, metadata values. Labels carry model, class, rule, outcome; a tenant id
@@ -23,16 +29,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gateway.config import TelemetryConfig
 from gateway.core.record import Decision, RequestRecord, Verdict
-from gateway.pipeline import GatewayListener, Settled, StageTimes
+from gateway.pipeline import Gateway, GatewayListener, Settled, StageTimes
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.snapshot import PolicyResult
 
@@ -124,6 +132,104 @@ class Metrics:
         )
 
 
+class ListenerGroup(GatewayListener):
+    """Every event to each listener, in order (the gateway holds one listener)."""
+
+    def __init__(self, *listeners: GatewayListener) -> None:
+        self.listeners = listeners
+
+    def decided(self, record: RequestRecord, decision: Decision, policy: PolicyResult) -> None:
+        for listener in self.listeners:
+            listener.decided(record, decision, policy)
+
+    def settled(self, settled: Settled) -> None:
+        for listener in self.listeners:
+            listener.settled(settled)
+
+    def failed(self, status: str, rule: str) -> None:
+        for listener in self.listeners:
+            listener.failed(status, rule)
+
+    def ladder(self, pool: str, step: int) -> None:
+        for listener in self.listeners:
+            listener.ladder(pool, step)
+
+
+# Gauges the collector reads from the gateway at scrape time (name -> help, labels).
+GATEWAY_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "orchid_pool_offered_accelerator_ms_per_second": (
+        "Offered (admissible) accelerator-ms per second, the ladder's recent point estimate",
+        ("pool",),
+    ),
+    "orchid_pool_protected_accelerator_ms_per_second": (
+        "The pool's protected envelope: healthy devices x protected utilization x 1000 ms/s",
+        ("pool",),
+    ),
+    "orchid_pool_utilization": ("Offered demand over the protected envelope (1.0 = the envelope)", ("pool",)),
+    "orchid_pool_healthy_devices": ("Devices of the pool on a healthy backend", ("pool",)),
+    "orchid_pool_devices": ("Devices configured for the pool", ("pool",)),
+    "orchid_pool_queue_depth": ("Requests waiting in the pool's dispatch queue", ("pool",)),
+    "orchid_pool_queued_accelerator_ms": ("Predicted accelerator-ms waiting in the pool's queue", ("pool",)),
+    "orchid_pool_queue_dwell_p95_seconds": ("Queue dwell p95 over the ladder's window", ("pool",)),
+    "orchid_backend_ready": ("1 when the backend's server answers ready to the health probe", ("backend",)),
+    "orchid_backend_model_ready": (
+        "1 when a watched model is loaded and ready on the backend (warm)",
+        ("backend", "model"),
+    ),
+}
+
+
+class GatewayCollector:
+    """Pool and backend gauges, read from the bound ``Gateway`` when scraped (no sampling loop:
+    the values are the ones the ladder and the status page read)."""
+
+    def __init__(self) -> None:
+        self.gateway: Gateway | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        for name, (doc, labels) in GATEWAY_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, labels=list(labels))
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            name: GaugeMetricFamily(name, doc, labels=list(labels))
+            for name, (doc, labels) in GATEWAY_GAUGES.items()
+        }
+        gateway = self.gateway
+        if gateway is not None:
+            queues = {queue.name: queue for queue in list(gateway._queues.values())}
+            for name, load in list(gateway.loads.items()):
+                evidence = load.evidence
+                queue = queues.get(name)
+                values = {
+                    "orchid_pool_devices": float(load.devices),
+                    "orchid_pool_queue_depth": float(queue.queued) if queue is not None else 0.0,
+                    "orchid_pool_queued_accelerator_ms": queue.queued_ms if queue is not None else 0.0,
+                }
+                if evidence is not None:
+                    values.update(
+                        {
+                            "orchid_pool_offered_accelerator_ms_per_second": evidence.offered_ms_per_s,
+                            "orchid_pool_protected_accelerator_ms_per_second": (
+                                evidence.protected_capacity_ms_per_s
+                            ),
+                            "orchid_pool_utilization": evidence.utilization,
+                            "orchid_pool_healthy_devices": float(evidence.healthy_devices),
+                            "orchid_pool_queue_dwell_p95_seconds": evidence.queue_dwell_p95_ms / 1000.0,
+                        }
+                    )
+                for metric, value in values.items():
+                    families[metric].add_metric([name], value)
+            for backend, handle in list(gateway.backends.items()):
+                client = handle.client
+                families["orchid_backend_ready"].add_metric([backend], 1.0 if client.healthy else 0.0)
+                for model in sorted(client.watched_models):
+                    families["orchid_backend_model_ready"].add_metric(
+                        [backend, model], 1.0 if client.is_warm(model) else 0.0
+                    )
+        yield from families.values()
+
+
 class Telemetry(GatewayListener):
     def __init__(
         self,
@@ -135,6 +241,8 @@ class Telemetry(GatewayListener):
     ) -> None:
         self.config = config
         self.metrics = Metrics(registry or CollectorRegistry())
+        self.collector = GatewayCollector()
+        self.metrics.registry.register(self.collector)
         self.decision_log = decision_log or DecisionLog(logging.getLogger("orchid.decisions"))
         provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(config.trace_sample_ratio)))
         if span_exporter is not None:
@@ -143,6 +251,10 @@ class Telemetry(GatewayListener):
         self.tracer = provider.get_tracer("orchid-gateway")
         # Monotonic -> wall clock, for span timestamps (OTel wants epoch nanoseconds).
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+
+    def bind(self, gateway: Gateway) -> None:
+        """Read pool and backend gauges from ``gateway`` at scrape time."""
+        self.collector.gateway = gateway
 
     def _tenant(self, tenant: str) -> str:
         return tenant if self.config.tenant_labels else "-"

@@ -31,6 +31,7 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.core.errors import ConfigError
+from gateway.core.memory import DeviceMemory, live_tokens
 from gateway.core.profile import GIB, DemandProfile, batch_accelerator_ms, padding
 from gateway.core.record import Budget
 from gateway.yaml_source import YamlDocument, YamlError, read_yaml
@@ -522,8 +523,9 @@ def _execution_section(w: Workload) -> tuple[Section, _Demand]:
 
 def _memory_section(w: Workload) -> Section:
     figures: list[Figure] = []
-    device_bytes = w.device.memory_gib * GIB
-    reserve_bytes = w.device.runtime_reserve_gib * GIB
+    # The live-memory bound's own arithmetic (gateway.core.memory): the worksheet and the
+    # dispatch queue's bound cannot disagree.
+    device = DeviceMemory.from_gib(w.device.memory_gib, w.device.runtime_reserve_gib)
     for name, model in w.models.items():
         if not model.declares_memory:
             figures.append(
@@ -553,7 +555,7 @@ def _memory_section(w: Workload) -> Section:
             )
         )
         workspace = model.workspace_reserve_bytes
-        left = device_bytes - reserve_bytes - workspace - weights
+        left = device.live_room_bytes(weights + workspace)
         workspace_text = f" - {_n(workspace / GIB, 2)} workspace" if workspace else ""
         fits = "left for live sequence state" if left >= 0 else "DOES NOT FIT: weights and reserves exceed it"
         figures.append(
@@ -579,7 +581,7 @@ def _memory_section(w: Workload) -> Section:
                 )
             )
         else:
-            tokens = max(0, math.floor(left / per_token))
+            tokens = live_tokens(left, per_token)
             figures.append(
                 Figure(
                     f"memory.{name}.live_tokens",

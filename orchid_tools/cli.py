@@ -25,6 +25,7 @@ _COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("policy", "explain"), "gateway.policy.cli_explain", "evaluate every rule for one request record"),
     (("capacity",), "orchid_tools.capacity", "print the capacity worksheet for a workload file"),
     (("simulate",), "orchid_tools.simulate", "run a scenario through the runtime in virtual time"),
+    (("evidence",), "orchid_tools.evidence", "publish or list quality evidence through the admin RPC"),
     (("audit", "isolation"), "orchid_tools.audit", "who can reach what, who can share an instance"),
 )
 

@@ -728,7 +728,13 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
         backends[spec.name] = client
         cfg = spec.backend_config()
         handles[spec.name] = BackendHandle(
-            client, cfg.labels, cfg.devices, cfg.max_inflight_per_device, cfg.time_scale, cfg.shared_devices
+            client,
+            cfg.labels,
+            cfg.devices,
+            cfg.max_inflight_per_device,
+            cfg.time_scale,
+            cfg.shared_devices,
+            cfg.memory,  # the live-memory bound, as `serve` applies it
         )
     t0 = loop.time()
     recorder = _LadderRecorder(loop, t0)

@@ -1,9 +1,39 @@
 #!/usr/bin/env bash
-# Install everything orchid-gateway needs into ./.venv (idempotent).
+# Install everything orchid-gateway needs into ./.venv, and the Debian packages its tests use
+# (idempotent).
 # Python 3.11 from the machine; pip packages (incl. the nvidia-pytriton wheel that
 # ships tritonserver) from PyPI. Safe to run again: a no-op when up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# System packages the status page's browser test and the alert-rule check use (Debian):
+# chromium + chromium-driver (headless browser, driven by selenium) and prometheus
+# (promtool). Installed only when missing: one `apt-get update`, non-interactive.
+# ORCHID_NO_APT=1 skips this step (those tests then skip, saying why).
+apt_packages=()
+command -v chromium >/dev/null 2>&1 || apt_packages+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || apt_packages+=(chromium-driver)
+command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+if [ "${#apt_packages[@]}" -gt 0 ] && [ "${ORCHID_NO_APT:-0}" != 1 ]; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: need ${apt_packages[*]} but apt-get is not available; install them with the" \
+      "system's package manager (or set ORCHID_NO_APT=1 to skip the tests that need them)" >&2
+    exit 2
+  fi
+  SUDO=()
+  if [ "$(id -u)" != 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+      SUDO=(sudo -n)
+    else
+      echo "bootstrap: need root (or passwordless sudo) to apt-get install ${apt_packages[*]}" >&2
+      exit 2
+    fi
+  fi
+  echo "bootstrap: apt-get install ${apt_packages[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  "${SUDO[@]}" apt-get update -qq
+  "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
+fi
 
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then

@@ -11,6 +11,12 @@ mypy
 # Import contracts (pyproject [tool.importlinter]): the decision core imports no asyncio,
 # grpc, time or runtime module; the runtime never imports the tools.
 lint-imports
+# The Prometheus alert rules (docs/prometheus/alerts.yaml) must load (Debian 'prometheus').
+if command -v promtool >/dev/null 2>&1; then
+  promtool check rules docs/prometheus/alerts.yaml
+else
+  echo "test.sh: promtool not found: alert rules not checked" >&2
+fi
 # The whole suite, scenario tests marked slow included (plain `pytest` skips those for a fast
 # inner loop). pytest exits 5 when it collects nothing: that is a failure here too (set -e).
 pytest -m "slow or not slow" "$@"

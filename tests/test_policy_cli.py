@@ -28,7 +28,7 @@ def test_lint_ok(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["policy", "lint", "policies"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(
-        "ok: 18 rules (1 shadow), 3 variables in 5 files; version orchid-default-2 (sha256:"
+        "ok: 20 rules (1 shadow), 3 variables in 5 files; version orchid-default-2 (sha256:"
     )
 
 
@@ -65,7 +65,7 @@ def test_test_passes_and_reports_coverage(capsys: pytest.CaptureFixture[str]) ->
     assert main(["policy", "test", "policies"]) == 0
     out = capsys.readouterr().out
     assert "PASS privacy: a cell the tenant is not entitled to is denied" in out
-    assert "every rule is exercised by at least one test (18 rules)" in out
+    assert "every rule is exercised by at least one test (20 rules)" in out
     assert "FAIL" not in out
 
 
@@ -77,7 +77,7 @@ def test_test_failure_exits_1_with_the_mismatch(tmp_path: Path, capsys: pytest.C
     out = capsys.readouterr().out
     assert "FAIL quota: a request beyond the balance is rejected with retry after the refill" in out
     assert "    retry_after_ms: expected 40, got 37" in out
-    assert "37 passed, 1 failed" in out
+    assert "43 passed, 1 failed" in out
 
 
 def test_test_lists_rules_no_case_exercises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

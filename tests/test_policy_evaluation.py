@@ -44,7 +44,7 @@ def test_privacy_rule_error_denies(engine: str) -> None:
           - id: later
             stage: admission
             condition: "true"
-            action: {annotate: {seen: "yes"}}
+            action: {annotate: {isolation: dedicated}}
         """,
         engine,
     )
@@ -243,7 +243,7 @@ def test_a_failing_variable_poisons_only_the_rules_that_read_it(engine: str) -> 
           - id: uses-long-input
             stage: admission
             condition: "!variables.long_input"
-            action: {annotate: {size: short}}
+            action: {annotate: {isolation: dedicated}}
         """,
         engine,
     )
@@ -252,7 +252,7 @@ def test_a_failing_variable_poisons_only_the_rules_that_read_it(engine: str) -> 
     assert [f.rule for f in result.fail_open] == ["uses-ratio"]
     assert "variable 'ratio' failed" in result.fail_open[0].error
     assert result.rules_fired == ("uses-long-input",)
-    assert result.annotation_map == {"size": "short"}
+    assert result.annotation_map == {"isolation": "dedicated"}
 
 
 def test_deny_carries_message_retry_after_and_maps_to_the_domain_error() -> None:
@@ -347,6 +347,8 @@ def test_activation_keeps_ints_and_doubles_apart() -> None:
         "floor": 0.84,
         "population": "orchid-eval",
         "reduced_output_score": 0.0,
+        "fallback_evidence": "valid",
+        "reduced_output_evidence": "missing",
     }
     assert type(values["route"]["reduced_output_tokens"]) is int
     assert values["backend"] == {"name": "b", "model": "m", "labels": {"cell": "eu"}}

@@ -334,3 +334,28 @@ def test_version_is_a_content_hash_and_label_comes_from_the_manifest() -> None:
     assert labelled.label == "spring-rollout"
     assert labelled.display_version == f"spring-rollout ({labelled.version})"
     assert labelled.version != first.version
+
+
+def test_an_annotation_nothing_enforces_fails_to_load_with_its_location(tmp_path: Path) -> None:
+    """Issue 13: every annotation a rule sets must be in ``ENFORCED_ANNOTATIONS``; any other
+    key or value is refused at load time, at its file:line:col, not silently ignored."""
+    text = rule("true", action="{annotate: {batching: never}}")
+    d = one({"a.yaml": text})
+    assert d.location == "pol/a.yaml:{}:{}".format(*where(text, 5, "batching"))
+    assert d.message == "annotation 'batching' has no effect: nothing enforces it (enforced keys: isolation)"
+    text = rule("true", action="{annotate: {isolation: shared}}")
+    d = one({"a.yaml": text})
+    assert d.location == "pol/a.yaml:{}:{}".format(*where(text, 5, "shared"))
+    assert "isolation=shared has no effect" in d.message and "enforced values: dedicated" in d.message
+    # The same through the directory loader and its real file names; the enforced pair loads.
+    (tmp_path / "policy.yaml").write_text("label: t\n")
+    text = rule("true", action="{annotate: {shard: x}}")
+    (tmp_path / "10-a.yaml").write_text(textwrap.dedent(text))
+    with pytest.raises(PolicyLoadError) as info:
+        load_policies(tmp_path)
+    line, column = where(text, 5, "shard")
+    assert info.value.diagnostics[0].location == f"{tmp_path / '10-a.yaml'}:{line}:{column}"
+    (tmp_path / "10-a.yaml").write_text(
+        textwrap.dedent(rule("true", action="{annotate: {isolation: dedicated}}"))
+    )
+    assert load_policies(tmp_path).rules[0].action.annotations == (("isolation", "dedicated"),)

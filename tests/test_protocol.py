@@ -30,6 +30,7 @@ PROVENANCE_KEYS = {
     "orchid.predicted_accelerator_ms",
     "orchid.charged_accelerator_ms",
     "orchid.request_id",
+    "orchid.risk_class",
 }
 
 

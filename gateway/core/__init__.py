@@ -15,7 +15,9 @@ drives it in virtual time). CI enforces it (``.importlinter``): no module under
     overload   demand windows, the ladder, fair allocation and flow plans
     load       one pool's load: offered/admitted demand per flow, the plan
     dispatch   the fair-share dispatch queue with device list-scheduling
+    memory     device memory: resident models, live state, the live-memory bound's refusals
     admission  the admission decision from priced candidates and policy results
     errors     the domain error tree (statuses by name; the edge maps them)
     entitlement which models a tenant may call (the one answer auth and policy share)
+    evidence   quality evidence and the verdict: may a route degrade on it now
 """

@@ -63,6 +63,21 @@ Rules (everything that decides who goes next lives here):
    is kept only while short work has asked for a device in the last SHORT_LANE_IDLE_S:
    long-only traffic uses every device.
 
+8. **Live memory** (``gateway.core.memory``). With a declared device memory
+   (``DeviceSet.memory``: the device less the runtime reserve and the replicas of the models
+   placed on it), work binds only if its live state (the record's ``peak_memory_bytes``) fits
+   on the device it would run on beside the live state of the work bound there. Bound work
+   counts from binding to release: a server may admit a request it holds into its running
+   batch at once, and a request that runs past its prediction still holds its state. Work
+   that cannot fit even on an idle device is refused at once (INVALID_ARGUMENT,
+   ``memory.device_limit``). Work that does not fit yet waits here, not bound, until a
+   release frees enough; if its latest start passes while it waits for memory it leaves with
+   RESOURCE_EXHAUSTED (``memory.live_tokens``) and a retry-after from when the bound work is
+   predicted to free it (``refusal``). As a device runs one bound request at a time (rule 6),
+   this keeps a request from being bound ahead beside work it would not fit with, and holds
+   work whose memory a request running past its prediction still holds. The memory wait is
+   not added to predicted waits: it ends when the device it waits for frees.
+
 Several pools can run on the same devices (a fallback model placed beside the
 primary on each accelerator): their queues then share one ``DeviceSet``, which
 list-schedules the work of all of them, so one pool's prediction counts the
@@ -82,7 +97,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.core.errors import GatewayError, ResourceExhausted
+from gateway.core import memory as device_memory
+from gateway.core.errors import DeadlineExpired, GatewayError, ResourceExhausted
+from gateway.core.memory import DeviceMemory
 
 CONTROL_CLASS = "control"
 # The refusal of a request whose latest start passed while it waited (the driver raises it).
@@ -106,6 +123,8 @@ class Waiter:
     flow: tuple[str, str] = field(compare=False, default=("", ""))
     live: bool = field(compare=False, default=True)
     long: bool = field(compare=False, default=False)
+    live_bytes: int = field(compare=False, default=0)  # live sequence state it will hold
+    memory_held: bool = field(compare=False, default=False)  # last kept here for want of memory
     slot: Slot | None = field(compare=False, default=None)
     refused: GatewayError | None = field(compare=False, default=None)
     token: Any = field(compare=False, default=None)
@@ -121,6 +140,7 @@ class Slot:
     predicted_start: float  # when a device is predicted to start it (later if bound ahead)
     released: bool = False
     long: bool = False  # long-bucket work: never on the short lane
+    live_bytes: int = 0  # live sequence state it holds on its device until released
 
     def release(self, now: float) -> None:
         """The request is done with its device (idempotent); waiters may be granted."""
@@ -129,16 +149,43 @@ class Slot:
             self.queue._release(self, now)
 
 
+@dataclass
+class _Device:
+    """One device in the list schedule: when it frees, and the live state of the work on it."""
+
+    free_at: float
+    live_bytes: int = 0
+    ends: list[tuple[float, int]] = field(default_factory=list)  # (predicted end, live bytes)
+
+    def live_at(self, t: float) -> int:
+        """Live bytes still held at ``t`` (work predicted to end by then has freed its state)."""
+        return sum(held for end, held in self.ends if end > t)
+
+
 class DeviceSet:
     """The devices one or more pools run on, and the work bound to them (in binding order)."""
 
-    def __init__(self, devices: int, short_lane: int = 0) -> None:
+    def __init__(self, devices: int, short_lane: int = 0, memory: DeviceMemory | None = None) -> None:
         self.devices = max(1, devices)
         self.bound: dict[Slot, None] = {}
         self.queues: list[DispatchQueue] = []
         self.short_lane = short_lane  # devices long work never occupies (rule 7)
         self.short_seen_at = -math.inf  # when short work last asked for a device
         self._changes: list[Waiter] = []  # granted or refused since the driver last looked
+        self.memory = memory  # each device's memory (rule 8); None: live state is not bounded
+        self.resident: dict[str, int] = {}  # model -> its replica's bytes on every device
+
+    def place(self, model: str, resident_bytes: int) -> None:
+        """A model whose replica is resident on every device of the set (a pool dispatches it
+        here): its weights and workspace leave less room for live state."""
+        self.resident[model] = resident_bytes
+
+    @property
+    def live_room_bytes(self) -> float:
+        """Bytes each device has for live sequence state (rule 8); infinite without a memory."""
+        if self.memory is None:
+            return math.inf
+        return float(self.memory.live_room_bytes(sum(self.resident.values())))
 
     def take_changes(self) -> list[Waiter]:
         """Waiters granted a slot or refused since the last call, in that order."""
@@ -172,23 +219,62 @@ class DeviceSet:
             heapq.heappush(free, heapq.heappop(free) + cost_ms / 1000.0)
         return free[0]
 
-    def free_times(self, now: float, *, replan: bool = False) -> list[float]:
-        """A heap of the times each device is predicted to finish the work bound to it:
-        list scheduling in binding order (Triton's queue is FIFO over the instances), each
-        slot's remaining work from its predicted start. Work that overran its prediction is
-        taken to end now (optimistic, and corrected at release).
+    def schedule(self, now: float, *, replan: bool = False) -> list[_Device]:
+        """The list schedule of the work bound to the devices: in binding order (Triton's
+        queue is FIFO over the instances) each slot goes to the device that frees first (among
+        equals the one holding the least live state), its remaining work from its predicted
+        start. Work that overran its prediction is taken to end now (optimistic, and corrected
+        at release); its live state counts until it is released.
 
         ``replan`` (a device just freed, perhaps earlier or later than predicted): work
         still waiting in the backend's queue starts when the next device frees, so its
         predicted start moves there."""
-        free = [now] * self.devices
+        devices = [_Device(now) for _ in range(self.devices)]
+        free = [(now, 0, index) for index in range(self.devices)]
         for slot in self.bound:
-            device_free = heapq.heappop(free)
+            device_free, _, index = heapq.heappop(free)
             if replan and slot.predicted_start > now:
                 slot.predicted_start = device_free
             done_ms = max(0.0, now - slot.predicted_start) * 1000.0
-            heapq.heappush(free, device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0)
+            end = device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0
+            device = devices[index]
+            device.free_at = end
+            device.live_bytes += slot.live_bytes
+            device.ends.append((end, slot.live_bytes))
+            heapq.heappush(free, (end, device.live_bytes, index))
+        return devices
+
+    def free_times(self, now: float, *, replan: bool = False) -> list[float]:
+        """A heap of the times each device is predicted to finish the work bound to it
+        (``schedule``)."""
+        free = [device.free_at for device in self.schedule(now, replan=replan)]
+        heapq.heapify(free)
         return free
+
+    def fits(self, now: float, live_bytes: int) -> bool:
+        """Would work holding ``live_bytes`` of live state fit, bound now, on the device it
+        would run on (the first to free; an idle one if any) beside the live state of the work
+        bound there (rule 8)?"""
+        if live_bytes <= 0 or self.memory is None:
+            return True
+        device = min(self.schedule(now), key=lambda d: (d.free_at, d.live_bytes))
+        return device.live_bytes + live_bytes <= self.live_room_bytes
+
+    def memory_free_at(self, now: float, live_bytes: int) -> float:
+        """When work holding ``live_bytes`` would first fit on the device it would run on, as
+        the work bound now is predicted to end and free its live state (``now`` if it fits)."""
+        devices = self.schedule(now)
+        room = self.live_room_bytes
+        for t in sorted({now, *(end for device in devices for end, _ in device.ends)}):
+            device = min(devices, key=lambda d: (max(d.free_at, t), d.live_at(t)))
+            if device.live_at(t) + live_bytes <= room:
+                return t
+        return max((device.free_at for device in devices), default=now)
+
+    def device_limit(self, live_bytes: int) -> GatewayError | None:
+        """The refusal of work whose live state cannot fit even on an idle device (rule 8)."""
+        room = self.live_room_bytes
+        return device_memory.device_limit(live_bytes, room) if live_bytes > room else None
 
     def bind_start(self, now: float, latest_start: float, *, long: bool = False) -> float | None:
         """When work bound now would start on a device, or None if it must not be bound yet:
@@ -249,6 +335,7 @@ class DispatchQueue:
         self.queued_ms = 0.0
         self.queued = 0
         self.held_back = 0  # times a waiter was kept here rather than bound behind busy devices
+        self.memory_held = 0  # times a waiter was kept here because its live state did not fit
         self.pushed_out = 0  # waiters refused to make room for a flow with less queued work
 
     @property
@@ -347,31 +434,47 @@ class DispatchQueue:
         weight: float = 1.0,
         class_weight: float = 1.0,
         long: bool = False,
+        live_bytes: int = 0,
     ) -> Slot | Waiter:
         """Ask for a slot: granted at once (``Slot``), or a ``Waiter`` in its flow, granted
         later (see ``DeviceSet.take_changes``). ``latest_start`` (the deadline minus the
         predicted execution) orders the flow; the driver withdraws the waiter once it has
-        passed. Weights set the class's and tenant's shares. A full queue raises
-        ResourceExhausted, unless a flow holding more than its share of the queue makes room
-        (its least urgent waiter is refused: rule 5)."""
+        passed (``refusal`` says with which error). Weights set the class's and tenant's
+        shares. A full queue raises ResourceExhausted, unless a flow holding more than its
+        share of the queue makes room (its least urgent waiter is refused: rule 5).
+        ``live_bytes``: the live sequence state it will hold on its device (rule 8); more
+        than an idle device holds raises InvalidArgument."""
         flow_key = (request_class, tenant)
+        too_big = self.device_set.device_limit(live_bytes)
+        if too_big is not None:
+            raise too_big
         if not long:
             self.device_set.short_seen_at = now
         if self._free(request_class) > 0 and self.queued == 0:
             start = self.device_set.bind_start(now, latest_start, long=long)
-            if start is not None:
+            if start is not None and self.device_set.fits(now, live_bytes):
                 self._charge(flow_key, cost_ms, weight, class_weight)
-                return self._grant(cost_ms, now, start, long=long)
+                return self._grant(cost_ms, now, start, long=long, live_bytes=live_bytes)
         if self.queued >= self.max_queued and not self._push_out(now, flow_key, cost_ms, weight):
             raise ResourceExhausted(
                 "the model's queue is full",
                 rule="queue.full",
                 retry_after_ms=max(1, int(self.predicted_wait_ms(now))),
             )
-        waiter = Waiter(latest_start, next(self._seq), cost_ms, flow_key, long=long)
+        waiter = Waiter(latest_start, next(self._seq), cost_ms, flow_key, long=long, live_bytes=live_bytes)
         self._enqueue(waiter, weight, class_weight)
         self._wake_next(now)  # a slot may be free with only ineligible waiters ahead
         return waiter
+
+    def refusal(self, waiter: Waiter, now: float) -> GatewayError:
+        """Why a waiter whose latest start passed leaves (its driver then withdraws it): held
+        for live memory (rule 8), RESOURCE_EXHAUSTED ``memory.live_tokens`` with a retry-after
+        from when the bound work is predicted to free enough; otherwise DEADLINE_EXCEEDED
+        (``queue.latest_start``)."""
+        if waiter.memory_held:
+            free_at = self.device_set.memory_free_at(now, waiter.live_bytes)
+            return device_memory.waited_too_long((free_at - now) * 1000.0)
+        return DeadlineExpired("the request could not start before its deadline", rule=LATE_RULE)
 
     def withdraw(self, waiter: Waiter, now: float) -> Slot | None:
         """The driver gives up on a waiter (latest start passed, caller gone). Returns the
@@ -491,8 +594,10 @@ class DispatchQueue:
 
     # ------------------------------------------------------------------ slots
 
-    def _grant(self, cost_ms: float, now: float, start: float, *, long: bool = False) -> Slot:
-        slot = self._make_slot(cost_ms, now, start, long=long)
+    def _grant(
+        self, cost_ms: float, now: float, start: float, *, long: bool = False, live_bytes: int = 0
+    ) -> Slot:
+        slot = self._make_slot(cost_ms, now, start, long=long, live_bytes=live_bytes)
         self._inflight.add(slot)
         self.device_set.bound[slot] = None
         return slot
@@ -512,9 +617,11 @@ class DispatchQueue:
         for queue in sorted(devices.queues, key=DispatchQueue._head_latest_start):
             queue._wake_next(now, prefer_long=slot.long)
 
-    def _make_slot(self, cost_ms: float, now: float, start: float, *, long: bool) -> Slot:
+    def _make_slot(
+        self, cost_ms: float, now: float, start: float, *, long: bool, live_bytes: int = 0
+    ) -> Slot:
         """A new slot (a driver may hand out its own subclass)."""
-        return Slot(self, cost_ms, now, start, long=long)
+        return Slot(self, cost_ms, now, start, long=long, live_bytes=live_bytes)
 
     def _head_latest_start(self) -> float:
         waiter = self._next_waiter() if self.queued else None
@@ -536,10 +643,18 @@ class DispatchQueue:
             if start is None:
                 # Held: bound now, it would wait in the backend's queue past its latest start
                 # or be co-batched with work already waiting there. A device freeing wakes it.
+                waiter.memory_held = False
                 self.held_back += 1
+                return
+            if not devices.fits(now, waiter.live_bytes):
+                # Held for memory (rule 8): a release that frees enough wakes it.
+                waiter.memory_held = True
+                self.memory_held += 1
                 return
             self._forget(waiter)  # leaves its heap lazily (it need not be the head)
             flow = self._flows[waiter.flow]
             self._charge(waiter.flow, waiter.cost_ms, flow.weight, self._classes[waiter.flow[0]].weight)
-            waiter.slot = self._grant(waiter.cost_ms, now, start, long=waiter.long)
+            waiter.slot = self._grant(
+                waiter.cost_ms, now, start, long=waiter.long, live_bytes=waiter.live_bytes
+            )
             devices._changes.append(waiter)

@@ -12,8 +12,13 @@ the policy test suites and request files (``gateway.policy.suites``). All three 
 * **quality floor**: the route's own ``quality_floor``; a route without one takes its
   fallback's (the floor the population's answers must meet); neither: 1.0, which no
   evidence clears, so an unproven fallback or output cap is never taken;
-* **quality evidence**: scores the route and its fallback declare, 0.0 without evidence;
-  the reduced-output score and length from the route's ``reduced_output`` (0: none);
+* **quality evidence**: the verdicts (``gateway.core.evidence``) on the fallback's and the
+  capped output's latest evidence, from the live store (``gateway.evidence``) when the
+  caller passes them, else judged on the scores the route files declare (no dates: the
+  suites and the audit's probes have no clock). ``route.quality.fallback_score`` and
+  ``reduced_output_score`` are that evidence's scores, 0.0 when missing or expired;
+  ``*_evidence`` the verdict (valid, missing, expired, below_floor); the reduced-output
+  length from the route's ``reduced_output`` (0: none);
 * **quota**: what the ledger would grant now, borrowing included (its balance plus what it
   may borrow from idle share); no quota view means unmetered (infinite, rate 0), the
   ledger's own answer for an account without a bucket.
@@ -27,7 +32,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from gateway.config import QualityEvidence as QualityConfig
 from gateway.config import RouteConfig, TenantConfig
+from gateway.core.evidence import Evidence, EvidenceKey, RouteEvidence, judge
 from gateway.core.quota import QuotaView
 from gateway.policy.schema import (
     BackendFacts,
@@ -50,6 +57,26 @@ def quality_floor(route: RouteConfig, fallback: RouteConfig | None) -> float:
     return NO_EVIDENCE_FLOOR
 
 
+def declared_evidence(route: RouteConfig, fallback: RouteConfig | None) -> RouteEvidence:
+    """The verdicts on the scores the route files declare, dates aside (no clock here): the
+    view of a caller without the live store (the policy suites, the audit's probes)."""
+    floor = quality_floor(route, fallback)
+
+    def verdict(quality: QualityConfig | None, cap: int) -> Evidence | None:
+        if quality is None:
+            return None
+        key = EvidenceKey(route.backend_model, route.version, quality.population, cap)
+        return Evidence(key=key, score=quality.score, sample_size=0, owner="", source="seeded")
+
+    reduced = route.reduced_output
+    return RouteEvidence(
+        fallback=judge(verdict(fallback.quality, 0) if fallback else None, floor=floor, now=0.0),
+        reduced_output=judge(
+            verdict(reduced.quality, reduced.max_output_tokens) if reduced else None, floor=floor, now=0.0
+        ),
+    )
+
+
 def build_policy_context(
     tenant_name: str,
     tenant: TenantConfig,
@@ -61,14 +88,17 @@ def build_policy_context(
     load: LoadFacts,
     quota: QuotaView | None,
     backends: Sequence[BackendFacts] = (),
+    evidence: RouteEvidence | None = None,
 ) -> PolicyContext:
     """Policy's view of one request's tenant, route, load and candidate backends.
 
     ``route`` is the route as this tenant runs it (a dedicated tenant's copy), ``fallback``
     the route its ``fallback`` names (``None``: none); ``fallback_warm``/``fallback_cell``
     what the caller observed of the fallback's pool; ``quota`` the ledger's view of the
-    tenant's account for the request's class (``None``: unmetered)."""
+    tenant's account for the request's class (``None``: unmetered); ``evidence`` the live
+    store's verdicts (``None``: ``declared_evidence``)."""
     reduced = route.reduced_output
+    verdicts = evidence if evidence is not None else declared_evidence(route, fallback)
     return PolicyContext(
         tenant=TenantFacts(
             name=tenant_name,
@@ -95,10 +125,12 @@ def build_policy_context(
             fallback_cell=fallback_cell,
             quality=QualityEvidence(
                 score=route.quality.score if route.quality else 0.0,
-                fallback_score=fallback.quality.score if fallback and fallback.quality else 0.0,
+                fallback_score=verdicts.fallback.score if fallback is not None else 0.0,
                 floor=quality_floor(route, fallback),
                 population=route.quality.population if route.quality else "",
-                reduced_output_score=reduced.quality.score if reduced else 0.0,
+                reduced_output_score=verdicts.reduced_output.score if reduced else 0.0,
+                fallback_evidence=str(verdicts.fallback.status),
+                reduced_output_evidence=str(verdicts.reduced_output.status),
             ),
             reduced_output_tokens=reduced.max_output_tokens if reduced else 0,
         ),
@@ -107,4 +139,4 @@ def build_policy_context(
     )
 
 
-__all__ = ["NO_EVIDENCE_FLOOR", "build_policy_context", "quality_floor"]
+__all__ = ["NO_EVIDENCE_FLOOR", "build_policy_context", "declared_evidence", "quality_floor"]

@@ -29,7 +29,9 @@ A rule file::
 
 Actions: ``{deny: {status, retry_after_ms?}}``, ``fallback_eligible``,
 ``fallback_ineligible``, ``exclude_backend``, ``{limit: {max_output_tokens: <CEL int>}}``,
-``{annotate: {key: literal value}}``. Which stage takes which action is in ``model``.
+``{annotate: {key: literal value}}``. Which stage takes which action is in ``model``, and so
+is the registry of annotation keys and values something enforces (``ENFORCED_ANNOTATIONS``):
+any other annotation is rejected at load time, with its file:line:col.
 
 Version: ``sha256:`` + the first 12 hex digits of SHA-256 over the sorted
 (file name, bytes) pairs of ``policy.yaml`` and the rule files. The same hash
@@ -53,6 +55,7 @@ from gateway.policy.diagnostics import Diagnostic, PolicyLoadError
 from gateway.policy.engine import DEFAULT_ENGINE, CompiledExpression, CompileProblem, Engine, get_engine
 from gateway.policy.model import (
     DENY_STATUSES,
+    ENFORCED_ANNOTATIONS,
     ON_ERROR_FIXED,
     ON_ERROR_STAGES,
     STAGE_ACTIONS,
@@ -348,7 +351,20 @@ def _parse_action(rule: _RawRule, node: Node) -> None:
         for k, k_node, v in mapping_items(params, "annotate"):
             if not ANNOTATION_KEY.match(k):
                 raise Located(k_node, f"annotation key '{k}' must match {ANNOTATION_KEY.pattern}")
-            pairs.append((k, scalar_text(v, f"annotation '{k}'")))
+            if k not in ENFORCED_ANNOTATIONS:
+                raise Located(
+                    k_node,
+                    f"annotation '{k}' has no effect: nothing enforces it (enforced keys: "
+                    f"{', '.join(sorted(ENFORCED_ANNOTATIONS))})",
+                )
+            value = scalar_text(v, f"annotation '{k}'")
+            if value not in ENFORCED_ANNOTATIONS[k]:
+                raise Located(
+                    v,
+                    f"annotation {k}={value} has no effect: nothing enforces it (enforced values: "
+                    f"{', '.join(sorted(ENFORCED_ANNOTATIONS[k]))})",
+                )
+            pairs.append((k, value))
         if not pairs:
             raise Located(params, "annotate needs at least one key/value pair")
         rule.annotations = tuple(pairs)

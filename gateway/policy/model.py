@@ -58,6 +58,21 @@ class ActionKind(StrEnum):
     EXCLUDE_BACKEND = "exclude_backend"
 
 
+# The one registry of annotation keys a rule may set: each key, the values it accepts, and
+# what enforces each value. The loader (``gateway.policy.loader``) rejects any other key or
+# value with its file:line:col, so an annotation is never a promise that nothing keeps.
+ENFORCED_ANNOTATIONS: Mapping[str, Mapping[str, str]] = {
+    "isolation": {
+        "dedicated": (
+            "gateway.pipeline admission: the request runs only on a backend model reserved for its "
+            "tenant (its own pool, so never batched with another tenant's work), else "
+            "PERMISSION_DENIED with rule isolation.dedicated"
+        ),
+    },
+}
+ISOLATION_RULE = "isolation.dedicated"  # the rule named when ``isolation: dedicated`` refuses
+
+
 # gRPC status names a deny rule may choose (the caller-facing contract, ARCHITECTURE §5).
 DENY_STATUSES: tuple[str, ...] = (
     "PERMISSION_DENIED",

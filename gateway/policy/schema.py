@@ -72,6 +72,10 @@ class QualityEvidence:
     floor: float = 1.0
     population: str = ""
     reduced_output_score: float = 0.0  # quality of the primary with output capped (0: no evidence)
+    # The verdict on the evidence each degradation rests on (``gateway.core.evidence``):
+    # valid, missing, expired or below_floor. Only "valid" may degrade.
+    fallback_evidence: str = "missing"
+    reduced_output_evidence: str = "missing"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +221,7 @@ FIELDS: tuple[Field, ...] = (
         "request.risk_class",
         STRING,
         _G,
-        "`standard`, `safety_critical`, `regulated`, `out_of_distribution` ...",
+        "a configured `risk_classes` entry: the tenant's or route's minimum, or higher (`orchid.risk_class`)",
         lambda r, c: r.identity.risk_class,
     ),
     _req(
@@ -429,14 +433,15 @@ FIELDS: tuple[Field, ...] = (
         "route.quality.fallback_score",
         DOUBLE,
         _F,
-        "validated quality of the fallback",
+        "the fallback's latest evidence score (0.0 when missing or expired)",
         lambda r, c: float(c.route.quality.fallback_score),
     ),
     _req(
         "route.quality.reduced_output_score",
         DOUBLE,
         _F,
-        "validated quality of the primary with its output capped at route.reduced_output_tokens",
+        "latest evidence score of the primary with its output capped at route.reduced_output_tokens "
+        "(0.0 when missing or expired)",
         lambda r, c: float(c.route.quality.reduced_output_score),
     ),
     _req(
@@ -452,6 +457,22 @@ FIELDS: tuple[Field, ...] = (
         _F,
         "minimum acceptable quality: the route's `quality_floor`, else its fallback's, else 1.0",
         lambda r, c: float(c.route.quality.floor),
+    ),
+    _req(
+        "route.quality.fallback_evidence",
+        STRING,
+        _F,
+        "verdict on the fallback's latest evidence: valid, missing, expired (past review-by or "
+        "max age) or below_floor; only valid evidence may serve a fallback answer",
+        lambda r, c: c.route.quality.fallback_evidence,
+    ),
+    _req(
+        "route.quality.reduced_output_evidence",
+        STRING,
+        _F,
+        "verdict on the latest evidence for the capped output: valid, missing, expired or "
+        "below_floor; only valid evidence may cap the output",
+        lambda r, c: c.route.quality.reduced_output_evidence,
     ),
     _req(
         "route.quality.population",

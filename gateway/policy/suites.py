@@ -54,10 +54,11 @@ from yaml.nodes import MappingNode, Node
 
 from gateway.config import QualityEvidence as RouteQuality
 from gateway.config import ReducedOutput, RouteConfig, TenantConfig
+from gateway.core.evidence import EvidenceStatus, EvidenceVerdict, RouteEvidence
 from gateway.core.quota import QuotaView
 from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 from gateway.policy import schema
-from gateway.policy.context import build_policy_context
+from gateway.policy.context import build_policy_context, declared_evidence
 from gateway.policy.diagnostics import Diagnostic, PolicyLoadError
 from gateway.policy.model import SourceRef
 from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
@@ -135,6 +136,10 @@ BASE_GIVEN: Mapping[str, Any] = {
             "floor": 0.84,
             "population": "orchid-eval",
             "reduced_output_score": 0.0,
+            # "": the verdict serving would derive from the scores and the floor; or set one
+            # (valid, missing, expired, below_floor) to state the live store's verdict.
+            "fallback_evidence": "",
+            "reduced_output_evidence": "",
         },
         "reduced_output_tokens": 0,
     },
@@ -350,7 +355,9 @@ def build_inputs(given: Mapping[str, Any]) -> tuple[RequestRecord, PolicyContext
             quality=RouteQuality.model_construct(
                 population=quality["population"], score=quality["reduced_output_score"]
             ),
-        ),
+        )
+        if rt["reduced_output_tokens"]
+        else None,
     )
     fallback = (
         RouteConfig.model_construct(
@@ -361,6 +368,9 @@ def build_inputs(given: Mapping[str, Any]) -> tuple[RequestRecord, PolicyContext
         )
         if rt["fallback_model"]
         else None
+    )
+    evidence = _evidence_verdicts(
+        declared_evidence(route, fallback), quality["fallback_evidence"], quality["reduced_output_evidence"]
     )
     context = build_policy_context(
         t["name"],
@@ -380,8 +390,27 @@ def build_inputs(given: Mapping[str, Any]) -> tuple[RequestRecord, PolicyContext
             BackendFacts(name=x["name"], model=x.get("model", ""), labels=dict(x.get("labels", {})))
             for x in g["backends"]
         ),
+        evidence=evidence,
     )
     return record, context
+
+
+def _evidence_verdicts(declared: RouteEvidence, fallback: str, reduced_output: str) -> RouteEvidence:
+    """The declared verdicts, with any status a suite states in their place."""
+
+    def stated(verdict: EvidenceVerdict, status: str, path: str) -> EvidenceVerdict:
+        if not status:
+            return verdict
+        try:
+            return EvidenceVerdict(EvidenceStatus(status), verdict.evidence)
+        except ValueError:
+            known = ", ".join(s.value for s in EvidenceStatus)
+            raise ValueError(f"route.quality.{path} must be one of {known}, got {status!r}") from None
+
+    return RouteEvidence(
+        fallback=stated(declared.fallback, fallback, "fallback_evidence"),
+        reduced_output=stated(declared.reduced_output, reduced_output, "reduced_output_evidence"),
+    )
 
 
 def load_request_file(path: str | Path) -> tuple[RequestRecord, PolicyContext]:

@@ -30,6 +30,23 @@ Environment:
                          models it. (With strict instance-to-GPU pinning, Triton's
                          choice of instance would add contention nobody predicts.)
 
+Device memory (optional model config parameters, all four together):
+
+    device_memory_gib           memory of the device each instance stands for
+    runtime_reserve_gib         runtime/workspace/allocator reserve on it
+    weights_bytes               this model's resident weights
+    live_cache_bytes_per_token  live sequence state per token
+
+A batch's live state is ``live_cache_bytes_per_token x rows x (longest input + longest
+output)`` (padded, like its prefill). When it exceeds what the device has left beside the
+reserve and the weights, the execution fails at once the way an allocation failure does on
+a GPU: every request of the batch gets an error response ``CUDA out of memory. Tried to
+allocate ...`` (also written to Triton's log as an error) and the device is free again. A
+batch of one that fits runs as before: the limit bites when Triton co-batches requests that
+do not fit together, or when one request alone exceeds the device. The same numbers are the
+gateway's live-memory bound (the route's profile, the backend's ``device_memory_gib`` and
+``runtime_reserve_gib``). Weights beside the reserve that exceed the device fail the load.
+
 Cancellation: decode runs in steps; between steps the emulator checks
 `request.is_cancelled()` and stops decoding a cancelled request, which frees
 the instance early exactly as a real server frees a slot.
@@ -50,6 +67,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]
 
 VOCAB = 32_000
+GIB = 1024**3
+MIB = 1024**2
 # Sleep granularity while decoding: short enough to notice a cancel promptly,
 # long enough that the stub is not busy-looping.
 _STEP_SLICE_S = 0.010
@@ -79,6 +98,62 @@ class CostProfile:
             prefill_ms_per_token=float(value("prefill_ms_per_token")),
             decode_ms_per_token=float(value("decode_ms_per_token")),
             default_max_output_tokens=int(value("default_max_output_tokens")),
+        )
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The device an instance stands for: its memory, and what a batch's live state may use."""
+
+    device_bytes: int
+    reserve_bytes: int
+    weights_bytes: int
+    live_cache_bytes_per_token: int
+
+    KEYS = ("device_memory_gib", "runtime_reserve_gib", "weights_bytes", "live_cache_bytes_per_token")
+
+    @classmethod
+    def from_model_config(cls, config: dict) -> DeviceMemory | None:
+        params = config.get("parameters", {})
+        present = [key for key in cls.KEYS if key in params]
+        if not present:
+            return None
+        if len(present) != len(cls.KEYS):
+            missing = ", ".join(key for key in cls.KEYS if key not in params)
+            raise pb_utils.TritonModelException(f"device memory parameters need all four; missing {missing}")
+
+        def value(key: str) -> float:
+            return float(params[key]["string_value"])
+
+        memory = cls(
+            device_bytes=round(value("device_memory_gib") * GIB),
+            reserve_bytes=round(value("runtime_reserve_gib") * GIB),
+            weights_bytes=round(value("weights_bytes")),
+            live_cache_bytes_per_token=round(value("live_cache_bytes_per_token")),
+        )
+        if memory.live_room_bytes < 0:
+            raise pb_utils.TritonModelException(
+                f"CUDA out of memory loading weights: {memory.weights_bytes / GIB:.2f} GiB beside "
+                f"a {memory.reserve_bytes / GIB:.2f} GiB reserve on a "
+                f"{memory.device_bytes / GIB:.2f} GiB device"
+            )
+        return memory
+
+    @property
+    def live_room_bytes(self) -> int:
+        return self.device_bytes - self.reserve_bytes - self.weights_bytes
+
+    def allocation_error(self, rows: int, longest_in: int, longest_out: int) -> str | None:
+        """The allocation failure a batch of ``rows`` padded to this shape meets, or None."""
+        tokens = rows * (longest_in + longest_out)
+        need = self.live_cache_bytes_per_token * tokens
+        if need <= self.live_room_bytes:
+            return None
+        return (
+            f"CUDA out of memory. Tried to allocate {need / MIB:,.2f} MiB of live sequence state "
+            f"({rows} x ({longest_in} + {longest_out}) tokens); device has "
+            f"{self.device_bytes / GIB:.2f} GiB total, {self.reserve_bytes / GIB:.2f} GiB reserved, "
+            f"{self.weights_bytes / GIB:.2f} GiB weights, {self.live_room_bytes / MIB:,.2f} MiB free"
         )
 
 
@@ -151,6 +226,7 @@ class _Emulator:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
         self.profile = CostProfile.from_model_config(config)
+        self.memory = DeviceMemory.from_model_config(config)
         self.time_factor = time_factor()
         self.devices = SharedDevices.from_env(str(args.get("model_instance_name", "")))
 
@@ -177,6 +253,16 @@ class BatchEmulator(_Emulator):
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
                 continue
             work.append((i, request, ids, n_out))
+        if work and self.memory is not None:
+            rows = sum(ids.shape[0] if ids.ndim == 2 else 1 for _, _, ids, _ in work)
+            failure = self.memory.allocation_error(
+                rows, max(ids.shape[-1] for _, _, ids, _ in work), max(n for _, _, _, n in work)
+            )
+            if failure is not None:  # the batch's live state cannot be allocated: all of it fails
+                pb_utils.Logger.log_error(failure)
+                for i, _, _, _ in work:
+                    responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(failure))
+                work = []
         if work:
             longest_in = max(ids.shape[-1] for _, _, ids, _ in work)
             prefill_ms = p.fixed_ms + p.prefill_ms_per_token * len(work) * longest_in
@@ -231,6 +317,14 @@ class StreamEmulator(_Emulator):
             except ValueError as exc:
                 sender.send(
                     pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+                continue
+            failure = self.memory.allocation_error(1, ids.shape[-1], n_out) if self.memory else None
+            if failure is not None:
+                pb_utils.Logger.log_error(failure)
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(failure)),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
