@@ -18,7 +18,16 @@ For each tenant it reports:
   pair, i.e. can share a Triton model instance, a batch and the gateway's
   dispatch queue with it (``dedicated`` tenants must share with nobody);
 - the policy rules that apply to it, per stage, and whether the policy's
-  privacy rules actually deny other cells (probed, not matched by name).
+  privacy rules actually deny other cells (probed, not matched by name);
+- per route it may call with a fallback or a reduced output: the risk classes (at or
+  above the tenant's and the route's minimum) the policy would degrade, probed once per
+  class with ``request.risk_class`` set.
+
+For each route with a fallback or a reduced output, the audit also judges the quality
+evidence each degradation rests on (``gateway.evidence``: the route files' seeded
+evidence, at the current wall-clock time): valid, missing, expired or below_floor, and
+says when seeded evidence is undated or has no owner. The policy probes read those
+verdicts, so a fallback on expired evidence is reported closed.
 
 Paths in the tenant's home cell are *active* (the gateway routes there today);
 paths in its other entitled cells, or fallbacks only the policy keeps closed,
@@ -38,10 +47,12 @@ import sys
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, cast
 
+from gateway import clock
 from gateway.config import (
     BackendConfig,
     GatewayConfig,
@@ -56,9 +67,12 @@ from gateway.config import (
     load_tenants,
 )
 from gateway.core.errors import ConfigError
+from gateway.core.evidence import EvidenceStatus, EvidenceVerdict, RouteEvidence
 from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
+from gateway.core.risk import resolve_risk_class
+from gateway.evidence import EvidenceStore
 from gateway.pipeline import Gateway
-from gateway.policy.context import build_policy_context
+from gateway.policy.context import build_policy_context, quality_floor
 from gateway.policy.diagnostics import PolicyLoadError, render_all
 from gateway.policy.loader import load_policies
 from gateway.policy.model import STAGE_ORDER, ActionKind, Rule, Stage, Variable
@@ -196,6 +210,42 @@ class Share:
 
 
 @dataclass(frozen=True, slots=True)
+class RiskDegradation:
+    """Which risk classes the policy would degrade on one route, for one tenant."""
+
+    model: str
+    minimum: str  # the highest of the tenant's and the route's risk_class
+    classes: tuple[str, ...]  # the declared classes at or above ``minimum``, lowest first
+    fallback: tuple[str, ...]  # classes the policy would answer with the route's fallback
+    reduced_output: tuple[str, ...]  # classes whose output the policy would cap (ladder step 2)
+    never: tuple[str, ...]  # classes degraded by neither
+
+
+@dataclass(frozen=True, slots=True)
+class EvidenceCheck:
+    """The verdict on the evidence one degradation of one route rests on."""
+
+    degradation: str  # "fallback" | "reduced_output"
+    model: str  # whose evidence: the fallback model, or the route's own (capped)
+    version: str
+    population: str
+    output_cap: int  # 0: the full output
+    status: str  # valid | missing | expired | below_floor
+    score: float | None  # None: missing
+    floor: float
+    owner: str
+    evaluated_at: str  # ISO 8601 (UTC), "" when undated
+    expires_at: str  # ISO 8601 (UTC), "" when it never expires
+    source: str  # seeded | published | "" when missing
+
+
+@dataclass(frozen=True, slots=True)
+class RouteEvidenceAudit:
+    route: str
+    checks: tuple[EvidenceCheck, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TenantAudit:
     name: str
     cells: tuple[str, ...]
@@ -211,6 +261,8 @@ class TenantAudit:
     shares: tuple[Share, ...]
     rules: dict[str, tuple[RuleRef, ...]]  # stage -> rules, in evaluation order
     probes: PolicyProbes
+    risk_class: str  # the tenant's minimum risk class
+    degradable: tuple[RiskDegradation, ...]  # routes with a fallback or a reduced output
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +312,8 @@ class Audit:
     matrix: dict[str, dict[str, str]]
     rules: tuple[PolicyRuleInfo, ...]
     findings: tuple[Finding, ...]
+    evidence_at: str  # the wall-clock time the evidence was judged at (ISO 8601, UTC)
+    evidence: tuple[RouteEvidenceAudit, ...]
 
     def count(self, severity: Severity) -> int:
         return sum(1 for f in self.findings if f.severity is severity)
@@ -349,11 +403,20 @@ def probe_inputs(
     request_class: str,
     cell: str,
     backends: tuple[BackendFacts, ...] = (),
+    risk_class: str | None = None,
+    evidence: RouteEvidence | None = None,
+    reduce_output: bool = False,
+    max_output_tokens: int | None = None,
 ) -> tuple[RequestRecord, PolicyContext]:
     """One benign request of this tenant, as policy would see it: no load, no quota limit, a
     deadline with slack, the fallback assumed warm in the tenant's cell. Capacity rules stay
     quiet, so what decides is entitlement and isolation. The context comes from the builder
-    the gateway uses (``gateway.policy.context``), so probes read the facts serving reads."""
+    the gateway uses (``gateway.policy.context``), so probes read the facts serving reads.
+
+    ``risk_class``: the request's class (None: the tenant's and route's minimum, as the
+    gateway resolves it); ``evidence``: the quality verdicts (None: the declared scores);
+    ``reduce_output``: the request is at ladder step 2 and in the share whose output the pool
+    caps; ``max_output_tokens``: the output it asks for (None: 16, within the tenant's cap)."""
     fallback = served.routes.models.get(route.fallback) if route.fallback else None
     class_config = served.config.classes.get(request_class)
     deadline_ms = class_config.default_deadline_ms if class_config else 1000.0
@@ -367,8 +430,22 @@ def probe_inputs(
             operation="ModelStreamInfer" if route.streaming else "ModelInfer",
             mode=Mode.STREAMING if route.streaming else Mode.ONLINE,
             privacy_cell=cell,
+            risk_class=risk_class
+            if risk_class is not None
+            else resolve_risk_class(
+                served.config.risk_classes,
+                tenant_default=tenant.risk_class,
+                route_default=route.risk_class,
+                requested=None,
+            ),
         ),
-        shape=Shape(items=1, input_tokens=16, max_output_tokens=min(16, tenant.max_output_tokens)),
+        shape=Shape(
+            items=1,
+            input_tokens=16,
+            max_output_tokens=(
+                max_output_tokens if max_output_tokens is not None else min(16, tenant.max_output_tokens)
+            ),
+        ),
         demand=Demand(prefill_ms=0.5, decode_ms=0.5),
         budget=Budget(
             deadline_ms=deadline_ms,
@@ -377,7 +454,7 @@ def probe_inputs(
             reserve_exec_ms=1.0,
             reserve_fail_ms=class_config.reserve_fail_ms if class_config else 0.0,
         ),
-        ladder_step=0,
+        ladder_step=2 if reduce_output else 0,
     )
     context = build_policy_context(
         name,
@@ -386,9 +463,10 @@ def probe_inputs(
         fallback,
         fallback_warm=fallback is not None,  # the audit reports what configuration allows
         fallback_cell=cell if fallback is not None else "",
-        load=LoadFacts(utilization=0.0, drain_ms=0.0),
+        load=LoadFacts(utilization=0.0, drain_ms=0.0, reduce_output=reduce_output),
         quota=None,  # unmetered: quota never decides a probe
         backends=backends,
+        evidence=evidence,
     )
     return record, context
 
@@ -404,6 +482,10 @@ def _probe(
     request_class: str,
     cell: str,
     backends: tuple[BackendFacts, ...] = (),
+    risk_class: str | None = None,
+    evidence: RouteEvidence | None = None,
+    reduce_output: bool = False,
+    max_output_tokens: int | None = None,
 ) -> PolicyResult:
     """Evaluate the served policy for one benign request of this tenant (``probe_inputs``)."""
     record, context = probe_inputs(
@@ -416,6 +498,10 @@ def _probe(
         request_class=request_class,
         cell=cell,
         backends=backends,
+        risk_class=risk_class,
+        evidence=evidence,
+        reduce_output=reduce_output,
+        max_output_tokens=max_output_tokens,
     )
     return served.policy.evaluate(record, context)
 
@@ -428,6 +514,9 @@ def _fallback_policy(
     route: RouteConfig,
     fallback: RouteConfig,
     cell: str,
+    *,
+    evidence: RouteEvidence | None = None,
+    risk_class: str | None = None,
 ) -> tuple[bool, str]:
     """Would the served policy ever answer this tenant with the route's fallback? The gateway
     needs the fallback candidate allowed and eligible (on the primary or on the fallback pass)."""
@@ -445,6 +534,8 @@ def _fallback_policy(
             model_version=route.version,
             request_class=request_class,
             cell=cell,
+            evidence=evidence,
+            risk_class=risk_class,
         )
         candidate = _probe(
             served,
@@ -455,6 +546,8 @@ def _fallback_policy(
             model_version=fallback.version,
             request_class=request_class,
             cell=cell,
+            evidence=evidence,
+            risk_class=risk_class,
         )
         eligible = primary.fallback_eligible or candidate.fallback_eligible
         if eligible and candidate.allowed:
@@ -559,6 +652,206 @@ def _stage_of(policy: PolicySnapshot, rule_id: str) -> str:
         return "built-in"
 
 
+# --------------------------------------------------------------------------- evidence, risk classes
+
+
+def _iso(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return datetime.fromtimestamp(seconds, tz=UTC).isoformat().replace("+00:00", "Z")
+
+
+def route_verdicts(served: Served, now: float) -> dict[str, RouteEvidence]:
+    """The verdicts each route's degradations rest on, judged at wall-clock ``now`` on the
+    route files' seeded evidence (the store ``serve`` starts with; publications come later)."""
+    store = EvidenceStore(served.routes)
+    out: dict[str, RouteEvidence] = {}
+    for name, route in served.routes.models.items():
+        fallback = served.routes.models.get(route.fallback) if route.fallback else None
+        out[name] = store.route_evidence(name, route, fallback, floor=quality_floor(route, fallback), now=now)
+    return out
+
+
+def _check(
+    degradation: str, model: str, version: str, population: str, cap: int, floor: float, v: EvidenceVerdict
+) -> EvidenceCheck:
+    e = v.evidence
+    return EvidenceCheck(
+        degradation=degradation,
+        model=model,
+        version=version,
+        population=population,
+        output_cap=cap,
+        status=str(v.status),
+        score=e.score if e is not None else None,
+        floor=floor,
+        owner=e.owner if e is not None else "",
+        evaluated_at=_iso(e.evaluated_at) if e is not None else "",
+        expires_at=_iso(e.expires_at()) if e is not None else "",
+        source=e.source if e is not None else "",
+    )
+
+
+def _evidence_audit(
+    served: Served, verdicts: Mapping[str, RouteEvidence], findings: _Findings
+) -> tuple[RouteEvidenceAudit, ...]:
+    out: list[RouteEvidenceAudit] = []
+    for name, route in served.routes.models.items():
+        if route.fallback is None and route.reduced_output is None:
+            continue
+        fallback = served.routes.models.get(route.fallback) if route.fallback else None
+        floor = quality_floor(route, fallback)
+        verdict = verdicts[name]
+        checks: list[EvidenceCheck] = []
+        population = ""
+        if route.quality is not None:
+            population = route.quality.population
+        elif fallback is not None and fallback.quality is not None:
+            population = fallback.quality.population
+        if route.fallback is not None:
+            checks.append(
+                _check(
+                    "fallback",
+                    route.fallback,
+                    fallback.version if fallback is not None else "",
+                    population,
+                    0,
+                    floor,
+                    verdict.fallback,
+                )
+            )
+        if route.reduced_output is not None:
+            cap = route.reduced_output.max_output_tokens
+            checks.append(
+                _check("reduced_output", name, route.version, population, cap, floor, verdict.reduced_output)
+            )
+        for check in checks:
+            if check.status == EvidenceStatus.VALID:
+                continue
+            what = _evidence_subject(check)
+            detail = {
+                "missing": "no evaluation on record",
+                "expired": f"expired {check.expires_at}",
+                "below_floor": f"score {check.score} below the floor {check.floor}",
+            }.get(check.status, check.status)
+            findings.add(
+                Severity.WARN,
+                "evidence-disables-degradation",
+                "",
+                f"{name}: {check.degradation} is disabled, its evidence ({what}) is {check.status} "
+                f"({detail}); publish a current evaluation (orchid-gateway evidence publish)",
+            )
+        out.append(RouteEvidenceAudit(name, tuple(checks)))
+    _seeded_evidence_findings(served, findings)
+    return tuple(out)
+
+
+def _evidence_subject(check: EvidenceCheck) -> str:
+    version = f" v{check.version}" if check.version else ""
+    cap = f" capped at {check.output_cap} tokens" if check.output_cap else ""
+    return f"{check.model}{version}{cap} on {check.population or 'no population'}"
+
+
+def _seeded_evidence_findings(served: Served, findings: _Findings) -> None:
+    """Seeded evidence without a date or an owner: nobody answers for it, or nothing ends it."""
+    for name, route in served.routes.models.items():
+        blocks = []
+        if route.quality is not None:
+            blocks.append(("quality", route.quality))
+        if route.reduced_output is not None:
+            blocks.append(("reduced_output.quality", route.reduced_output.quality))
+        for key, quality in blocks:
+            missing = []
+            if quality.evaluated_at is None:
+                missing.append("undated (no evaluated_at)")
+            if not quality.owner:
+                missing.append("has no owner")
+            if not missing:
+                continue
+            never = quality.evaluated_at is None and quality.review_by is None
+            findings.add(
+                Severity.WARN if never else Severity.INFO,
+                "seeded-evidence-undated" if quality.evaluated_at is None else "seeded-evidence-no-owner",
+                "",
+                f"{name}: {key} ({quality.population}, score {quality.score}) is "
+                + " and ".join(missing)
+                + (
+                    "; with no review_by it never expires, so nothing but a publication can fail it"
+                    if never
+                    else ""
+                ),
+            )
+
+
+def _risk_degradation(
+    served: Served,
+    name: str,
+    tenant: TenantConfig,
+    model: str,
+    route: RouteConfig,
+    evidence: RouteEvidence,
+    fallback_reachable: bool,
+) -> RiskDegradation:
+    """Probe the policy once per risk class (at or above the minimum) for each degradation."""
+    declared = served.config.risk_classes
+    minimum = resolve_risk_class(
+        declared, tenant_default=tenant.risk_class, route_default=route.risk_class, requested=None
+    )
+    classes = declared[declared.index(minimum) :]
+    fallback = served.routes.models.get(route.fallback) if route.fallback else None
+    reduced = route.reduced_output
+    by_fallback: list[str] = []
+    by_reduced: list[str] = []
+    for risk_class in classes:
+        if fallback is not None and fallback_reachable:
+            allows, _ = _fallback_policy(
+                served,
+                name,
+                tenant,
+                model,
+                route,
+                fallback,
+                tenant.home_cell,
+                evidence=evidence,
+                risk_class=risk_class,
+            )
+            if allows:
+                by_fallback.append(risk_class)
+        if reduced is not None and tenant.max_output_tokens > reduced.max_output_tokens:
+            asked = reduced.max_output_tokens + 1
+            for request_class in tenant.classes:
+                result = _probe(
+                    served,
+                    name,
+                    tenant,
+                    route,
+                    model=model,
+                    model_version=route.version,
+                    request_class=request_class,
+                    cell=tenant.home_cell,
+                    risk_class=risk_class,
+                    evidence=evidence,
+                    reduce_output=True,
+                    max_output_tokens=asked,
+                )
+                if (
+                    result.allowed
+                    and result.max_output_tokens is not None
+                    and result.max_output_tokens < asked
+                ):
+                    by_reduced.append(risk_class)
+                    break
+    degraded = set(by_fallback) | set(by_reduced)
+    return RiskDegradation(
+        model=model,
+        minimum=minimum,
+        classes=tuple(classes),
+        fallback=tuple(by_fallback),
+        reduced_output=tuple(by_reduced),
+        never=tuple(c for c in classes if c not in degraded),
+    )
+
+
 # --------------------------------------------------------------------------- policy rules
 
 
@@ -653,14 +946,18 @@ def _note(
     entry.via.append(via)
 
 
-def audit_isolation(path: Path) -> Audit:
-    """Load what ``serve`` would serve from ``path`` and audit it; raises ``ConfigError``."""
-    return audit_served(load_served(path))
+def audit_isolation(path: Path, *, now: float | None = None) -> Audit:
+    """Load what ``serve`` would serve from ``path`` and audit it; raises ``ConfigError``.
+    ``now``: the wall-clock time evidence is judged at (None: the current time)."""
+    return audit_served(load_served(path), now=now)
 
 
-def audit_served(served: Served) -> Audit:
+def audit_served(served: Served, *, now: float | None = None) -> Audit:
     config, tenants = served.config, served.tenants
     findings = _Findings()
+    evidence_at = clock.wall() if now is None else now
+    verdicts = route_verdicts(served, evidence_at)
+    degradable: dict[str, list[RiskDegradation]] = {}
     backends = served_backends(config)
     by_name = {b.name: b for b in backends}
     view = _routing_view(backends)
@@ -735,7 +1032,9 @@ def audit_served(served: Served) -> Audit:
                 route.fallback is not None
                 and served.routes.models[route.fallback].for_tenant(route.fallback, tenant) is not None
             ):
-                fallback_path = _fallback_path(served, view, by_name, name, tenant, model, route, hops)
+                fallback_path = _fallback_path(
+                    served, view, by_name, name, tenant, model, route, hops, verdicts[model]
+                )
                 for hop in fallback_path.hops:
                     reachable = fallback_path.policy_allows or fallback_path.config_allows
                     if not reachable:
@@ -751,6 +1050,18 @@ def audit_served(served: Served) -> Audit:
                         via=f"fallback of {model}" + ("" if active else " (latent)"),
                     )
                 _fallback_findings(findings, name, tenant, model, fallback_path)
+            if route.reduced_output is not None or fallback_path is not None:
+                degradable.setdefault(name, []).append(
+                    _risk_degradation(
+                        served,
+                        name,
+                        tenant,
+                        model,
+                        route,
+                        verdicts[model],
+                        fallback_reachable=fallback_path is not None and bool(fallback_path.hops),
+                    )
+                )
             model_reaches.append(
                 ModelReach(
                     model, own_backend_model, route.version, route.streaming, tuple(hops), fallback_path
@@ -824,6 +1135,7 @@ def audit_served(served: Served) -> Audit:
     matrix, shares = _matrix(tenant_names, instances, tenant_backends)
     _sharing_findings(findings, tenants, shares)
     _credential_findings(findings, served)
+    evidence = _evidence_audit(served, verdicts, findings)
 
     tenant_audits = tuple(
         TenantAudit(
@@ -841,6 +1153,8 @@ def audit_served(served: Served) -> Audit:
             shares=shares[name],
             rules=_tenant_rules(rule_info, name),
             probes=probes[name],
+            risk_class=tenant.risk_class,
+            degradable=tuple(degradable.get(name, ())),
         )
         for name, tenant in tenants.tenants.items()
     )
@@ -858,6 +1172,8 @@ def audit_served(served: Served) -> Audit:
         matrix=matrix,
         rules=rule_info,
         findings=findings.sorted(),
+        evidence_at=_iso(evidence_at),
+        evidence=evidence,
     )
 
 
@@ -875,6 +1191,7 @@ def _fallback_path(
     model: str,
     route: RouteConfig,
     hops: Sequence[Hop],
+    evidence: RouteEvidence,
 ) -> FallbackPath:
     """The route's fallback as this tenant can meet it: the gateway looks for it only in the cell
     the primary was bound in (``_warm_fallback`` -> ``bind_pool`` -> ``candidate_backends``)."""
@@ -890,7 +1207,9 @@ def _fallback_path(
     outside = tuple(n for n in (fallback.backends or tuple(view.backends)) if n in by_name and n not in used)
     classes = tuple(c for c in tenant.classes if c in route.fallback_classes)
     config_allows = tenant.allow_fallback and bool(classes)
-    policy_allows, reason = _fallback_policy(served, name, tenant, model, route, fallback, tenant.home_cell)
+    policy_allows, reason = _fallback_policy(
+        served, name, tenant, model, route, fallback, tenant.home_cell, evidence=evidence
+    )
     if not fb_hops:
         status = "never: no backend in the request's cell serves it (the gateway never crosses cells)"
     elif policy_allows:
@@ -1141,6 +1460,20 @@ def _shown(path: str) -> str:
         return path
 
 
+def _describe_check(check: EvidenceCheck) -> str:
+    text = f"{_evidence_subject(check)}: {check.status}"
+    if check.score is None:
+        return text + f" (floor {check.floor})"
+    facts = [
+        f"score {check.score}, floor {check.floor}",
+        check.source,
+        f"evaluated {check.evaluated_at}" if check.evaluated_at else "undated",
+        f"owner {check.owner}" if check.owner else "no owner",
+        f"expires {check.expires_at}" if check.expires_at else "never expires",
+    ]
+    return text + f" ({'; '.join(facts)})"
+
+
 def render_text(audit: Audit) -> str:
     lines = [
         "orchid-gateway isolation audit",
@@ -1156,7 +1489,15 @@ def render_text(audit: Audit) -> str:
             ("name", "cell", "device_group", "from"),
             [(b.name, b.cell, b.device_group, b.source) for b in audit.backends],
         ),
+        "",
+        f"Quality evidence (the route files' seeded evidence, judged at {audit.evidence_at})",
     ]
+    if not audit.evidence:
+        lines.append("  no route has a fallback or a reduced output")
+    for route_evidence in audit.evidence:
+        lines.append(f"  {route_evidence.route}")
+        for check in route_evidence.checks:
+            lines += _wrap(f"    {check.degradation:<15} ", _describe_check(check), 20)
     for tenant in audit.tenants:
         flags = [
             f"dedicated: {_yes(tenant.dedicated)}",
@@ -1206,6 +1547,15 @@ def render_text(audit: Audit) -> str:
                 for r in refs
             )
             lines += _wrap(f"    {stage:<10} ", ids, 15)
+        if tenant.degradable:
+            lines.append(f"  risk classes degraded (minimum {tenant.risk_class}; probed per class)")
+            for deg in tenant.degradable:
+                parts = [
+                    f"fallback: {', '.join(deg.fallback) or 'none'}",
+                    f"reduced output: {', '.join(deg.reduced_output) or 'none'}",
+                    f"never: {', '.join(deg.never) or 'none'}",
+                ]
+                lines += _wrap(f"    {deg.model}  ", "; ".join(parts), 6)
         lines.append("  probes")
         lines += _wrap("    cell entitlement  ", tenant.probes.cell_entitlement, 22)
         lines += _wrap("    backend cell      ", tenant.probes.backend_cell, 22)

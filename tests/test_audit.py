@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,8 @@ def test_example_findings_and_rules() -> None:
     assert audit.exit_code == 0
     assert _codes(audit, Severity.SEVERE) == set()
     # The dedicated tenant's own instances sit on the shared Triton server: said, not severe.
-    assert _codes(audit, Severity.WARN) == {"dedicated-shares-backend"}
+    # ... and the shipped route files seed undated, ownerless evidence that never expires.
+    assert _codes(audit, Severity.WARN) == {"dedicated-shares-backend", "seeded-evidence-undated"}
     assert _codes(audit, Severity.INFO) == {"admin-tenant", "demo-keys", "fallback-policy-gated"}
     admin = next(f for f in audit.findings if f.code == "admin-tenant")
     assert "ops" in admin.message and "orchid" not in admin.message
@@ -120,7 +122,7 @@ def test_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(["audit", "isolation", "--config", str(EXAMPLE_CONFIG), "--json"], capsys)
     assert code == 0
     data = json.loads(out)
-    assert data["summary"] == {"severe": 0, "warn": 3, "info": 3, "exit_code": 0}
+    assert data["summary"] == {"severe": 0, "warn": 6, "info": 3, "exit_code": 0}
     assert data["matrix"]["lumen"] == {"orchid": "instance", "kestrel": "backend", "ops": "instance"}
     assert [t["name"] for t in data["tenants"]] == ["orchid", "lumen", "kestrel", "ops"]
 
@@ -287,7 +289,11 @@ def test_tenant_cell_without_backend_is_a_warning(tmp_path: Path, capsys: pytest
 
     path = _copy_example(tmp_path, tenants=second_cell)
     audit = audit_isolation(path)
-    warnings = [(f.code, f.tenant) for f in audit.findings if f.severity is Severity.WARN]
+    warnings = [
+        (f.code, f.tenant)
+        for f in audit.findings
+        if f.severity is Severity.WARN and f.code != "seeded-evidence-undated"
+    ]
     assert warnings == [("cell-without-backend", "lumen")]
     code, out, _ = _run(["audit", "isolation", "--config", str(path)], capsys)
     assert code == 0 and "WARN   cell-without-backend  lumen" in out
@@ -424,3 +430,142 @@ def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["audit", "isolation"])
     assert exit_info.value.code == 2
     assert "--config" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- evidence and risk classes
+
+
+def _dated(**quality: Any) -> Edit:
+    """Route edit: date and own every seeded evidence block, then apply ``quality`` to compact-v11's."""
+
+    def edit(data: dict[str, Any]) -> None:
+        models = data["models"]
+        blocks = [models["full-v18"]["quality"], models["full-v18"]["reduced_output"]["quality"]]
+        blocks.append(models["compact-v11"]["quality"])
+        for block in blocks:
+            block.update(owner="eval-team", evaluated_at="2026-06-01", max_age_days=3650)
+        models["compact-v11"]["quality"].update(quality)
+
+    return edit
+
+
+def test_example_evidence_section(capsys: pytest.CaptureFixture[str]) -> None:
+    audit = audit_isolation(EXAMPLE_CONFIG)
+    assert [r.route for r in audit.evidence] == ["full-v18"]
+    checks = {c.degradation: c for c in audit.evidence[0].checks}
+    fallback, reduced = checks["fallback"], checks["reduced_output"]
+    assert (fallback.model, fallback.status, fallback.score, fallback.floor) == (
+        "compact-v11",
+        "valid",
+        0.86,
+        0.84,
+    )
+    assert (reduced.model, reduced.output_cap, reduced.status, reduced.score) == (
+        "full-v18",
+        32,
+        "valid",
+        0.89,
+    )
+    assert (fallback.source, fallback.evaluated_at, fallback.expires_at, fallback.owner) == (
+        "seeded",
+        "",
+        "",
+        "",
+    )
+    undated = [f.message for f in audit.findings if f.code == "seeded-evidence-undated"]
+    assert len(undated) == 3 and all("never expires" in m for m in undated)
+    code, out, _ = _run(["audit", "isolation", "--config", str(EXAMPLE_CONFIG)], capsys)
+    assert code == 0
+    assert "Quality evidence (the route files' seeded evidence, judged at " in out
+    assert "fallback        compact-v11 v1 on orchid-text-eval-2026q3: valid (score 0.86" in out
+
+
+def test_dated_owned_evidence_has_no_finding(tmp_path: Path) -> None:
+    audit = audit_isolation(_copy_example(tmp_path, routes=_dated()))
+    assert not {
+        "seeded-evidence-undated",
+        "seeded-evidence-no-owner",
+        "evidence-disables-degradation",
+    } & _codes(audit)
+    check = next(c for c in audit.evidence[0].checks if c.degradation == "fallback")
+    assert (check.owner, check.evaluated_at) == ("eval-team", "2026-06-01T00:00:00Z")
+    assert check.expires_at.startswith("2036-")
+
+
+def test_ownerless_dated_evidence_is_info(tmp_path: Path) -> None:
+    audit = audit_isolation(_copy_example(tmp_path, routes=_dated(owner="")))
+    found = [(f.severity, f.code) for f in audit.findings if f.code.startswith("seeded-evidence")]
+    assert found == [(Severity.INFO, "seeded-evidence-no-owner")]
+
+
+def test_expired_evidence_closes_the_fallback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _copy_example(tmp_path, routes=_dated(evaluated_at="2025-01-01", max_age_days=30))
+    audit = audit_isolation(config, now=datetime(2026, 6, 2, tzinfo=UTC).timestamp())
+    check = next(c for c in audit.evidence[0].checks if c.degradation == "fallback")
+    assert (check.status, check.expires_at) == ("expired", "2025-01-31T00:00:00Z")
+    disabled = [f for f in audit.findings if f.code == "evidence-disables-degradation"]
+    assert [(f.severity, f.message.split(",")[0]) for f in disabled] == [
+        (Severity.WARN, "full-v18: fallback is disabled")
+    ]
+    orchid = _tenant(audit, "orchid")
+    path = orchid.reach[0].fallback
+    assert path is not None and not path.policy_allows
+    assert "fallback-evidence-expired" in path.policy_reason
+    degradation = orchid.degradable[0]
+    assert degradation.fallback == () and degradation.reduced_output == ("standard",)
+    # The same files, judged before the evidence expired: the fallback is open again.
+    fresh = audit_isolation(config, now=datetime(2025, 1, 15, tzinfo=UTC).timestamp())
+    assert _tenant(fresh, "orchid").degradable[0].fallback == ("standard",)
+    code, out, _ = _run(["audit", "isolation", "--config", str(config), "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["evidence"][0]["checks"][0]["status"] == "expired"
+
+
+def test_below_floor_reduced_output_evidence(tmp_path: Path) -> None:
+    def edit(data: dict[str, Any]) -> None:
+        _dated()(data)
+        data["models"]["full-v18"]["reduced_output"]["quality"]["score"] = 0.5
+
+    audit = audit_isolation(_copy_example(tmp_path, routes=edit))
+    check = next(c for c in audit.evidence[0].checks if c.degradation == "reduced_output")
+    assert (check.status, check.score) == ("below_floor", 0.5)
+    assert any(
+        f.code == "evidence-disables-degradation" and "reduced_output is disabled" in f.message
+        for f in audit.findings
+    )
+    assert _tenant(audit, "orchid").degradable[0].reduced_output == ()
+    assert _tenant(audit, "orchid").degradable[0].fallback == ("standard",)
+
+
+def test_risk_classes_degraded_on_the_example(capsys: pytest.CaptureFixture[str]) -> None:
+    audit = audit_isolation(EXAMPLE_CONFIG)
+    orchid = _tenant(audit, "orchid")
+    assert [d.model for d in orchid.degradable] == ["full-v18"]
+    full = orchid.degradable[0]
+    assert full.classes == ("standard", "out_of_distribution", "regulated", "safety_critical")
+    assert full.fallback == ("standard",) and full.reduced_output == ("standard",)
+    assert full.never == ("out_of_distribution", "regulated", "safety_critical")
+    # lumen may not call compact-v11: the policy never answers it with the fallback.
+    assert _tenant(audit, "lumen").degradable[0].fallback == ()
+    code, out, _ = _run(["audit", "isolation", "--config", str(EXAMPLE_CONFIG)], capsys)
+    assert code == 0
+    assert "full-v18  fallback: standard; reduced output: standard; never: out_of_distribution," in out
+    _, out, _ = _run(["audit", "isolation", "--config", str(EXAMPLE_CONFIG), "--json"], capsys)
+    tenant = json.loads(out)["tenants"][0]
+    assert tenant["degradable"][0]["never"] == ["out_of_distribution", "regulated", "safety_critical"]
+
+
+def test_risk_class_minimum_and_a_policy_without_the_veto(tmp_path: Path) -> None:
+    def tenants(data: dict[str, Any]) -> None:
+        data["tenants"]["orchid"]["risk_class"] = "out_of_distribution"
+
+    def policy(data: dict[str, Any]) -> None:
+        data["rules"] = [r for r in data["rules"] if r["id"] != "fallback-prohibited-risk"]
+
+    audit = audit_isolation(_copy_example(tmp_path, tenants=tenants, policies={"40-fallback.yaml": policy}))
+    full = _tenant(audit, "orchid").degradable[0]
+    assert full.minimum == "out_of_distribution"
+    assert full.classes == ("out_of_distribution", "regulated", "safety_critical")
+    # Without the veto every class can get the fallback; the reduced-output rule still excludes them.
+    assert full.fallback == full.classes and full.reduced_output == ()
