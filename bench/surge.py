@@ -631,7 +631,7 @@ class GatewayProcess:
         env = dict(os.environ)
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
-        args = [sys.executable, "-m", "gateway", "serve", "--config", str(self.config_path)]
+        args = [sys.executable, "-m", "orchid_tools", "serve", "--config", str(self.config_path)]
         args += ["--listen", self.listen, "--log-level", "WARNING"]
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
