@@ -110,6 +110,21 @@ def gateway(triton: LocalTriton) -> Iterator[ThreadedGateway]:
         running.stop()
 
 
+@pytest.fixture(scope="module")
+def pinned(triton: LocalTriton) -> Iterator[ThreadedGateway]:
+    """A gateway of the module's own whose ladder the test sets by hand: the background
+    update is disabled, so a step set with ``test_ladder_effects.pin`` stays put."""
+    running = ThreadedGateway(gateway_config(triton.address))
+    running.start()
+    gw = running.server.gateway
+    assert gw is not None
+    gw.update_ladders = lambda now: None  # type: ignore[method-assign]  # the test pins the step
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
 def ladder_steps(running: ThreadedGateway) -> dict[str, int]:
     gw = running.server.gateway
     assert gw is not None

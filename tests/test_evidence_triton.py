@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -17,27 +16,13 @@ import pytest
 from prometheus_client import REGISTRY
 from tritonclient.grpc import service_pb2_grpc
 
-from gateway.backends.local import LocalTriton
 from orchid_tools import cli
 from orchid_tools.evidence import list_evidence, publish_evidence
-from tests.conftest import OPS_KEY, ORCHID_KEY, ThreadedGateway, gateway_config
+from tests.conftest import OPS_KEY, ORCHID_KEY, ThreadedGateway
 from tests.test_ladder_effects import AUTH, outcomes, pin, request
 
 DAY = 86400.0
 POPULATION = "orchid-text-eval-2026q3"
-
-
-@pytest.fixture(scope="module")
-def pinned(triton: LocalTriton) -> Iterator[ThreadedGateway]:
-    running = ThreadedGateway(gateway_config(triton.address))
-    running.start()
-    gw = running.server.gateway
-    assert gw is not None
-    gw.update_ladders = lambda now: None  # type: ignore[method-assign]  # the test pins the step
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 def publish(running: ThreadedGateway, **fields: Any) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -20,24 +19,11 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from gateway.backends.local import LocalTriton
 from gateway.core.overload import FlowDemand, LadderState, LadderStep, LoadEvidence, plan_flows
-from tests.conftest import ORCHID_KEY, TIME_FACTOR, ThreadedGateway, gateway_config
+from tests.conftest import ORCHID_KEY, TIME_FACTOR, ThreadedGateway
 
 AUTH = (("authorization", f"Bearer {ORCHID_KEY}"),)
 POOL = "local/full-v18"
 PROTECTED = 2800.0  # 4 instances x 0.70 x 1000 ms/s
-
-
-@pytest.fixture(scope="module")
-def pinned(triton: LocalTriton) -> Iterator[ThreadedGateway]:
-    running = ThreadedGateway(gateway_config(triton.address))
-    running.start()
-    gw = running.server.gateway
-    assert gw is not None
-    gw.update_ladders = lambda now: None  # type: ignore[method-assign]  # the test pins the step
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 def request(n: int = 64, **params: Any) -> service_pb2.ModelInferRequest:

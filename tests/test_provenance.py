@@ -20,9 +20,7 @@ from gateway.core.errors import Unavailable
 from gateway.core.record import Approximation, Decision, Verdict
 from gateway.messages import approximation, stream_error
 from tests.conftest import ORCHID_KEY, ThreadedGateway, bearer
-from tests.test_ladder_effects import pin, pinned, request
-
-__all__ = ["pinned"]  # the ladder tests' gateway with a pinned ladder, used here too
+from tests.test_ladder_effects import pin, request
 
 AUTH = (("authorization", f"Bearer {ORCHID_KEY}"),)
 TENANT_CAP = 512  # orchid's max_output_tokens (examples/orchid/tenants.yaml): rule output-cap

@@ -10,7 +10,6 @@ request gets the reduced output, a ``regulated`` one never does."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -73,19 +72,6 @@ def test_config_rejects_an_undeclared_class_and_duplicates(triton: LocalTriton) 
     config = gateway_config(triton.address)
     with pytest.raises(ValueError, match="risk_classes must be unique"):
         GatewayConfig.model_validate({**config.model_dump(), "risk_classes": ["standard", "standard"]})
-
-
-@pytest.fixture(scope="module")
-def pinned(triton: LocalTriton) -> Iterator[ThreadedGateway]:
-    running = ThreadedGateway(gateway_config(triton.address))
-    running.start()
-    gw = running.server.gateway
-    assert gw is not None
-    gw.update_ladders = lambda now: None  # type: ignore[method-assign]  # the test pins the step
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 def test_a_prohibited_class_is_never_degraded_with_the_ladder_pinned(pinned: ThreadedGateway) -> None:
