@@ -3,7 +3,8 @@
 Nothing here does I/O or reads a clock: every decision takes ``now`` as an
 argument, so the same code runs the live gateway (``gateway.pipeline`` drives
 it on the event loop's clock) and the simulator (``orchid_tools.simulate``
-drives it in virtual time). CI enforces it (``.importlinter``): no module under
+drives it in virtual time). CI enforces it (``[tool.importlinter]`` in pyproject.toml,
+run by ``lint-imports`` in scripts/test.sh): no module under
 ``gateway.core`` imports asyncio, grpc, time or the runtime around it.
 
     record     the resource-and-outcome record (identity, shape, demand, budget, outcome)
@@ -20,4 +21,5 @@ drives it in virtual time). CI enforces it (``.importlinter``): no module under
     errors     the domain error tree (statuses by name; the edge maps them)
     entitlement which models a tenant may call (the one answer auth and policy share)
     evidence   quality evidence and the verdict: may a route degrade on it now
+    risk       a request's risk class: the tenant's and route's minimum, raised never lowered
 """
