@@ -53,3 +53,12 @@ def virtual_time(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], 
 def now() -> float:
     """The running loop's (virtual) time."""
     return asyncio.get_running_loop().time()
+
+
+async def run_ready() -> None:
+    """Let every task that is ready now run until it next waits, then come back; no time
+    passes (a test's way to let a task it just created reach its first ``await``)."""
+    loop = asyncio.get_running_loop()
+    turn: asyncio.Future[None] = loop.create_future()
+    loop.call_soon(turn.set_result, None)
+    await turn

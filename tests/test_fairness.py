@@ -100,6 +100,19 @@ def test_a_large_job_is_not_starved_by_another_tenants_flood(contended: Threaded
     """One large batch job from orchid while lumen floods the same pool with short requests:
     the job's flow gets its turn (virtual-time fairness), well before its deadline."""
 
+    def queued(tenant: str) -> int:
+        gw = contended.server.gateway
+        assert gw is not None
+        return sum(q.queued_for(tenant) for q in gw._queues.values())
+
+    async def backlog_of(tenant: str, within_s: float = 30.0) -> None:
+        """Wait until ``tenant`` has requests waiting in the gateway's queue (polled)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while not contended.call_soon(lambda: queued(tenant)):
+            assert loop.time() < deadline, f"{tenant} never built a backlog"
+            await asyncio.sleep(0.01)  # poll interval of a condition wait, not a fixed delay
+
     async def scenario() -> tuple[float, int]:
         stop = asyncio.Event()
         flood_done = 0
@@ -121,7 +134,7 @@ def test_a_large_job_is_not_starved_by_another_tenants_flood(contended: Threaded
 
         async with aioclient.InferenceServerClient(contended.address) as client:
             flooders = [asyncio.ensure_future(flood(client)) for _ in range(16)]
-            await asyncio.sleep(0.5)  # the pool is saturated and lumen has a backlog
+            await backlog_of("lumen")  # the pool is saturated and lumen has a backlog
             started = asyncio.get_running_loop().time()
             await client.infer(
                 "full-v18",

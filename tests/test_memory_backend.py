@@ -15,7 +15,7 @@ from gateway.backends.triton import spec_from
 from gateway.config import load_routes
 from gateway.core.errors import DeadlineExpired, InvalidArgument, Unavailable
 from gateway.core.profile import DemandProfile
-from orchid_tools.virtual_time import now, virtual_time
+from orchid_tools.virtual_time import now, run_ready, virtual_time
 from tests.conftest import ROOT
 
 ROUTES = load_routes(ROOT / "routes")
@@ -97,7 +97,7 @@ async def test_waiting_requests_are_batched_and_padded_to_the_longest() -> None:
 async def test_a_batch_never_exceeds_max_batch_size() -> None:
     backend = MemoryBackend("a", [full(max_batch_size=2)])
     holder = asyncio.create_task(timed(backend, request(256, 64)))
-    await asyncio.sleep(0)
+    await run_ready()
     waiting = [asyncio.create_task(timed(backend, request(256, 64))) for _ in range(3)]
     await holder
     done = await asyncio.gather(*waiting)
@@ -118,7 +118,7 @@ async def test_shared_devices_make_models_take_turns() -> None:
     compact = MemoryModel("compact-v11", COMPACT, instances=1)
     backend = MemoryBackend("a", [full(), compact], devices=1)
     primary = asyncio.create_task(timed(backend, request(256, 64)))
-    await asyncio.sleep(0)
+    await run_ready()
     fallback = asyncio.create_task(timed(backend, request(256, 64, model="compact-v11")))
     assert await primary == pytest.approx(56.8)
     assert await fallback == pytest.approx(56.8 + 32.0)  # its instance was free, the device was not
@@ -138,7 +138,7 @@ async def test_a_cancelled_request_stops_decoding_and_frees_its_device_early() -
     )
     await asyncio.sleep(0.040)  # prefill (30 ms) done, decoding
     queued = asyncio.create_task(timed(backend, request(256, 64, request_id="next")))
-    await asyncio.sleep(0)
+    await run_ready()
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running
@@ -163,7 +163,7 @@ async def test_a_request_cancelled_while_queued_never_runs() -> None:
     executions: list[Execution] = []
     backend = MemoryBackend("a", [full()], on_execution=executions.append)
     holder = asyncio.create_task(timed(backend, request(256, 64, request_id="holder")))
-    await asyncio.sleep(0)
+    await run_ready()
     waiting = asyncio.create_task(backend.infer(request(256, 64, request_id="w"), timeout_s=1, logical="m"))
     await asyncio.sleep(0.01)
     waiting.cancel()

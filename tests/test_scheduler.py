@@ -11,7 +11,7 @@ from gateway.core.dispatch import Slot as CoreSlot
 from gateway.core.dispatch import Waiter
 from gateway.core.errors import DeadlineExpired, ResourceExhausted
 from gateway.scheduler import DeviceSet, DispatchQueue, Slot
-from orchid_tools.virtual_time import now, virtual_time
+from orchid_tools.virtual_time import now, run_ready, virtual_time
 
 
 @virtual_time
@@ -27,7 +27,7 @@ async def test_waiters_are_served_least_slack_first() -> None:
         slot.release()
 
     tasks = [asyncio.create_task(wait(n, d)) for n, d in (("late", 9), ("early", 2), ("mid", 5))]
-    await asyncio.sleep(0)
+    await run_ready()
     assert queue.queued == 3
     assert queue.predicted_wait_ms(now()) > 0
     holder.release()
@@ -42,7 +42,7 @@ async def test_queue_is_bounded() -> None:
     t0 = now()
     held = await queue.acquire(latest_start=t0 + 5, cost_ms=1)
     waiting = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=1))
-    await asyncio.sleep(0)
+    await run_ready()
     with pytest.raises(ResourceExhausted) as full:
         await queue.acquire(latest_start=t0 + 5, cost_ms=1)
     assert full.value.rule == "queue.full"
@@ -72,9 +72,9 @@ async def test_cancelled_waiter_is_removed_and_slot_passes_on() -> None:
     held = await queue.acquire(latest_start=t0 + 5, cost_ms=1)
     cancelled = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=1))
     patient = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=1))
-    await asyncio.sleep(0)
+    await run_ready()
     cancelled.cancel()
-    await asyncio.sleep(0)
+    await run_ready()
     held.release()
     slot = await asyncio.wait_for(patient, 1)
     assert queue.queued == 0
@@ -116,7 +116,7 @@ async def test_tenants_share_a_pool_by_weight_not_by_request_size() -> None:
     # "big" sends requests 4x the size of "small"'s; weights are 2 : 1.
     tasks: list[asyncio.Task[object]] = [asyncio.create_task(one("big", 2.0, 40.0)) for _ in range(60)]
     tasks += [asyncio.create_task(one("small", 1.0, 10.0)) for _ in range(200)]
-    await asyncio.sleep(0)
+    await run_ready()
     holder.release()
     order = await _drain(queue, tasks, 120)
     granted = {t: queue.granted_ms.get(("interactive", t), 0.0) for t in ("big", "small")}
@@ -146,7 +146,7 @@ async def test_large_job_is_not_starved_by_a_stream_of_small_ones() -> None:
     # The large job has the latest start and 20x the cost; the other tenant floods.
     tasks: list[asyncio.Task[object]] = [asyncio.create_task(one("flood", 5.0, 1.0)) for _ in range(300)]
     tasks.append(asyncio.create_task(one("large", 100.0, 59.0)))
-    await asyncio.sleep(0)
+    await run_ready()
     holder.release()
     order = await _drain(queue, tasks, 40)
     assert "large" in order  # served within 40 turns, not after all 300 small ones
@@ -182,7 +182,7 @@ async def test_work_is_bound_ahead_only_when_it_starts_in_time() -> None:
     t0 = now()
     longs = [await queue.acquire(latest_start=t0 + 60, cost_ms=10_000) for _ in range(2)]
     short = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=10))
-    await asyncio.sleep(0)
+    await run_ready()
     assert not short.done(), "bound behind 10 s of work although its latest start is 5 s away"
     assert (queue.inflight, queue.queued) == (2, 1) and queue.held_back >= 1
     longs[0].release()  # a device frees: the short one starts on it at once
@@ -219,7 +219,7 @@ async def test_one_request_at_a_time_waits_in_the_backends_queue() -> None:
     running = await queue.acquire(latest_start=t0 + 60, cost_ms=20)
     bound_ahead = await queue.acquire(latest_start=t0 + 60, cost_ms=200)
     third = asyncio.create_task(queue.acquire(latest_start=t0 + 60, cost_ms=20))
-    await asyncio.sleep(0)
+    await run_ready()
     assert not third.done(), "bound into the backend's queue beside unstarted work"
     running.release()  # the bound-ahead request starts on the device; the third may queue behind it
     slot = await asyncio.wait_for(third, 1)
@@ -234,7 +234,7 @@ async def test_predicted_wait_counts_earlier_latest_starts_only() -> None:
     t0 = now()
     holder = await queue.acquire(latest_start=t0 + 60, cost_ms=100)
     late = asyncio.create_task(queue.acquire(latest_start=t0 + 30, cost_ms=500))
-    await asyncio.sleep(0)
+    await run_ready()
     t = now()
     assert queue.predicted_wait_ms(t, latest_start=t0 + 1) < 150  # goes before the 500 ms
     assert queue.predicted_wait_ms(t, latest_start=t0 + 40) > 500
@@ -254,7 +254,7 @@ async def test_pools_on_shared_devices_see_each_others_work() -> None:
     running = await primary.acquire(latest_start=t0 + 60, cost_ms=5_000)
     assert fallback.predicted_wait_ms(now()) > 4_000
     waiting = asyncio.create_task(fallback.acquire(latest_start=t0 + 2, cost_ms=10))
-    await asyncio.sleep(0)
+    await run_ready()
     assert not waiting.done(), "bound onto a device the other pool holds for 5 s"
     running.release()
     slot = await asyncio.wait_for(waiting, 1)
@@ -274,7 +274,7 @@ async def test_a_freed_shared_device_goes_to_the_most_urgent_pool() -> None:
     running = await primary.acquire(latest_start=t0 + 60, cost_ms=5_000)
     relaxed = asyncio.create_task(primary.acquire(latest_start=t0 + 30, cost_ms=10))
     urgent = asyncio.create_task(fallback.acquire(latest_start=t0 + 2, cost_ms=10))
-    await asyncio.sleep(0)
+    await run_ready()
     t = now()
     with_urgent = primary.predicted_wait_ms(t, latest_start=t0 + 10)
     bound_only = primary.predicted_wait_ms(t, latest_start=t0 + 1)
@@ -307,7 +307,7 @@ async def test_a_long_request_goes_before_short_ones_that_can_still_wait() -> No
     # Deadline 0.5 s, 0.4 s of work: latest start 0.1 s. Shorts: deadline 0.2 s, 10 ms of work.
     tasks = [asyncio.create_task(wait("long", 0.5, 400.0))]
     tasks += [asyncio.create_task(wait(f"short{i}", 0.2, 10.0)) for i in range(3)]
-    await asyncio.sleep(0)
+    await run_ready()
     holder.release()
     await asyncio.gather(*tasks)
     assert order[0] == "long"
@@ -362,10 +362,10 @@ async def test_a_full_queue_makes_room_by_refusing_the_flooders_least_urgent_wai
         asyncio.create_task(queue.acquire(latest_start=t0 + 5 + i, cost_ms=10, tenant="lumen"))
         for i in range(3)
     ]
-    await asyncio.sleep(0)
+    await run_ready()
     assert queue.queued == 3
     mine = asyncio.create_task(queue.acquire(latest_start=t0 + 6, cost_ms=10, tenant="orchid", weight=2))
-    await asyncio.sleep(0)
+    await run_ready()
     assert queue.queued == 3 and queue.pushed_out == 1
     with pytest.raises(ResourceExhausted) as pushed:
         await flood[2]  # the flooder's latest latest-start
@@ -425,5 +425,6 @@ def test_core_full_queue_refuses_the_flooders_least_urgent_waiter() -> None:
     assert queue.device_set.take_changes() == [late]
     assert late.refused is not None and late.refused.rule == "queue.full"
     assert early.refused is None and queue.pushed_out == 1
+    assert (queue.queued_for("lumen"), queue.queued_for("orchid")) == (1, 1)
     with pytest.raises(ResourceExhausted):  # lumen now holds no more than orchid: plain full
         queue.request(0.0, latest_start=7.0, cost_ms=10, tenant="lumen")
