@@ -34,6 +34,7 @@ from orchid_tools.demo import WorkloadResult, WorkloadSettings, build_scenarios,
 from tests.conftest import OPS_KEY, ORCHID_KEY, TIME_FACTOR, ThreadedGateway, gateway_config
 
 webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -162,6 +163,13 @@ def test_status_page_shows_live_values(stack: ThreadedGateway, browser: WebDrive
     assert outcome and outcome[0].offered > 0
 
     def shown(css: str) -> str:
+        """The element's text; the page re-renders on every poll, so an element found may be
+        replaced before it is read: find it again then (a few times)."""
+        for _ in range(20):
+            try:
+                return str(browser.find_element(By.CSS_SELECTOR, css).text)
+            except StaleElementReferenceException:
+                continue
         return str(browser.find_element(By.CSS_SELECTOR, css).text)
 
     def agrees(_: WebDriver) -> bool:
@@ -177,7 +185,7 @@ def test_status_page_shows_live_values(stack: ThreadedGateway, browser: WebDrive
             <= 0.051
         )
 
-    WebDriverWait(browser, WAIT_S).until(agrees)
+    WebDriverWait(browser, WAIT_S, ignored_exceptions=(StaleElementReferenceException,)).until(agrees)
     metrics = scrape(stack)
     assert int(shown(f'[data-pool="{POOL}"] .step')) >= 2
     assert float(shown(f'[data-pool="{POOL}"] .offered')) > 0
@@ -195,7 +203,9 @@ def test_status_page_shows_live_values(stack: ThreadedGateway, browser: WebDrive
     screenshot.parent.mkdir(parents=True, exist_ok=True)
     height = int(browser.execute_script("return document.documentElement.scrollHeight"))
     browser.set_window_size(1400, min(max(height, 1000), 4000))
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.ID, "board").is_displayed())
+    WebDriverWait(browser, WAIT_S, ignored_exceptions=(StaleElementReferenceException,)).until(
+        lambda d: d.find_element(By.ID, "board").is_displayed()
+    )
     assert browser.save_screenshot(str(screenshot))
     assert screenshot.stat().st_size > 10_000
 
