@@ -1,13 +1,15 @@
 """Waiting for a dispatch slot on the event loop: the driver of ``gateway.core.dispatch``.
 
 The core's ``DispatchQueue`` decides who gets a device and when; this module does the
-waiting. ``DispatchQueue.acquire`` asks the core for a slot at ``clock.now()``; when it
-must wait, it parks an asyncio future on the core's ``Waiter`` and sleeps until the core
-grants it a slot or refuses it, or until its latest start passes (then it withdraws the
-waiter and raises the core's ``refusal``: DEADLINE_EXCEEDED, rule ``queue.latest_start``, or
-for work held for live memory RESOURCE_EXHAUSTED, rule ``memory.live_tokens``). After every
-call into the core it resolves the futures of the waiters the core changed. Releasing a slot is a
-call into the core at ``clock.now()`` too. Live this is the monotonic clock; in the
+waiting. ``DispatchQueue.submit`` asks the core for a slot at ``clock.now()``, at once
+(synchronously: the request is in the queue when it returns), and returns a future: already
+resolved when a slot was free; otherwise parked on the core's ``Waiter`` and resolved when
+the core grants it a slot or refuses it, or by a timer at its latest start with the core's
+``refusal`` (DEADLINE_EXCEEDED, rule ``queue.latest_start``, or for work held for live memory
+RESOURCE_EXHAUSTED, rule ``memory.live_tokens``). A future that ends without a slot
+(refused, late, cancelled by its caller) withdraws its waiter. ``acquire`` is submit-and-await.
+After every call into the core the driver resolves the futures of the waiters it changed.
+Releasing a slot is a call into the core at ``clock.now()`` too. Live this is the monotonic clock; in the
 simulator and the core's tests it is a virtual one.
 """
 
@@ -50,7 +52,7 @@ class DispatchQueue(dispatch.DispatchQueue):
     ) -> dispatch.Slot:
         return Slot(self, cost_ms, now, start, long=long, live_bytes=live_bytes)
 
-    async def acquire(
+    def submit(
         self,
         *,
         latest_start: float,
@@ -61,9 +63,12 @@ class DispatchQueue(dispatch.DispatchQueue):
         class_weight: float = 1.0,
         long: bool = False,
         live_bytes: int = 0,
-    ) -> Slot:
-        """Wait for a slot; ``latest_start`` is in event-loop seconds; ``live_bytes`` the live
-        sequence state the request will hold on its device."""
+    ) -> asyncio.Future[dispatch.Slot]:
+        """Ask for a slot now; the future resolves to it (see the module docstring).
+        ``latest_start`` is in event-loop seconds; ``live_bytes`` the live sequence state the
+        request will hold on its device. A full queue raises ResourceExhausted here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dispatch.Slot] = loop.create_future()
         try:
             granted = self.request(
                 clock.now(),
@@ -78,28 +83,63 @@ class DispatchQueue(dispatch.DispatchQueue):
             )
         finally:
             _settle(self.device_set)  # waiters pushed out to make room
-        if isinstance(granted, Slot):
-            return granted
-        assert isinstance(granted, Waiter)
+        if isinstance(granted, dispatch.Slot):
+            future.set_result(granted)
+            return future
         waiter = granted
-        future: asyncio.Future[dispatch.Slot] = asyncio.get_running_loop().create_future()
         waiter.token = future
         if waiter.slot is not None:  # granted within the request call itself
             future.set_result(waiter.slot)
+            return future
+        late = loop.call_at(latest_start, self._late, waiter)
+        future.add_done_callback(lambda done: self._ended(waiter, late, done))
+        return future
+
+    def _late(self, waiter: Waiter) -> None:
+        future: asyncio.Future[dispatch.Slot] = waiter.token
+        if not future.done():
+            future.set_exception(self.refusal(waiter, clock.now()))
+
+    def _ended(
+        self, waiter: Waiter, late: asyncio.TimerHandle, future: asyncio.Future[dispatch.Slot]
+    ) -> None:
+        late.cancel()
+        if not future.cancelled() and future.exception() is None:
+            return  # granted
+        slot = self.withdraw(waiter, clock.now())
+        if slot is not None:
+            slot.release(clock.now())  # granted in the same instant it was given up: pass it on
+        _settle(self.device_set)
+
+    async def acquire(
+        self,
+        *,
+        latest_start: float,
+        cost_ms: float,
+        request_class: str = "",
+        tenant: str = "",
+        weight: float = 1.0,
+        class_weight: float = 1.0,
+        long: bool = False,
+        live_bytes: int = 0,
+    ) -> Slot:
+        """``submit``, then wait for the slot (a caller cancelled while waiting holds nothing)."""
+        future = self.submit(
+            latest_start=latest_start,
+            cost_ms=cost_ms,
+            request_class=request_class,
+            tenant=tenant,
+            weight=weight,
+            class_weight=class_weight,
+            long=long,
+            live_bytes=live_bytes,
+        )
         try:
-            timeout = latest_start - clock.now()
-            if timeout <= 0 and not future.done():
-                raise TimeoutError
-            slot = await asyncio.wait_for(asyncio.shield(future), max(timeout, 0.0))
-            assert isinstance(slot, Slot)
-            return slot
-        except (TimeoutError, asyncio.CancelledError) as exc:
-            refusal = self.refusal(waiter, clock.now()) if isinstance(exc, TimeoutError) else None
-            late = self.withdraw(waiter, clock.now())
-            if late is not None:
-                late.release(clock.now())  # granted in the same instant we gave up: pass it on
-            _settle(self.device_set)
-            future.cancel()
-            if refusal is not None:
-                raise refusal from None
+            slot = await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release(clock.now())  # granted as the caller left: pass it on
+                _settle(self.device_set)
             raise
+        assert isinstance(slot, Slot)
+        return slot

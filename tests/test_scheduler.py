@@ -10,8 +10,8 @@ from gateway.core.dispatch import DispatchQueue as CoreQueue
 from gateway.core.dispatch import Slot as CoreSlot
 from gateway.core.dispatch import Waiter
 from gateway.core.errors import DeadlineExpired, ResourceExhausted
-from gateway.scheduler import DeviceSet, DispatchQueue, Slot
-from orchid_tools.virtual_time import now, run_ready, virtual_time
+from gateway.scheduler import DeviceSet, DispatchQueue
+from orchid_tools.virtual_time import now, virtual_time
 
 
 @virtual_time
@@ -20,18 +20,14 @@ async def test_waiters_are_served_least_slack_first() -> None:
     t0 = now()
     holder = await queue.acquire(latest_start=t0 + 10, cost_ms=5)
     order: list[str] = []
-
-    async def wait(name: str, latest_start: float) -> None:
-        slot = await queue.acquire(latest_start=t0 + latest_start, cost_ms=1)
-        order.append(name)
-        slot.release()
-
-    tasks = [asyncio.create_task(wait(n, d)) for n, d in (("late", 9), ("early", 2), ("mid", 5))]
-    await run_ready()
+    waiting = {
+        n: queue.submit(latest_start=t0 + d, cost_ms=1) for n, d in (("late", 9), ("early", 2), ("mid", 5))
+    }
+    passed_on(waiting, order)
     assert queue.queued == 3
     assert queue.predicted_wait_ms(now()) > 0
     holder.release()
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*waiting.values())
     assert order == ["early", "mid", "late"]
     assert (queue.inflight, queue.queued, queue.queued_ms) == (0, 0, 0.0)
 
@@ -41,8 +37,7 @@ async def test_queue_is_bounded() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=1)
     t0 = now()
     held = await queue.acquire(latest_start=t0 + 5, cost_ms=1)
-    waiting = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=1))
-    await run_ready()
+    waiting = queue.submit(latest_start=t0 + 5, cost_ms=1)
     with pytest.raises(ResourceExhausted) as full:
         await queue.acquire(latest_start=t0 + 5, cost_ms=1)
     assert full.value.rule == "queue.full"
@@ -70,11 +65,9 @@ async def test_cancelled_waiter_is_removed_and_slot_passes_on() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=4)
     t0 = now()
     held = await queue.acquire(latest_start=t0 + 5, cost_ms=1)
-    cancelled = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=1))
-    patient = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=1))
-    await run_ready()
+    cancelled = queue.submit(latest_start=t0 + 5, cost_ms=1)
+    patient = queue.submit(latest_start=t0 + 5, cost_ms=1)
     cancelled.cancel()
-    await run_ready()
     held.release()
     slot = await asyncio.wait_for(patient, 1)
     assert queue.queued == 0
@@ -83,17 +76,26 @@ async def test_cancelled_waiter_is_removed_and_slot_passes_on() -> None:
     assert queue.inflight == 0
 
 
-async def _drain(queue: DispatchQueue, waiters: list[asyncio.Task[object]], grants: int) -> list[str]:
+def passed_on(waiting: dict[str, asyncio.Future[CoreSlot]], order: list[str]) -> None:
+    """Note each grant's name in ``order`` as it comes, and release the slot at once."""
+    for name, future in waiting.items():
+
+        def granted(done: asyncio.Future[CoreSlot], name: str = name) -> None:
+            order.append(name)
+            done.result().release(now())
+
+        future.add_done_callback(granted)
+
+
+async def _drain(waiting: dict[asyncio.Future[CoreSlot], str], grants: int) -> list[str]:
     """Run ``grants`` turns of a one-slot pool; return the tenant of each grant in order."""
     order: list[str] = []
-    for _ in range(grants):
-        done, _ = await asyncio.wait(
-            [w for w in waiters if not w.done()], return_when=asyncio.FIRST_COMPLETED
-        )
-        for task in done:
-            tenant, slot = task.result()  # type: ignore[misc]
-            order.append(tenant)
-            slot.release()
+    pending = set(waiting)
+    while len(order) < grants:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for future in done:
+            order.append(waiting[future])
+            future.result().release(now())
     return order
 
 
@@ -103,29 +105,22 @@ async def test_tenants_share_a_pool_by_weight_not_by_request_size() -> None:
     t0 = now()
     holder = await queue.acquire(latest_start=t0 + 60, cost_ms=1)
 
-    async def one(tenant: str, weight: float, cost: float) -> tuple[str, object]:
-        slot = await queue.acquire(
-            latest_start=t0 + 60,
-            cost_ms=cost,
-            request_class="interactive",
-            tenant=tenant,
-            weight=weight,
+    def one(tenant: str, weight: float, cost: float) -> asyncio.Future[CoreSlot]:
+        return queue.submit(
+            latest_start=t0 + 60, cost_ms=cost, request_class="interactive", tenant=tenant, weight=weight
         )
-        return tenant, slot
 
     # "big" sends requests 4x the size of "small"'s; weights are 2 : 1.
-    tasks: list[asyncio.Task[object]] = [asyncio.create_task(one("big", 2.0, 40.0)) for _ in range(60)]
-    tasks += [asyncio.create_task(one("small", 1.0, 10.0)) for _ in range(200)]
-    await run_ready()
+    waiting = {one("big", 2.0, 40.0): "big" for _ in range(60)}
+    waiting |= {one("small", 1.0, 10.0): "small" for _ in range(200)}
     holder.release()
-    order = await _drain(queue, tasks, 120)
+    order = await _drain(waiting, 120)
     granted = {t: queue.granted_ms.get(("interactive", t), 0.0) for t in ("big", "small")}
     # Accelerator-ms, not request counts, follow the weights (2 : 1) within 10 %.
     assert granted["big"] / granted["small"] == pytest.approx(2.0, rel=0.10)
     assert order.count("small") > order.count("big")  # ... so the small-request tenant gets more turns
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    for future in waiting:
+        future.cancel()
 
 
 @virtual_time
@@ -134,25 +129,19 @@ async def test_large_job_is_not_starved_by_a_stream_of_small_ones() -> None:
     t0 = now()
     holder = await queue.acquire(latest_start=t0 + 60, cost_ms=1)
 
-    async def one(tenant: str, cost: float, deadline_s: float) -> tuple[str, object]:
-        slot = await queue.acquire(
-            latest_start=t0 + deadline_s,
-            cost_ms=cost,
-            request_class="interactive",
-            tenant=tenant,
+    def one(tenant: str, cost: float, deadline_s: float) -> asyncio.Future[CoreSlot]:
+        return queue.submit(
+            latest_start=t0 + deadline_s, cost_ms=cost, request_class="interactive", tenant=tenant
         )
-        return tenant, slot
 
     # The large job has the latest start and 20x the cost; the other tenant floods.
-    tasks: list[asyncio.Task[object]] = [asyncio.create_task(one("flood", 5.0, 1.0)) for _ in range(300)]
-    tasks.append(asyncio.create_task(one("large", 100.0, 59.0)))
-    await run_ready()
+    waiting = {one("flood", 5.0, 1.0): "flood" for _ in range(300)}
+    waiting[one("large", 100.0, 59.0)] = "large"
     holder.release()
-    order = await _drain(queue, tasks, 40)
+    order = await _drain(waiting, 40)
     assert "large" in order  # served within 40 turns, not after all 300 small ones
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    for future in waiting:
+        future.cancel()
 
 
 @virtual_time
@@ -181,8 +170,7 @@ async def test_work_is_bound_ahead_only_when_it_starts_in_time() -> None:
     queue = DispatchQueue("q", devices=2, slots=4, max_queued=10)
     t0 = now()
     longs = [await queue.acquire(latest_start=t0 + 60, cost_ms=10_000) for _ in range(2)]
-    short = asyncio.create_task(queue.acquire(latest_start=t0 + 5, cost_ms=10))
-    await run_ready()
+    short = queue.submit(latest_start=t0 + 5, cost_ms=10)
     assert not short.done(), "bound behind 10 s of work although its latest start is 5 s away"
     assert (queue.inflight, queue.queued) == (2, 1) and queue.held_back >= 1
     longs[0].release()  # a device frees: the short one starts on it at once
@@ -218,8 +206,7 @@ async def test_one_request_at_a_time_waits_in_the_backends_queue() -> None:
     t0 = now()
     running = await queue.acquire(latest_start=t0 + 60, cost_ms=20)
     bound_ahead = await queue.acquire(latest_start=t0 + 60, cost_ms=200)
-    third = asyncio.create_task(queue.acquire(latest_start=t0 + 60, cost_ms=20))
-    await run_ready()
+    third = queue.submit(latest_start=t0 + 60, cost_ms=20)
     assert not third.done(), "bound into the backend's queue beside unstarted work"
     running.release()  # the bound-ahead request starts on the device; the third may queue behind it
     slot = await asyncio.wait_for(third, 1)
@@ -233,8 +220,7 @@ async def test_predicted_wait_counts_earlier_latest_starts_only() -> None:
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=10)
     t0 = now()
     holder = await queue.acquire(latest_start=t0 + 60, cost_ms=100)
-    late = asyncio.create_task(queue.acquire(latest_start=t0 + 30, cost_ms=500))
-    await run_ready()
+    late = queue.submit(latest_start=t0 + 30, cost_ms=500)
     t = now()
     assert queue.predicted_wait_ms(t, latest_start=t0 + 1) < 150  # goes before the 500 ms
     assert queue.predicted_wait_ms(t, latest_start=t0 + 40) > 500
@@ -253,8 +239,7 @@ async def test_pools_on_shared_devices_see_each_others_work() -> None:
     t0 = now()
     running = await primary.acquire(latest_start=t0 + 60, cost_ms=5_000)
     assert fallback.predicted_wait_ms(now()) > 4_000
-    waiting = asyncio.create_task(fallback.acquire(latest_start=t0 + 2, cost_ms=10))
-    await run_ready()
+    waiting = fallback.submit(latest_start=t0 + 2, cost_ms=10)
     assert not waiting.done(), "bound onto a device the other pool holds for 5 s"
     running.release()
     slot = await asyncio.wait_for(waiting, 1)
@@ -272,9 +257,8 @@ async def test_a_freed_shared_device_goes_to_the_most_urgent_pool() -> None:
     fallback = DispatchQueue("compact", devices=1, slots=1, max_queued=10, device_set=devices)
     t0 = now()
     running = await primary.acquire(latest_start=t0 + 60, cost_ms=5_000)
-    relaxed = asyncio.create_task(primary.acquire(latest_start=t0 + 30, cost_ms=10))
-    urgent = asyncio.create_task(fallback.acquire(latest_start=t0 + 2, cost_ms=10))
-    await run_ready()
+    relaxed = primary.submit(latest_start=t0 + 30, cost_ms=10)
+    urgent = fallback.submit(latest_start=t0 + 2, cost_ms=10)
     t = now()
     with_urgent = primary.predicted_wait_ms(t, latest_start=t0 + 10)
     bound_only = primary.predicted_wait_ms(t, latest_start=t0 + 1)
@@ -299,17 +283,14 @@ async def test_a_long_request_goes_before_short_ones_that_can_still_wait() -> No
     holder = await queue.acquire(latest_start=t0 + 60, cost_ms=5)
     order: list[str] = []
 
-    async def wait(name: str, deadline_s: float, cost_ms: float) -> None:
-        slot = await queue.acquire(latest_start=t0 + deadline_s - cost_ms / 1000.0, cost_ms=cost_ms)
-        order.append(name)
-        slot.release()
+    def wait(deadline_s: float, cost_ms: float) -> asyncio.Future[CoreSlot]:
+        return queue.submit(latest_start=t0 + deadline_s - cost_ms / 1000.0, cost_ms=cost_ms)
 
     # Deadline 0.5 s, 0.4 s of work: latest start 0.1 s. Shorts: deadline 0.2 s, 10 ms of work.
-    tasks = [asyncio.create_task(wait("long", 0.5, 400.0))]
-    tasks += [asyncio.create_task(wait(f"short{i}", 0.2, 10.0)) for i in range(3)]
-    await run_ready()
+    waiting = {"long": wait(0.5, 400.0)} | {f"short{i}": wait(0.2, 10.0) for i in range(3)}
+    passed_on(waiting, order)
     holder.release()
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*waiting.values())
     assert order[0] == "long"
 
 
@@ -323,8 +304,7 @@ async def test_long_work_never_takes_the_short_lane() -> None:
     (await queue.acquire(latest_start=t0 + 10, cost_ms=28)).release()  # short work is about
     longs = [await queue.acquire(latest_start=t0 + 10, cost_ms=200, long=True) for _ in range(3)]
     assert queue.device_set.long_bound() == 3
-    fourth = asyncio.create_task(queue.acquire(latest_start=t0 + 10, cost_ms=200, long=True))
-    await asyncio.sleep(0)  # let it reach the queue (a yield, not a wait)
+    fourth = queue.submit(latest_start=t0 + 10, cost_ms=200, long=True)
     assert queue.queued == 1 and not fourth.done()
     # Its predicted start is when the first long request ends, not now (a device is free).
     assert queue.predicted_wait_ms(now(), cost_ms=200, long=True) > 150
@@ -358,14 +338,9 @@ async def test_a_full_queue_makes_room_by_refusing_the_flooders_least_urgent_wai
     queue = DispatchQueue("q", devices=1, slots=1, max_queued=3)
     t0 = now()
     held = await queue.acquire(latest_start=t0 + 10, cost_ms=10)
-    flood = [
-        asyncio.create_task(queue.acquire(latest_start=t0 + 5 + i, cost_ms=10, tenant="lumen"))
-        for i in range(3)
-    ]
-    await run_ready()
+    flood = [queue.submit(latest_start=t0 + 5 + i, cost_ms=10, tenant="lumen") for i in range(3)]
     assert queue.queued == 3
-    mine = asyncio.create_task(queue.acquire(latest_start=t0 + 6, cost_ms=10, tenant="orchid", weight=2))
-    await run_ready()
+    mine = queue.submit(latest_start=t0 + 6, cost_ms=10, tenant="orchid", weight=2)
     assert queue.queued == 3 and queue.pushed_out == 1
     with pytest.raises(ResourceExhausted) as pushed:
         await flood[2]  # the flooder's latest latest-start
@@ -374,11 +349,11 @@ async def test_a_full_queue_makes_room_by_refusing_the_flooders_least_urgent_wai
     with pytest.raises(ResourceExhausted):
         await queue.acquire(latest_start=t0 + 5, cost_ms=10, tenant="lumen")
     held.release()
-    pending: set[asyncio.Task[Slot]] = {*flood[:2], mine}
+    pending: set[asyncio.Future[CoreSlot]] = {*flood[:2], mine}
     while pending:  # each granted in turn as the one before releases
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            task.result().release()
+            task.result().release(now())
     assert queue.inflight == 0 and queue.queued == 0
 
 
