@@ -28,7 +28,7 @@ from gateway import clock
 from gateway.core.errors import InvalidArgument, PermissionDenied
 from gateway.core.evidence import Evidence, EvidenceKey, EvidenceVerdict
 from gateway.evidence import population
-from gateway.messages import decode
+from gateway.messages import decode, encode
 from gateway.pipeline import Gateway
 from gateway.policy.context import quality_floor
 from gateway.protocol import peer_subjects
@@ -209,11 +209,6 @@ _REQUESTS = {
 }
 
 
-def _serialize(message: Any) -> bytes:
-    data: bytes = message.SerializeToString()
-    return data
-
-
 def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
     """Every method of the service, raw bytes in (``request_deserializer=None``)."""
     servicer = AdminServicer(gateway)
@@ -221,7 +216,7 @@ def add_to_server(gateway: Gateway, server: grpc.aio.Server) -> None:
         name: grpc.unary_unary_rpc_method_handler(
             servicer.authorized(getattr(servicer, name), request_type),
             request_deserializer=None,
-            response_serializer=_serialize,
+            response_serializer=encode,
         )
         for name, request_type in _REQUESTS.items()
     }

@@ -62,6 +62,12 @@ def decode(message_type: type[M], raw: bytes, *, quiet: bool = False) -> M:
     return request
 
 
+def encode(message: Message) -> bytes:
+    """A reply's wire bytes (the services' ``response_serializer``)."""
+    data: bytes = message.SerializeToString()
+    return data
+
+
 def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
     request: service_pb2.ModelInferRequest = decode(service_pb2.ModelInferRequest, raw)
     if not request.model_name:

@@ -30,7 +30,7 @@ from gateway.core.errors import (
     PermissionDenied,
     Unavailable,
 )
-from gateway.messages import decode
+from gateway.messages import decode, encode
 from gateway.pipeline import CallContext, Gateway, GatewayListener
 from gateway.status import shown, to_status
 
@@ -240,11 +240,6 @@ _UNARY = {
 }
 
 
-def _serialize(message: Any) -> bytes:
-    data: bytes = message.SerializeToString()
-    return data
-
-
 def method_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
     """Every method takes raw bytes (``request_deserializer=None``) and decodes them itself
     after authentication, so grpc's own decoder never answers for the gateway."""
@@ -260,10 +255,10 @@ def method_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHand
         wrapped = _unary(call, listener)
         wrapped.__name__ = name
         handlers[name] = grpc.unary_unary_rpc_method_handler(
-            wrapped, request_deserializer=None, response_serializer=_serialize
+            wrapped, request_deserializer=None, response_serializer=encode
         )
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-        servicer.ModelStreamInfer, request_deserializer=None, response_serializer=_serialize
+        servicer.ModelStreamInfer, request_deserializer=None, response_serializer=encode
     )
     return handlers
 
