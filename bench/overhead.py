@@ -2,12 +2,16 @@
 
 What it measures
     The cost the gateway adds to one unary ``ModelInfer`` call, side by side with
-    two references, all in one run against ONE Triton server:
+    three references, all in one run against ONE Triton server:
 
     * ``direct``       h2load -> Triton
     * ``passthrough``  h2load -> ``bench/passthrough.py`` (bare ``grpc.aio`` proxy that
                        forwards raw bytes, no parsing) -> Triton. The floor any Python
                        ``grpc.aio`` gateway is measured against (ARCHITECTURE §7).
+    * ``parsing``      h2load -> ``bench/passthrough.py --parse`` (the same proxy, but it
+                       parses both messages and serializes them again, as any gateway
+                       that reads the tensors must) -> Triton. The floor of a *reading*
+                       proxy: what the gateway costs above it is its own decisions.
     * ``gateway``      h2load -> ``orchid-gateway serve`` (authentication, shape
                        extraction, estimate, admission, dispatch queue, settle) -> Triton
 
@@ -58,7 +62,7 @@ Run (defaults sized for a 2-core machine, well under two minutes)::
 
 Needs ``h2load`` (Debian: ``apt-get update && apt-get install -y nghttp2-client``);
 exits 2 with that command if it is missing. Ports: ``--base-port`` (default 19410)
-and the next two. Everything started is stopped on exit, Ctrl-C included.
+and the next three. Everything started is stopped on exit, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ MODEL = "full-v18"
 DEMO_KEY = "orchid-demo-key-orchid"
 INSTALL_H2LOAD = "apt-get update && apt-get install -y nghttp2-client"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-TARGETS = ("direct", "passthrough", "gateway")
+TARGETS = ("direct", "passthrough", "parsing", "gateway")
 # The gateway's backend time_scale must be > 0; at time factor 0 the emulator costs ~nothing.
 MIN_TIME_SCALE = 0.001
 
@@ -542,7 +546,7 @@ def render(rows: list[Row]) -> str:
     gw = by.get("gateway")
     if gw is not None:
         lines.append("")
-        for base in ("direct", "passthrough"):
+        for base in ("direct", "passthrough", "parsing"):
             ref = by.get(base)
             if ref is None:
                 continue
@@ -614,7 +618,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=3, help="alternate the targets this many times; report medians"
     )
-    parser.add_argument("--base-port", type=int, default=19410, help="Triton; +1 passthrough; +2 gateway")
+    parser.add_argument(
+        "--base-port", type=int, default=19410, help="Triton; +1 passthrough; +2 gateway; +3 parsing"
+    )
     parser.add_argument(
         "--targets", default=",".join(TARGETS), help="comma-separated subset of " + ",".join(TARGETS)
     )
@@ -686,6 +692,19 @@ def bench(
                 f"--upstream={triton.address}",
             ],
             work / "passthrough.log",
+            "passthrough ready on",
+        )
+    if "parsing" in args.targets:
+        proxies["parsing"] = Child(
+            "parsing",
+            [
+                sys.executable,
+                str(REPO / "bench" / "passthrough.py"),
+                f"--listen=127.0.0.1:{ports['parsing']}",
+                f"--upstream={triton.address}",
+                "--parse",
+            ],
+            work / "parsing.log",
             "passthrough ready on",
         )
     if "gateway" in args.targets:
@@ -788,7 +807,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if h2load is None:
         print(f"h2load not found; install it with:\n    {INSTALL_H2LOAD}", file=sys.stderr)
         return 2
-    ports = {"triton": args.base_port, "passthrough": args.base_port + 1, "gateway": args.base_port + 2}
+    ports = {
+        "triton": args.base_port,
+        "passthrough": args.base_port + 1,
+        "gateway": args.base_port + 2,
+        "parsing": args.base_port + 3,
+    }
     busy = [f"{name}={port}" for name, port in ports.items() if not port_free(port)]
     if busy:
         print(f"ports in use: {', '.join(busy)}; pick another --base-port", file=sys.stderr)

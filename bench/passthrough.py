@@ -8,7 +8,15 @@ above this is its own work; this is what the gRPC stack alone costs
 (ARCHITECTURE §7). Upstream errors are passed back with their status code and
 details; the caller's deadline, if any, is propagated.
 
+With ``--parse`` it is the floor of a proxy that *reads* the call: the request is
+parsed into a ``ModelInferRequest`` and serialized again towards Triton, and the
+response parsed and serialized again towards the caller (grpc.aio's own protobuf
+(de)serializers on both sides), still with no other work. Any gateway that looks at the
+tensors pays at least this; the difference to the raw pass-through is what parsing and
+re-serializing cost in grpc.aio.
+
     python bench/passthrough.py --listen 127.0.0.1:19411 --upstream 127.0.0.1:19410
+    python bench/passthrough.py --listen 127.0.0.1:19413 --upstream 127.0.0.1:19410 --parse
 
 Prints ``passthrough ready on HOST:PORT`` once listening; stops on SIGTERM/SIGINT.
 """
@@ -21,6 +29,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 import grpc
+from tritonclient.grpc import service_pb2
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -29,10 +38,21 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 class PassThrough(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped
     """Forwards raw ModelInfer bytes to one upstream channel."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        # No serializers: the callable takes and returns ``bytes``.
-        self._upstream: Callable[..., Awaitable[bytes]] = channel.unary_unary(METHOD)
-        self._handler = grpc.unary_unary_rpc_method_handler(self._forward)
+    def __init__(self, channel: grpc.aio.Channel, *, parse: bool = False) -> None:
+        if parse:  # messages both ways, as a stub and a servicer would have them
+            self._upstream: Callable[..., Awaitable[bytes]] = channel.unary_unary(
+                METHOD,
+                request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=service_pb2.ModelInferResponse.FromString,
+            )
+            self._handler = grpc.unary_unary_rpc_method_handler(
+                self._forward,
+                request_deserializer=service_pb2.ModelInferRequest.FromString,
+                response_serializer=service_pb2.ModelInferResponse.SerializeToString,
+            )
+        else:  # no serializers: the callable takes and returns ``bytes``
+            self._upstream = channel.unary_unary(METHOD)
+            self._handler = grpc.unary_unary_rpc_method_handler(self._forward)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         if handler_call_details.method == METHOD:
@@ -48,14 +68,14 @@ class PassThrough(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is unty
             raise  # unreachable: abort raises
 
 
-async def serve(listen: str, upstream: str) -> None:
+async def serve(listen: str, upstream: str, *, parse: bool = False) -> None:
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
     channel = grpc.aio.insecure_channel(upstream, options=options)
     server = grpc.aio.server(options=options)
-    server.add_generic_rpc_handlers((PassThrough(channel),))
+    server.add_generic_rpc_handlers((PassThrough(channel, parse=parse),))
     port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
@@ -79,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--listen", required=True, help="HOST:PORT to listen on")
     parser.add_argument("--upstream", required=True, help="HOST:PORT of Triton's gRPC endpoint")
+    parser.add_argument(
+        "--parse", action="store_true", help="parse and re-serialize both messages (the reading floor)"
+    )
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.listen, args.upstream))
+    asyncio.run(serve(args.listen, args.upstream, parse=args.parse))
     return 0
 
 
