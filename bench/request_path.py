@@ -2,7 +2,8 @@
 
 What it measures
     ``Gateway.infer`` (authenticate, parse, shape, price, policy, decide, quota, dispatch,
-    settle, provenance) called in-process, N requests, 8 at a time, against
+    settle, provenance, and the listeners the server attaches: Prometheus metrics, the decision
+    log and the status board) called in-process, N requests, 8 at a time, against
     ``MemoryBackend`` at time factor 0 (every execution returns at once), on the example
     stack's config, tenants, routes and policies. The same request ``bench/overhead.py``
     replays (``full-v18``, ``INPUT_IDS`` ``[1, 256]``, ``orchid.max_output_tokens=1``,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import logging
 import pstats
 import sys
 import time
@@ -35,7 +37,10 @@ from gateway.backends.memory import MemoryBackend, MemoryModel
 from gateway.config import hash_api_key, load_gateway_config
 from gateway.core.memory import DeviceMemory
 from gateway.pipeline import BackendHandle, CallContext, Gateway
+from gateway.policy.decision_log import DecisionLog
 from gateway.server import assemble_gateway, load_configuration, load_policies
+from gateway.statusboard import StatusBoard
+from gateway.telemetry import ListenerGroup, Telemetry
 from orchid_tools.simulate import minted_key
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +74,14 @@ async def build() -> tuple[Gateway, bytes, tuple[tuple[str, str | bytes], ...]]:
         False,
         DeviceMemory.from_gib(local.device_memory_gib, local.runtime_reserve_gib),
     )
-    gateway = await assemble_gateway(config, tenants, routes, {"local": handle}, policy)
+    # The listeners GatewayServer attaches (the decision log to a logger, as with no file set).
+    telemetry = Telemetry(config.telemetry, decision_log=DecisionLog(logging.getLogger("orchid.decisions")))
+    board = StatusBoard()
+    gateway = await assemble_gateway(
+        config, tenants, routes, {"local": handle}, policy, listener=ListenerGroup(telemetry, board)
+    )
+    telemetry.bind(gateway)
+    board.bind(gateway)
     request = service_pb2.ModelInferRequest(model_name="full-v18")
     request.inputs.add(name="INPUT_IDS", datatype="INT32", shape=[1, 256])
     request.raw_input_contents.append(np.arange(256, dtype=np.int32).tobytes())
