@@ -24,7 +24,7 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 PROTO_ROOT = ROOT / "proto"
 OUT = ROOT / "gateway" / "_proto"
-PROTOS = ("orchid/admin/v1/admin.proto",)
+PROTOS = ("orchid/admin/v1/admin.proto", "orchid/jobs/v1/jobs.proto")
 
 
 def generate_protos() -> list[Path]:

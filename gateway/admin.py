@@ -14,25 +14,31 @@ UNKNOWN with a logged traceback.
 ``PublishEvidence`` records an evaluation in the gateway's evidence store
 (``gateway.evidence``): it governs fallback and reduced output from the next request.
 ``ListEvidence`` shows the latest evidence and each route's verdict on it.
+
+``RolloutStart``/``Status``/``Promote``/``Rollback``/``Abort`` drive a version change by hand
+(``gateway.rollouts``): the same steps the rollout takes on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from gateway import clock
-from gateway.core.errors import InvalidArgument, PermissionDenied
+from gateway.core.errors import ConfigError, GatewayError, InvalidArgument, PermissionDenied
 from gateway.core.evidence import Evidence, EvidenceKey, EvidenceVerdict
 from gateway.evidence import population
 from gateway.messages import decode, encode
 from gateway.pipeline import Gateway
 from gateway.policy.context import quality_floor
 from gateway.protocol import peer_subjects
+from gateway.rollouts import RolloutRun, parse_rollout
 from gateway.status import to_status
+from gateway.yaml_source import YamlError, parse_yaml
 
 try:
     from gateway._proto import admin_pb2, admin_pb2_grpc
@@ -68,7 +74,12 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
                 status = to_status(error, where="admin")
                 context.set_trailing_metadata(status.trailing_metadata)
                 await context.abort(status.code, status.message)
-            return await method(request, context)
+            try:
+                return await method(request, context)
+            except GatewayError as error:  # a refusal of the operation itself (rollouts)
+                status = to_status(error, where="admin")
+                context.set_trailing_metadata(status.trailing_metadata)
+                await context.abort(status.code, status.message)
 
         return call
 
@@ -165,6 +176,56 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
             evidence=[_evidence_message(e) for e in gateway.evidence.all()], routes=statuses
         )
 
+    async def RolloutStart(
+        self, request: admin_pb2.RolloutStartRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RolloutStatusResponse:
+        gateway = self.gateway
+        try:
+            if request.yaml:
+                document = parse_yaml(request.path or "<rollout>", request.yaml)
+                spec = parse_rollout(document, gateway.config, gateway.tenants.settings, gateway.routes)
+            else:
+                found = gateway.rollouts.specs.get(request.name)
+                if found is None:
+                    known = ", ".join(sorted(gateway.rollouts.specs)) or "none"
+                    raise InvalidArgument(f"unknown rollout {request.name[:128]!r} (declared: {known})")
+                spec = found
+        except YamlError as error:
+            raise InvalidArgument(str(error)) from None
+        except ConfigError as error:
+            raise InvalidArgument(str(error)) from None
+        return _rollout_status(gateway.rollouts.start(spec))
+
+    async def RolloutStatus(
+        self, request: admin_pb2.RolloutRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RolloutStatusResponse:
+        return _rollout_status(self.gateway.rollouts.run_named(request.name))
+
+    async def RolloutPromote(
+        self, request: admin_pb2.RolloutRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RolloutStatusResponse:
+        return _rollout_status(self.gateway.rollouts.promote(request.name))
+
+    async def RolloutRollback(
+        self, request: admin_pb2.RolloutRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RolloutStatusResponse:
+        return _rollout_status(self.gateway.rollouts.rollback(request.name))
+
+    async def RolloutAbort(
+        self, request: admin_pb2.RolloutRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RolloutStatusResponse:
+        return _rollout_status(self.gateway.rollouts.abort(request.name))
+
+
+def _rollout_status(run: RolloutRun) -> admin_pb2.RolloutStatusResponse:
+    rollout = run.rollout
+    return admin_pb2.RolloutStatusResponse(
+        name=run.name,
+        phase=str(rollout.phase),
+        reason=rollout.reason,
+        report_json=json.dumps(rollout.report(), separators=(",", ":")),
+    )
+
 
 def _evidence_message(evidence: Evidence) -> admin_pb2.EvidenceRecord:
     key = evidence.key
@@ -206,6 +267,11 @@ _REQUESTS = {
     "LadderStatus": admin_pb2.LadderStatusRequest,
     "PublishEvidence": admin_pb2.PublishEvidenceRequest,
     "ListEvidence": admin_pb2.ListEvidenceRequest,
+    "RolloutStart": admin_pb2.RolloutStartRequest,
+    "RolloutStatus": admin_pb2.RolloutRequest,
+    "RolloutPromote": admin_pb2.RolloutRequest,
+    "RolloutRollback": admin_pb2.RolloutRequest,
+    "RolloutAbort": admin_pb2.RolloutRequest,
 }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -36,6 +36,17 @@ class _Strict(BaseModel):
 
 
 # --------------------------------------------------------------------------- gateway.yaml
+
+
+def _repository_key_env() -> str | None:
+    key_env: str | None = Field(
+        default=None,
+        pattern=r"^[A-Z_][A-Z0-9_]*$",
+        description="environment variable holding the key of Triton's restricted model-repository "
+        "protocol (--grpc-restricted-protocol=model-repository:orchid-repository-key=KEY): rollouts "
+        "send it on every load, unload and index call",
+    )
+    return key_env
 
 
 class BackendConfig(_Strict):
@@ -62,6 +73,7 @@ class BackendConfig(_Strict):
         ge=0,
         description="per device: runtime, workspace and allocator reserve, not for models or live state",
     )
+    repository_key_env: str | None = _repository_key_env()
 
     @property
     def memory(self) -> DeviceMemory:
@@ -99,6 +111,38 @@ class LocalTritonConfig(_Strict):
         ge=0,
         description="per device: runtime, workspace and allocator reserve, not for models or live state",
     )
+    model_control: Literal["none", "explicit"] = Field(
+        default="none",
+        description="explicit: Triton loads only load_models at start and the gateway's rollouts load "
+        "and unload versions through its repository API (with --strict-readiness=false)",
+    )
+    load_models: tuple[str, ...] = Field(
+        default=(), description="model_control explicit: the models loaded at start (empty: all)"
+    )
+    repository_key_env: str | None = _repository_key_env()
+
+    @model_validator(mode="after")
+    def _load_models_need_explicit(self) -> LocalTritonConfig:
+        if self.load_models and self.model_control != "explicit":
+            raise ValueError("load_models is only read with model_control: explicit")
+        return self
+
+    def triton_args(self, repository_key: str | None = None) -> tuple[str, ...]:
+        """The server flags that model control (and the repository API's key) take."""
+        restricted = (
+            (f"--grpc-restricted-protocol=model-repository:orchid-repository-key={repository_key}",)
+            if repository_key
+            else ()
+        )
+        if self.model_control == "none":
+            return restricted
+        loads = self.load_models or ("*",)
+        return (
+            "--model-control-mode=explicit",
+            "--strict-readiness=false",
+            *(f"--load-model={m}" for m in loads),
+            *restricted,
+        )
 
 
 class RequestClassConfig(_Strict):
@@ -151,6 +195,87 @@ class TelemetryConfig(_Strict):
     tenant_labels: bool = Field(default=False, description="label metrics with tenant ids")
 
 
+class JobsConfig(_Strict):
+    """Asynchronous and batch jobs (``orchid.jobs.v1.Operations``, ``gateway.jobs``): the store,
+    the bounds (``gateway.core.jobs.JobLimits``) and how the runner uses troughs."""
+
+    store: str = Field(default="sqlite", pattern="^(sqlite|postgres)$", description="sqlite or postgres")
+    state_dir: Path | None = Field(
+        default=None, description="sqlite: directory of the job store (jobs.sqlite3, mode 0600)"
+    )
+    postgres_dsn: str | None = Field(
+        default=None, description="postgres: libpq connection string of the database replicas share"
+    )
+    classes: tuple[str, ...] = Field(
+        default=("batch",), min_length=1, description="classes jobs may run in (each deferred at step 4)"
+    )
+    default_class: str = "batch"
+    max_queued_per_tenant: int = Field(default=10_000, ge=1, description="unfinished items per tenant")
+    max_payload_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, description="one request or JSONL")
+    max_batch_items: int = Field(default=50_000, ge=1)
+    default_complete_within_s: float = Field(default=86_400.0, gt=0)
+    max_complete_within_s: float = Field(default=7 * 86_400.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1, description="counted attempts per item")
+    backoff_base_s: float = Field(default=0.5, gt=0)
+    backoff_max_s: float = Field(default=60.0, gt=0)
+    result_retention_s: float = Field(default=7 * 86_400.0, gt=0, description="results kept after finish")
+    item_deadline_s: float = Field(default=30.0, gt=0, description="per-item deadline (stragglers retry)")
+    lease_s: float = Field(default=30.0, gt=0, description="a running item's claim; renewed while it runs")
+    max_inflight: int = Field(default=8, ge=1, description="items one gateway runs at once")
+    trough_fill: float = Field(
+        default=0.9, gt=0, le=1, description="share of the idle protected capacity job work may use"
+    )
+    max_wait_s: float = Field(default=300.0, gt=0, description="bound of one Wait stream")
+    poll_s: float = Field(default=0.05, gt=0, description="runner idle poll interval")
+
+    @model_validator(mode="after")
+    def _store(self) -> JobsConfig:
+        if self.store == "sqlite" and self.state_dir is None:
+            raise ValueError("store sqlite needs state_dir")
+        if self.store == "postgres" and not self.postgres_dsn:
+            raise ValueError("store postgres needs postgres_dsn")
+        return self
+
+
+class StateConfig(_Strict):
+    """Where quota ledgers and fleet membership live (``gateway/state/``).
+
+    ``memory``: this process only (the default: one replica). ``redis``: shared by every
+    replica configured with the same ``url`` and ``key_prefix``; see docs/operators.md
+    "Running a fleet"."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = Field(
+        default=None,
+        pattern=r"^redis://[^/:]+(:[0-9]{1,5})?(/[0-9]+)?$",
+        description="redis://HOST[:PORT][/DB]; required with backend: redis",
+    )
+    key_prefix: str = Field(default="orchid:", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    fail_mode: Literal["local", "closed"] = Field(
+        default="local",
+        description="Redis unreachable: local = each replica keeps 1/N of every quota (N from the "
+        "last known membership); closed = refuse with UNAVAILABLE",
+    )
+    lease_ttl_ms: int = Field(
+        default=3000,
+        ge=200,
+        le=60000,
+        description="life of a reservation's lease and a replica's heartbeat unless renewed "
+        "(renewed every lease_ttl_ms / 3)",
+    )
+    call_timeout_ms: int = Field(default=100, ge=5, le=10000, description="deadline of every Redis call")
+
+    @model_validator(mode="after")
+    def _url_for_redis(self) -> StateConfig:
+        if self.backend == "redis" and self.url is None:
+            raise ValueError("backend redis needs url (redis://HOST:PORT/DB)")
+        if self.backend == "memory" and self.url is not None:
+            raise ValueError("url is only read with backend: redis")
+        if self.call_timeout_ms * 3 > self.lease_ttl_ms:
+            raise ValueError("call_timeout_ms must be at most a third of lease_ttl_ms")
+        return self
+
+
 class GatewayConfig(_Strict):
     listen: str = "127.0.0.1:8001"
     tenants_file: Path
@@ -173,6 +298,13 @@ class GatewayConfig(_Strict):
         min_length=1,
         description="declared risk classes, lowest first (gateway.core.risk)",
     )
+    state: StateConfig = Field(
+        default=StateConfig(), description="shared state of a fleet of replicas (gateway/state/)"
+    )
+    jobs: JobsConfig | None = Field(default=None, description="async/batch jobs; None: no jobs service")
+    rollouts_dir: Path | None = Field(
+        default=None, description="directory of rollout files (gateway.rollouts); None: no rollouts"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:
@@ -185,6 +317,12 @@ class GatewayConfig(_Strict):
             raise ValueError("backend names must be unique")
         if len(self.risk_classes) != len(set(self.risk_classes)):
             raise ValueError("risk_classes must be unique")
+        if self.jobs is not None:
+            for name in (*self.jobs.classes, self.jobs.default_class):
+                if name not in self.classes or name not in self.batch_classes:
+                    raise ValueError(f"jobs class {name!r} must be one of classes and of batch_classes")
+            if self.jobs.default_class not in self.jobs.classes:
+                raise ValueError("jobs.default_class must be one of jobs.classes")
         return self
 
 
@@ -447,6 +585,12 @@ def load_gateway_config(path: Path) -> GatewayConfig:
                 else None
             ),
             "local_triton": local,
+            "rollouts_dir": _resolve(base, config.rollouts_dir) if config.rollouts_dir else None,
+            "jobs": (
+                config.jobs.model_copy(update={"state_dir": _resolve(base, config.jobs.state_dir)})
+                if config.jobs and config.jobs.state_dir is not None
+                else config.jobs
+            ),
         }
     )
 

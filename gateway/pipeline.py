@@ -43,7 +43,7 @@ from gateway.core.load import PoolLoad
 from gateway.core.memory import DeviceMemory
 from gateway.core.overload import effects as overload_effects
 from gateway.core.profile import DemandProfile
-from gateway.core.quota import QuotaLedger, QuotaView, Reservation
+from gateway.core.quota import QuotaView, Reservation
 from gateway.core.record import (
     Decision,
     Identity,
@@ -61,7 +61,8 @@ from gateway.policy.model import ISOLATION_RULE
 from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
 from gateway.policy.snapshot import PolicyResult
 from gateway.policy.store import PolicyStore
-from gateway.scheduler import DeviceSet, DispatchQueue, Slot
+from gateway.rollouts import RolloutController
+from gateway.scheduler import DeviceSet, DispatchQueue, FleetBinding, Slot
 from gateway.shadow import ShadowTraffic
 from gateway.shape import (
     GATEWAY_OWNED_PARAMETERS,
@@ -71,6 +72,7 @@ from gateway.shape import (
     read_hints,
     validate_tensors,
 )
+from gateway.state.base import MemoryQuotaStore, QuotaStore
 from gateway.streams import StreamSession
 
 log = logging.getLogger(__name__)
@@ -179,6 +181,7 @@ class Gateway:
         policy: PolicyStore,
         *,
         listener: GatewayListener | None = None,
+        quotas: QuotaStore | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants
@@ -186,11 +189,14 @@ class Gateway:
         self.backends = backends
         self.policy = policy
         self.evidence = EvidenceStore(routes)  # seeded from the route files; the admin RPC publishes
-        self.quotas = QuotaLedger(tenants.settings.quotas)
+        # The quota ledger: this process's (state.backend memory) or the fleet's (gateway/state/).
+        self.quotas: QuotaStore = quotas if quotas is not None else MemoryQuotaStore(tenants.settings.quotas)
+        self.fleet_slots: FleetBinding | None = None  # set by the server with state.backend redis
         self.listener: GatewayListener = listener or GatewayListener()
         self.loads: dict[str, PoolLoad] = {}
         self._tenant_routes: dict[tuple[str, str], RouteConfig | None] = {}
         self.shadows = ShadowTraffic(self)
+        self.rollouts = RolloutController(self)  # version changes (gateway.rollouts); none by default
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
         self._device_sets: dict[str, DeviceSet] = {}  # backends whose models share devices
         self.estimator = Estimator()
@@ -254,6 +260,7 @@ class Gateway:
                 device_set=device_set,
             )
             queue.device_set.short_lane = self.config.limits.short_lane_devices
+            queue.fleet = self.fleet_slots  # a fleet's shared dispatch slots (None: this process only)
             if profile is not None:
                 queue.device_set.place(spec.name, device_memory.resident_bytes(profile))
             self._queues[key] = queue
@@ -302,6 +309,7 @@ class Gateway:
         operation: str,
         mode: Mode,
         late: Admitted | None = None,
+        canary: bool = True,
     ) -> Admitted:
         """Authenticated request in; an ``Admitted`` bound to a pool out, or a ``GatewayError``.
 
@@ -312,9 +320,13 @@ class Gateway:
         ``late``: this request was admitted to its primary but its latest start passed in
         the queue. The primary then counts as denied for capacity (DEADLINE_EXCEEDED,
         ``queue.latest_start``), so the decision is the warm fallback if policy allows it
-        and it can still finish in time, or that refusal; its demand was offered once."""
+        and it can still finish in time, or that refusal; its demand was offered once.
+
+        ``canary``: false when the request was already tried on a rollout's candidate (it is
+        answered by the current version, see ``RolloutController.candidate_failed``)."""
         logical = request.model_name
-        route = self.tenant_route(tenant, logical)
+        # A promoted rollout's candidate serves the route (its old version may be unloaded).
+        route = self.rollouts.promoted_route(logical, self.tenant_route(tenant, logical))
         if route.streaming != (mode is Mode.STREAMING):
             if route.streaming:
                 raise InvalidArgument(f"model {logical!r} streams its output: call ModelStreamInfer")
@@ -355,6 +367,21 @@ class Gateway:
             allow_fallback=hints.allow_fallback and tenant.config.allow_fallback,
             operation_id=hints.operation_id,
         )
+        # A rollout may serve this request from its candidate (a canary, or promoted).
+        diverted = await self.rollouts.divert(
+            logical,
+            route,
+            tenant,
+            request_class=class_name,
+            shape=shape,
+            risk_class=identity.risk_class,
+            cell=cell,
+            mode=mode,
+            canary=canary and late is None,
+        )
+        if diverted is not None:
+            route, handle, queue = diverted.route, diverted.handle, diverted.queue
+            identity = dataclasses.replace(identity, model_version=diverted.label)
         load = self.pool_load(queue, request_class, route)
         flow = load.flow(
             class_name, tenant.name, weight=tenant.config.weight, class_weight=request_class.weight
@@ -469,6 +496,8 @@ class Gateway:
                 divert=divert,
             ),
         )
+        if diverted is not None and diverted.reason and decision.verdict is Verdict.ADMIT:
+            decision = dataclasses.replace(decision, route_reason=diverted.reason)
         self.listener.decided(primary.record, decision, primary.policy)
         self._count_evidence_denials(logical, route, verdicts, effects.fallback_for_eligible, reduce_output)
         if decision.verdict is Verdict.REJECT:
@@ -519,7 +548,7 @@ class Gateway:
             )
         # Reserve the predicted demand of what will run; settled with the observed charge. A
         # refusal here (the tenant's own concurrency or queued-work limit) is not pool load.
-        reservation = self.quotas.reserve_record(chosen.record, now=now)
+        reservation = await self.quotas.reserve_admitted(chosen.record, now=now)
         if late is None:
             load.offer(now, flow, offered_ms)
             load.admitted(now, flow, offered_ms, chosen.record.demand.accelerator_ms)
@@ -682,6 +711,11 @@ class Gateway:
                 load.set_quality(reduce_loss=max(0.0, full - reduced), fallback_loss=max(0.0, full - compact))
         return load
 
+    def queue_named(self, name: str) -> DispatchQueue | None:
+        """The dispatch queue of pool ``name`` (``backend/model``), if it exists (the job runner
+        reads whether a device is idle)."""
+        return next((q for q in self._queues.values() if q.name == name), None)
+
     def update_ladders(self, now: float) -> None:
         """Step every pool's ladder from fresh evidence (called periodically)."""
         for (backend_name, _), queue in list(self._queues.items()):
@@ -728,12 +762,25 @@ class Gateway:
     async def infer(self, raw: bytes, call: CallContext) -> service_pb2.ModelInferResponse:
         tenant = self.tenants.authenticate(call.metadata, peer_subjects=call.peer_subjects)
         request = parse_infer_request(raw)
-        admitted = await self.admit(request, tenant, call, operation="ModelInfer", mode=Mode.ONLINE)
+        return await self.infer_request(request, tenant, call)
+
+    async def infer_request(
+        self,
+        request: service_pb2.ModelInferRequest,
+        tenant: Tenant,
+        call: CallContext,
+        *,
+        mode: Mode = Mode.ONLINE,
+        canary: bool = True,
+    ) -> service_pb2.ModelInferResponse:
+        """The request path of an authenticated, parsed request: ModelInfer's, and the job
+        runner's (``gateway.jobs``: ``mode`` ASYNC or BATCH, the job's class in the request)."""
+        admitted = await self.admit(request, tenant, call, operation="ModelInfer", mode=mode, canary=canary)
         try:
             slot = await self.acquire(admitted)
         except DeadlineExpired as late:  # its latest start passed in the queue: the fallback?
             self.quotas.release(admitted.reservation, now=clock.now())
-            admitted, slot = await self._rescue(request, tenant, call, admitted, late)
+            admitted, slot = await self._rescue(request, tenant, call, admitted, late, mode=mode)
         except BaseException:  # never ran (queue full, caller gone): refund all
             self.quotas.release(admitted.reservation, now=clock.now())
             raise
@@ -747,11 +794,15 @@ class Gateway:
             response = await admitted.backend.infer(
                 admitted.backend_request, timeout_s=timeout_s, logical=admitted.record.identity.model
             )
-        except BaseException:  # it ran, at least partly: charge what it held
+        except BaseException as error:  # it ran, at least partly: charge what it held
             self.abandon(admitted, started=started, now=clock.now())
-            raise
+            if not self.rollouts.candidate_failed(admitted, error):
+                raise
+            response = None  # a rollout candidate failed: the current version answers instead
         finally:
             slot.release()
+        if response is None:
+            return await self.infer_request(request, tenant, call, mode=mode, canary=False)
         finished = clock.now()
         settled = self.settle(
             admitted,
@@ -761,6 +812,7 @@ class Gateway:
             backend_wait_s=max(0.0, slot.predicted_start - slot.started_at),
         )
         self.listener.settled(settled)
+        self.rollouts.settled(admitted, settled, response)
         response.model_name = admitted.record.identity.model
         attach_provenance(response, settled)
         return response
@@ -772,6 +824,8 @@ class Gateway:
         call: CallContext,
         admitted: Admitted,
         late: DeadlineExpired,
+        *,
+        mode: Mode = Mode.ONLINE,
     ) -> tuple[Admitted, Slot]:
         """A request whose latest start passed in its primary's queue: decided again, once,
         with the primary counted as too late (see ``admit``'s ``late``). It runs on the warm
@@ -781,7 +835,7 @@ class Gateway:
             raise late
         try:
             rescued = await self.admit(
-                request, tenant, call, operation="ModelInfer", mode=Mode.ONLINE, late=admitted
+                request, tenant, call, operation="ModelInfer", mode=mode, late=admitted
             )
         except GatewayError:
             raise late from None

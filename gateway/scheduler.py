@@ -11,11 +11,16 @@ RESOURCE_EXHAUSTED, rule ``memory.live_tokens``). A future that ends without a s
 After every call into the core the driver resolves the futures of the waiters it changed.
 Releasing a slot is a call into the core at ``clock.now()`` too. Live this is the monotonic clock; in the
 simulator and the core's tests it is a virtual one.
+
+With a fleet of replicas (``fleet``: ``gateway.state.device_leases.FleetSlots``), a granted
+slot binds only once it also holds one of the fleet's slots of the pool; the lease goes back
+when the slot is released.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from gateway import clock
 from gateway.core import dispatch
@@ -24,10 +29,25 @@ from gateway.core.dispatch import CONTROL_CLASS, DeviceSet, Waiter
 __all__ = ["CONTROL_CLASS", "DeviceSet", "DispatchQueue", "Slot"]
 
 
+class FleetBinding(Protocol):
+    """The fleet's dispatch slots (``gateway.state.device_leases.FleetSlots``)."""
+
+    async def bind(
+        self, pool: str, *, limit: int, predicted_ms: float, latest_start: float
+    ) -> str | None: ...
+
+    def release(self, pool: str, lease: str | None) -> None: ...
+
+
 class Slot(dispatch.Slot):
     """A core slot released on the event loop's clock."""
 
+    fleet: tuple[FleetBinding, str | None] | None = None  # the fleet's slot it binds on, if any
+
     def release(self, now: float | None = None) -> None:
+        if not self.released and self.fleet is not None:
+            binding, lease = self.fleet
+            binding.release(self.queue.name, lease)
         super().release(clock.now() if now is None else now)
         _settle(self.queue.device_set)
 
@@ -46,6 +66,8 @@ def _settle(devices: DeviceSet) -> None:
 
 class DispatchQueue(dispatch.DispatchQueue):
     """The core queue, with an awaitable ``acquire``."""
+
+    fleet: FleetBinding | None = None  # set by the gateway when replicas share the backends
 
     def _make_slot(
         self, cost_ms: float, now: float, start: float, *, long: bool, live_bytes: int = 0
@@ -142,4 +164,15 @@ class DispatchQueue(dispatch.DispatchQueue):
                 _settle(self.device_set)
             raise
         assert isinstance(slot, Slot)
+        if self.fleet is not None:
+            now = clock.now()
+            predicted_ms = slot.cost_ms + max(0.0, slot.predicted_start - now) * 1000.0
+            try:
+                lease = await self.fleet.bind(
+                    self.name, limit=self.slots, predicted_ms=predicted_ms, latest_start=latest_start
+                )
+            except BaseException:
+                slot.release(clock.now())  # never bound: the local slot goes to the next waiter
+                raise
+            slot.fleet = (self.fleet, lease)
         return slot

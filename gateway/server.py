@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -47,11 +48,21 @@ from gateway.config import (
     load_tenants,
 )
 from gateway.core.errors import ConfigError
+from gateway.jobs import service as jobs_service
+from gateway.jobs.runner import JobRunner, limits_of
+from gateway.jobs.store import JobStore, open_store
 from gateway.pipeline import BackendHandle, Gateway, GatewayListener
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.diagnostics import PolicyLoadError
 from gateway.policy.store import PolicyStore
 from gateway.protocol import SERVICE, InferenceServicer, add_to_server
+from gateway.rollouts import load_rollouts
+from gateway.state.base import QuotaStore
+from gateway.state.device_leases import FleetSlots
+from gateway.state.estimator_sync import EstimatorSync
+from gateway.state.fleet_load import FleetLoad
+from gateway.state.metrics import StateCollector
+from gateway.state.redis_store import RedisFleet, RedisQuotaStore
 from gateway.statusboard import StatusBoard
 from gateway.statuspage import TelemetryListener
 from gateway.telemetry import ListenerGroup, Telemetry
@@ -62,6 +73,10 @@ LOCAL_BACKEND = "local"
 # How often every pool's ladder steps from fresh evidence, and how often the backends'
 # statistics are sampled (Triton's queue/compute split for the charge).
 LADDER_UPDATE_S = 0.1
+# Fleet (state.backend redis): offered demand is exchanged 4x per ladder update, so the other
+# replicas' samples reach a ladder at most ~50 ms late (a late sample reads as missing demand).
+FLEET_LOAD_EXCHANGE_S = LADDER_UPDATE_S / 4
+ESTIMATOR_MERGE_S = 1.0  # the fleet's estimator corrections are merged this often
 STATISTICS_SAMPLE_S = 1.0
 
 
@@ -73,6 +88,17 @@ def load_configuration(config: GatewayConfig) -> tuple[TenantsFile, RouteTable]:
     check_memory(config, routes)
     check_dedicated(config, tenants, routes)
     return tenants, routes
+
+
+def repository_key(env_name: str | None) -> str | None:
+    """The key of Triton's restricted model-repository protocol, from the environment variable
+    the config names (keys stay out of config files); ConfigError if it is named but unset."""
+    if env_name is None:
+        return None
+    key = os.environ.get(env_name, "")
+    if not key:
+        raise ConfigError(env_name, "repository_key_env", f"environment variable {env_name} is not set")
+    return key
 
 
 def load_policies(config: GatewayConfig) -> PolicyStore:
@@ -92,6 +118,7 @@ async def assemble_gateway(
     policy: PolicyStore,
     *,
     listener: GatewayListener | None = None,
+    quotas: QuotaStore | None = None,
 ) -> Gateway:
     """A ``Gateway`` over connected backends: each watches the readiness of every backend
     model a route, a dedicated tenant or a shadow may use (fallback warmth from the start)."""
@@ -101,7 +128,9 @@ async def assemble_gateway(
     for handle in backends.values():
         handle.client.watched_models.update(watched)
         await handle.client.probe()
-    return Gateway(config, TenantDirectory(tenants), routes, backends, policy, listener=listener)
+    return Gateway(
+        config, TenantDirectory(tenants), routes, backends, policy, listener=listener, quotas=quotas
+    )
 
 
 async def update_ladders_forever(gateway: Gateway, interval_s: float = LADDER_UPDATE_S) -> None:
@@ -132,6 +161,12 @@ class GatewayServer:
         self._decision_file: TextIO | None = None
         self.status_board = StatusBoard()
         self.telemetry_listener: TelemetryListener | None = None
+        self.fleet: RedisFleet | None = None  # state.backend redis: this replica in the fleet
+        self.shared_quotas: RedisQuotaStore | None = None
+        self.fleet_load: FleetLoad | None = None  # the fleet-wide ladder's evidence exchange
+        self.estimator_sync: EstimatorSync | None = None
+        self.jobs_store: JobStore | None = None
+        self.jobs_runner: JobRunner | None = None
 
     def _decision_log(self) -> DecisionLog:
         path = self.config.telemetry.decision_log
@@ -156,6 +191,7 @@ class GatewayServer:
                     time_scale=local.time_factor if local.time_factor > 0 else 1e-3,
                     device_memory_gib=local.device_memory_gib,
                     runtime_reserve_gib=local.runtime_reserve_gib,
+                    repository_key_env=local.repository_key_env,
                 )
             )
         return backends
@@ -163,6 +199,7 @@ class GatewayServer:
     async def start(self) -> None:
         config = self.config
         tenants, routes = load_configuration(config)
+        rollouts = load_rollouts(config.rollouts_dir, config, tenants, routes) if config.rollouts_dir else {}
         if config.local_triton is not None:
             local = config.local_triton
             self._workdir = tempfile.TemporaryDirectory(prefix="orchid-triton-")
@@ -172,6 +209,7 @@ class GatewayServer:
                 grpc_port=local.grpc_port,
                 time_factor=local.time_factor,
                 startup_timeout_s=local.startup_timeout_s,
+                extra_args=local.triton_args(repository_key(local.repository_key_env)),
             )
             log.info(
                 "starting local Triton on %s (time factor %s)", self.local_triton.address, local.time_factor
@@ -180,7 +218,10 @@ class GatewayServer:
         clients = {}
         for backend in self.backend_configs():
             client = TritonBackend(
-                backend.name, backend.address, max_message_bytes=config.limits.max_message_bytes
+                backend.name,
+                backend.address,
+                max_message_bytes=config.limits.max_message_bytes,
+                repository_key=repository_key(backend.repository_key_env),
             )
             await client.probe()
             client.start_probing()
@@ -195,6 +236,12 @@ class GatewayServer:
             )
         self.policy = await asyncio.to_thread(load_policies, config)
         self.telemetry = Telemetry(config.telemetry, decision_log=self._decision_log())
+        if config.state.backend == "redis":  # quotas and membership shared by the fleet
+            self.fleet = RedisFleet(config.state)
+            await self.fleet.start()
+            self.shared_quotas = RedisQuotaStore(tenants.quotas, self.fleet)
+            self.shared_quotas.watch_unmetered(tuple(tenants.tenants))
+            self.telemetry.metrics.registry.register(StateCollector(self.fleet))
         self.gateway = await assemble_gateway(
             config,
             tenants,
@@ -202,7 +249,11 @@ class GatewayServer:
             clients,
             self.policy,
             listener=ListenerGroup(self.telemetry, self.status_board),
+            quotas=self.shared_quotas,
         )
+        if self.fleet is not None:  # N replicas never bind more than a pool's slots at once
+            self.gateway.fleet_slots = FleetSlots(self.fleet)
+        self.gateway.rollouts.specs.update(rollouts)
         self.telemetry.bind(self.gateway)
         self.status_board.bind(self.gateway)
         if config.telemetry.metrics_listen:
@@ -219,11 +270,19 @@ class GatewayServer:
         )
         add_to_server(InferenceServicer(self.gateway, ready=self.ready), self.server)
         admin.add_to_server(self.gateway, self.server)
+        services = [SERVICE, admin.SERVICE]
+        if config.jobs is not None:  # async/batch jobs: durable store, trough runner, service
+            self.jobs_store = open_store(config.jobs, limits_of(config.jobs))
+            self.jobs_runner = JobRunner(self.gateway, self.jobs_store, config.jobs)
+            jobs_service.add_to_server(
+                jobs_service.OperationsServicer(self.gateway, self.jobs_store, self.jobs_runner, config.jobs),
+                self.server,
+            )
+            services.append(jobs_service.SERVICE)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (
-                SERVICE,
-                admin.SERVICE,
+                *services,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -236,7 +295,16 @@ class GatewayServer:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(sample_statistics_forever(self.gateway), name="stats"))
         self._tasks.append(loop.create_task(update_ladders_forever(self.gateway), name="ladders"))
+        if self.fleet is not None:  # the ladders decide on the fleet's offered demand
+            self.fleet_load = FleetLoad(self.gateway, self.fleet)
+            exchange = self.fleet_load.run(FLEET_LOAD_EXCHANGE_S)
+            self._tasks.append(loop.create_task(exchange, name="fleet-load"))
+            self.estimator_sync = EstimatorSync(self.gateway.estimator, self.fleet)  # shared learning
+            learning = self.estimator_sync.run(ESTIMATOR_MERGE_S)
+            self._tasks.append(loop.create_task(learning, name="estimator-sync"))
         self._tasks.append(loop.create_task(self.policy.watch(config.policy_watch_s), name="policy-watch"))
+        if self.jobs_runner is not None:
+            self.jobs_runner.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("orchid-gateway listening on %s", self.address)
 
@@ -283,7 +351,16 @@ class GatewayServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.shared_quotas is not None:
+            await self.shared_quotas.drain()  # the last settlements reach Redis (bounded)
+        if self.fleet is not None:
+            await self.fleet.stop()
+        if self.jobs_runner is not None:
+            await self.jobs_runner.stop()  # running items go back to the queue
+        if self.jobs_store is not None:
+            self.jobs_store.close()
         if self.gateway is not None:
+            await self.gateway.rollouts.close()
             for handle in self.gateway.backends.values():
                 await handle.client.close()
         if self.local_triton is not None:

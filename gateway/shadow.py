@@ -39,6 +39,8 @@ class ShadowTraffic:
         self.skipped = 0
 
     def maybe_mirror(self, admitted: Admitted, tenant: Tenant) -> None:
+        if self.gateway.rollouts.mirror(admitted, tenant):
+            return  # a rollout owns the route's version change (gateway.rollouts): no route shadow
         route = self.gateway.routes.models.get(admitted.record.identity.model)
         if route is None or route.shadow is None:
             return

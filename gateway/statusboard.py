@@ -202,6 +202,18 @@ class StatusBoard(GatewayListener):
             "policy": self._policy_view(gateway),
             "decisions": list(self.decisions),
             "backends": self._backends_view(gateway),
+            "rollouts": [  # each rollout's latest run (gateway.rollouts): phase and why
+                {
+                    "name": name,
+                    "route": run.spec.route,
+                    "candidate": run.spec.candidate.name,
+                    "phase": str(run.rollout.phase),
+                    "step": run.rollout.step + 1,
+                    "steps": len(run.spec.steps),
+                    "reason": run.rollout.reason,
+                }
+                for name, run in sorted(gateway.rollouts.runs.items())
+            ],
         }
 
     def _pools_view(self, gateway: Gateway, since: float) -> list[JSON]:

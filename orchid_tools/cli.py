@@ -26,7 +26,10 @@ _COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("capacity",), "orchid_tools.capacity", "print the capacity worksheet for a workload file"),
     (("simulate",), "orchid_tools.simulate", "run a scenario through the runtime in virtual time"),
     (("evidence",), "orchid_tools.evidence", "publish or list quality evidence through the admin RPC"),
+    (("rollout",), "orchid_tools.rollout", "start, watch, promote, roll back or abort a version change"),
     (("audit", "isolation"), "orchid_tools.audit", "who can reach what, who can share an instance"),
+    (("jobs",), "orchid_tools.jobs", "submit, get, wait for, cancel and list asynchronous operations"),
+    (("batch",), "orchid_tools.batch", "submit a JSONL batch, follow it, fetch its manifest and output set"),
 )
 
 

@@ -6,14 +6,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages the status page's browser test and the alert-rule check use (Debian):
-# chromium + chromium-driver (headless browser, driven by selenium) and prometheus
-# (promtool). Installed only when missing: one `apt-get update`, non-interactive.
+# System packages the status page's browser test, the alert-rule check and the fleet tests
+# use (Debian): chromium + chromium-driver (headless browser, driven by selenium), prometheus
+# (promtool) and redis-server. Installed only when missing: one `apt-get update`, non-interactive.
 # ORCHID_NO_APT=1 skips this step (those tests then skip, saying why).
 apt_packages=()
 command -v chromium >/dev/null 2>&1 || apt_packages+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || apt_packages+=(chromium-driver)
 command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+# redis-server: the shared state of a fleet of replicas (state.backend: redis); its tests
+# and `scripts/demo.sh --replicas N` start their own on a free port.
+command -v redis-server >/dev/null 2>&1 || apt_packages+=(redis-server)
+# postgresql: the job store several replicas share (jobs.store: postgres); its tests start
+# their own cluster (initdb + pg_ctl, Debian's /usr/lib/postgresql/N/bin) on a free port.
+command -v pg_ctl >/dev/null 2>&1 || compgen -G '/usr/lib/postgresql/*/bin/pg_ctl' >/dev/null \
+  || apt_packages+=(postgresql)
 if [ "${#apt_packages[@]}" -gt 0 ] && [ "${ORCHID_NO_APT:-0}" != 1 ]; then
   if ! command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: need ${apt_packages[*]} but apt-get is not available; install them with the" \

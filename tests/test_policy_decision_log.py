@@ -23,6 +23,7 @@ FIELDS = {
     "tenant",
     "class",
     "model",
+    "model_version",
     "policy_version",
     "outcome",
     "status",

@@ -3,6 +3,7 @@ and metadata header never reaches logs, the decision log, traces, metrics or err
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +15,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import generate_latest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from gateway._proto import jobs_pb2, jobs_pb2_grpc
 from gateway.backends.local import LocalTriton
-from gateway.config import TelemetryConfig
+from gateway.config import JobsConfig, TelemetryConfig
 from tests.conftest import ORCHID_KEY, ThreadedGateway, gateway_config
 
 CANARY = "CANARY-d41d8cd98f00b204"
@@ -32,6 +34,7 @@ def observed(
     config = gateway_config(
         triton.address,
         telemetry=TelemetryConfig(decision_log=str(decisions), trace_sample_ratio=1.0, tenant_labels=True),
+        jobs=JobsConfig(state_dir=directory / "jobs", poll_s=0.01),
     )
     running = ThreadedGateway(config)
     running.start()
@@ -90,6 +93,48 @@ def test_canary_reaches_no_sink(
         with pytest.raises(grpc.RpcError) as infeasible:
             stub.ModelInfer(planted(), metadata=metadata, timeout=0.001)
         errors.append(f"{infeasible.value.details()} {infeasible.value.trailing_metadata()}")
+        # Jobs: the canary in an async request (its idempotency key too) and in a batch's
+        # custom_id and data; stored (mode 0600), but in no log, metric, trace or error.
+        jobs = jobs_pb2_grpc.OperationsStub(channel)
+        line = {
+            "custom_id": CANARY,
+            "inputs": [
+                {"name": "INPUT_IDS", "datatype": "INT32", "shape": [1, 5], "data": CANARY_WORDS.tolist()}
+            ],
+            "parameters": {"user_note": CANARY},
+        }
+        submitted = [
+            jobs.Submit(
+                jobs_pb2.SubmitRequest(infer_request=planted().SerializeToString(), operation_id=CANARY),
+                metadata=metadata,
+                timeout=10,
+            ),
+            jobs.SubmitBatch(
+                jobs_pb2.SubmitBatchRequest(jsonl=json.dumps(line).encode(), model="full-v18"),
+                metadata=metadata,
+                timeout=10,
+            ),
+        ]
+        for op in submitted:
+            final = list(jobs.Wait(jobs_pb2.GetRequest(id=op.id), metadata=metadata, timeout=60))[-1]
+            assert final.status == "completed", final.error
+        bad_jobs = [
+            jobs_pb2.SubmitBatchRequest(
+                jsonl=b'{"custom_id": "' + CANARY.encode() + b'", "inputs": 7}', model="full-v18"
+            ),
+            jobs_pb2.SubmitBatchRequest(jsonl=CANARY.encode(), model="full-v18"),
+            jobs_pb2.SubmitBatchRequest(
+                jsonl=(json.dumps(line) + "\n" + json.dumps(line)).encode(), model="full-v18"
+            ),
+        ]
+        for bad_job in bad_jobs:
+            with pytest.raises(grpc.RpcError) as failure:
+                jobs.SubmitBatch(bad_job, metadata=metadata, timeout=10)
+            errors.append(f"{failure.value.details()} {failure.value.trailing_metadata()}")
+        for missing in (CANARY, "op-" + CANARY):
+            with pytest.raises(grpc.RpcError) as failure:
+                jobs.Get(jobs_pb2.GetRequest(id=missing), metadata=metadata, timeout=10)
+            assert failure.value.code() is grpc.StatusCode.NOT_FOUND
     sinks = {
         "error messages": "\n".join(errors),
         "logs": "\n".join(record.getMessage() for record in caplog.records),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tritonclient.grpc import service_pb2
 
@@ -115,3 +115,16 @@ class Backend(Protocol):
         """Open a ``ModelStreamInfer`` call fed by ``requests``; it ends after the last answer
         to a request sent before ``requests`` ended."""
         ...
+
+
+@runtime_checkable
+class RepositoryControl(Protocol):
+    """A backend whose models can be loaded and unloaded on request (Triton's repository API
+    in explicit model-control mode): what a rollout (``gateway.rollouts``) needs beyond
+    ``Backend``. ``TritonBackend`` has it; the simulator's ``MemoryBackend`` does not."""
+
+    async def load_model(self, model: str, *, timeout_s: float) -> None: ...
+
+    async def unload_model(self, model: str, *, timeout_s: float) -> None: ...
+
+    async def repository_index(self) -> list[tuple[str, str, str]]: ...

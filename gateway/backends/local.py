@@ -98,6 +98,7 @@ class LocalTriton:
         time_factor: float = 1.0,
         startup_timeout_s: float = 90.0,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model_repository = model_repository
         self.workdir = workdir
@@ -105,6 +106,7 @@ class LocalTriton:
         self.time_factor = time_factor
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = extra_args
+        self.env = dict(env or {})  # added to the server's environment (e.g. ORCHID_FAULT_DIR)
         self.log_path = workdir / "tritonserver.log"
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -138,6 +140,7 @@ class LocalTriton:
         )
         env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
         env["ORCHID_TIME_FACTOR"] = repr(self.time_factor)
+        env.update(self.env)
         args = [
             str(install.binary),
             f"--model-repository={self.model_repository}",

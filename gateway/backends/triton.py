@@ -33,7 +33,16 @@ log = logging.getLogger(__name__)
 
 _PASS_THROUGH_MESSAGE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
-__all__ = ["InputSpec", "ModelSpec", "TritonBackend", "spec_from", "translate_rpc_error"]
+__all__ = ["InputSpec", "ModelControlError", "ModelSpec", "TritonBackend", "spec_from", "translate_rpc_error"]
+
+
+# Triton's --grpc-restricted-protocol=model-repository:orchid-repository-key=KEY checks this
+# header (Triton prefixes the key's name with triton-grpc-protocol-).
+REPOSITORY_KEY_HEADER = "triton-grpc-protocol-orchid-repository-key"
+
+
+class ModelControlError(Exception):
+    """Triton refused or failed a repository load/unload (explicit model control)."""
 
 
 def translate_rpc_error(error: grpc.aio.AioRpcError, *, model: str, backend_model: str) -> GatewayError:
@@ -60,9 +69,13 @@ def translate_rpc_error(error: grpc.aio.AioRpcError, *, model: str, backend_mode
 class TritonBackend:
     """One Triton endpoint (a ``gateway.backends.base.Backend``)."""
 
-    def __init__(self, name: str, address: str, *, max_message_bytes: int) -> None:
+    def __init__(
+        self, name: str, address: str, *, max_message_bytes: int, repository_key: str | None = None
+    ) -> None:
         self.name = name
         self.address = address
+        # Triton's restricted model-repository protocol: the header its repository API checks.
+        self._repository_metadata = ((REPOSITORY_KEY_HEADER, repository_key),) if repository_key else None
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -160,6 +173,55 @@ class TritonBackend:
         return await self.stub.ModelStatistics(
             service_pb2.ModelStatisticsRequest(name=model, version=version), timeout=2.0
         )
+
+    # -------------------------------------------------------------- repository (explicit model control)
+
+    async def load_model(self, model: str, *, timeout_s: float) -> None:
+        """Ask Triton to load ``model`` (``RepositoryModelLoad``; explicit model control). A
+        refusal or a failed load raises ``ModelControlError`` with Triton's reason."""
+        try:
+            await self.stub.RepositoryModelLoad(
+                service_pb2.RepositoryModelLoadRequest(model_name=model),
+                timeout=timeout_s,
+                metadata=self._repository_metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise ModelControlError(f"loading {model!r} failed: {exc.details() or exc.code().name}") from exc
+        self._specs.pop(model, None)
+        self.watched_models.add(model)
+        await self.model_ready(model)
+
+    async def unload_model(self, model: str, *, timeout_s: float) -> None:
+        """Ask Triton to unload ``model`` (``RepositoryModelUnload``) and wait until its repository
+        index no longer lists it READY or UNLOADING (Triton answers the call at once and lets
+        in-flight requests finish first). The probe then reports it cold."""
+        deadline = clock.now() + timeout_s
+        try:
+            await self.stub.RepositoryModelUnload(
+                service_pb2.RepositoryModelUnloadRequest(model_name=model),
+                timeout=timeout_s,
+                metadata=self._repository_metadata,
+            )
+            while any(
+                m == model and state in ("READY", "UNLOADING")
+                for m, _, state in await self.repository_index()
+            ):
+                if clock.now() > deadline:
+                    raise ModelControlError(f"{model!r} still unloading after {timeout_s:g} s")
+                await asyncio.sleep(0.01)
+        except grpc.aio.AioRpcError as exc:
+            raise ModelControlError(
+                f"unloading {model!r} failed: {exc.details() or exc.code().name}"
+            ) from exc
+        self._specs.pop(model, None)
+        self._ready_models[model] = False
+
+    async def repository_index(self) -> list[tuple[str, str, str]]:
+        """(name, version, state) of every model in the repository, as Triton reports them."""
+        reply = await self.stub.RepositoryIndex(
+            service_pb2.RepositoryIndexRequest(), timeout=5.0, metadata=self._repository_metadata
+        )
+        return [(m.name, m.version, m.state) for m in reply.models]
 
     # -------------------------------------------------------------- inference
 

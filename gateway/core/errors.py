@@ -13,7 +13,9 @@ caller: they never name another tenant, a backend address or payload bytes.
     ├── PermissionDenied         PERMISSION_DENIED model/cell/class not allowed, admin RPC
     ├── InvalidArgument          INVALID_ARGUMENT  bad shape, dtype, parameter, size
     ├── NotFound                 NOT_FOUND         unknown model (or one the tenant may not see)
+    ├── AlreadyExists            ALREADY_EXISTS    an idempotency key reused for a different request
     ├── ResourceExhausted        RESOURCE_EXHAUSTED quota, overload shedding, queue full
+    ├── FailedPrecondition       FAILED_PRECONDITION an admin operation the state does not allow
     ├── DeadlineInfeasible       DEADLINE_EXCEEDED predicted completion misses the deadline
     ├── Unavailable              UNAVAILABLE       no warm compatible backend, backend down
     ├── Cancelled                CANCELLED         the caller went away
@@ -61,6 +63,17 @@ class NotFound(GatewayError):
     status = "NOT_FOUND"
 
 
+class AlreadyExists(GatewayError):
+    status = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(GatewayError):
+    """An admin operation the current state does not allow (e.g. a rollout whose two versions
+    do not fit, or a promote while nothing is rolling out)."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class ResourceExhausted(GatewayError):
     status = "RESOURCE_EXHAUSTED"
 
@@ -106,7 +119,9 @@ _BY_STATUS: Mapping[str, type[GatewayError]] = {
     "PERMISSION_DENIED": PermissionDenied,
     "INVALID_ARGUMENT": InvalidArgument,
     "NOT_FOUND": NotFound,
+    "ALREADY_EXISTS": AlreadyExists,
     "RESOURCE_EXHAUSTED": ResourceExhausted,
+    "FAILED_PRECONDITION": FailedPrecondition,
     "DEADLINE_EXCEEDED": DeadlineInfeasible,
     "UNAVAILABLE": Unavailable,
     "CANCELLED": Cancelled,

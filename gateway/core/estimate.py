@@ -31,13 +31,20 @@ Both factors are bounded to [``MIN_FACTOR``, ``MAX_FACTOR``], and one
 observation may move an estimate by at most 2x (a robust, Huber-like step), so
 one absurd observation (a stalled backend, a cold start) cannot poison
 admission; a real change still converges, a factor of 2 per observation.
+
+A fleet of replicas learns together (``gateway/state/estimator_sync.py``): each replica's
+own means (``learned``) are exchanged, and ``merge_fleet`` hands a replica the others'. A
+correction is then the weighted mean of its own history and every other replica's, each
+aged by the same half-life, against the same prior: with no other replica it is exactly
+the replica's own. Only a replica's own observations move its own means (no echo).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from gateway.core.profile import DemandProfile
 from gateway.core.record import Demand, Shape
@@ -93,6 +100,20 @@ class _Ewma:
     samples: int
 
 
+@dataclass(frozen=True, slots=True)
+class LearnedCorrection:
+    """One learned mean as replicas exchange it: ``log_mean`` with ``weight`` as of ``at``.
+
+    ``kind`` ``model``: ``key`` is (model, version, bucket); ``tenant``: (tenant, model)."""
+
+    kind: Literal["model", "tenant"]
+    key: tuple[str, ...]
+    log_mean: float
+    weight: float
+    at: float
+    samples: int
+
+
 def _clamp(value: float) -> float:
     return min(MAX_FACTOR, max(MIN_FACTOR, value))
 
@@ -108,6 +129,9 @@ class Estimator:
         self.half_life_s = half_life_s
         self._models: dict[CorrectionKey, _Ewma] = {}
         self._tenants: dict[tuple[str, str], _Ewma] = {}
+        # Other replicas' means (``merge_fleet``): (log_mean, weight, as of), per key.
+        self._fleet_models: dict[CorrectionKey, list[tuple[float, float, float]]] = {}
+        self._fleet_tenants: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
 
     def _weight(self, entry: _Ewma, now: float) -> float:
         return entry.weight * math.pow(0.5, max(0.0, now - entry.updated_at) / self.half_life_s)
@@ -120,11 +144,27 @@ class Estimator:
         weight = self._weight(entry, now)
         return entry.log_mean * weight / (weight + _PRIOR_WEIGHT)
 
+    def _combined(
+        self, entry: _Ewma | None, fleet: list[tuple[float, float, float]] | None, now: float
+    ) -> float:
+        """Own and the fleet's means, each aged, against the prior (``_aged`` when alone)."""
+        if not fleet:
+            return self._aged(entry, now)
+        total, weights = 0.0, _PRIOR_WEIGHT
+        if entry is not None:
+            weight = self._weight(entry, now)
+            total, weights = entry.log_mean * weight, weights + weight
+        for log_mean, weight, at in fleet:
+            aged = weight * math.pow(0.5, max(0.0, now - at) / self.half_life_s)
+            total, weights = total + log_mean * aged, weights + aged
+        return total / weights
+
     def model_correction(self, key: CorrectionKey, now: float) -> float:
-        return _clamp(math.exp(self._aged(self._models.get(key), now)))
+        return _clamp(math.exp(self._combined(self._models.get(key), self._fleet_models.get(key), now)))
 
     def tenant_factor(self, tenant: str, model: str, now: float) -> float:
-        factor = _clamp(math.exp(self._aged(self._tenants.get((tenant, model)), now)))
+        key = (tenant, model)
+        factor = _clamp(math.exp(self._combined(self._tenants.get(key), self._fleet_tenants.get(key), now)))
         return factor if factor >= TENANT_PENALTY_FROM else 1.0
 
     def correction(self, key: CorrectionKey, tenant: str, now: float) -> float:
@@ -146,6 +186,36 @@ class Estimator:
         # others sharing the model keeps a factor above 1.
         residual = observed_ms / (base_ms * self.model_correction(key, now))
         self._update(self._tenants, (tenant, key.model), math.log(_clamp(residual)), now)
+
+    def learned(self, now: float) -> list[LearnedCorrection]:
+        """This replica's own means, their weights aged to ``now`` (for the fleet)."""
+        out = [
+            LearnedCorrection(
+                "model", (k.model, k.version, k.bucket), e.log_mean, self._weight(e, now), now, e.samples
+            )
+            for k, e in self._models.items()
+        ]
+        out += [
+            LearnedCorrection("tenant", k, e.log_mean, self._weight(e, now), now, e.samples)
+            for k, e in self._tenants.items()
+        ]
+        return out
+
+    def merge_fleet(self, corrections: Iterable[LearnedCorrection]) -> None:
+        """Replace the other replicas' means with ``corrections`` (``at`` on this replica's clock).
+        Bounded like the own tables: keys come from configuration and tenants seen."""
+        models: dict[CorrectionKey, list[tuple[float, float, float]]] = {}
+        tenants: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for c in corrections:
+            if not (math.isfinite(c.log_mean) and math.isfinite(c.weight) and c.weight > 0):
+                continue
+            log_mean = min(math.log(MAX_FACTOR), max(math.log(MIN_FACTOR), c.log_mean))
+            value = (log_mean, c.weight, c.at)
+            if c.kind == "model" and len(c.key) == 3:
+                models.setdefault(CorrectionKey(*c.key), []).append(value)
+            elif c.kind == "tenant" and len(c.key) == 2:
+                tenants.setdefault((c.key[0], c.key[1]), []).append(value)
+        self._fleet_models, self._fleet_tenants = models, tenants
 
     def _update(self, table: dict[_K, _Ewma], key: _K, log_ratio: float, now: float) -> None:
         entry = table.get(key)

@@ -17,6 +17,13 @@ request only once its own tenant's quota, concurrency limit, entitlement and
 policy would let it in (or it was refused by the ladder itself, or for want of
 capacity). A flooder's arrivals that its own quota refuses are that tenant's
 problem, not the pool's load.
+
+A fleet of replicas (``gateway/state/fleet_load.py``) decides on the fleet's sum: with
+``offers`` set, every offered sample is also kept there for the fleet to publish, and the
+other replicas' samples are added to the same windows (``add_remote_offer``), so each
+replica's ladder and plan read the fleet's offered demand. ``capacity_share`` is the part
+of the pool's devices the ladder plans for: 1 alone or with fresh fleet evidence, 1/N
+while a replica decides on its own demand only (fleet evidence stale).
 """
 
 from __future__ import annotations
@@ -112,6 +119,9 @@ class PoolLoad:
     # Modeled quality lost per capped / fallback answer (set from the route's evidence).
     reduce_quality_loss: float = 0.0
     fallback_quality_loss: float = 0.0
+    # Fleet (see the module docstring): samples to publish, and this replica's capacity share.
+    offers: list[tuple[float, FlowKey, float]] | None = None
+    capacity_share: float = 1.0
 
     def __post_init__(self) -> None:
         self.ladder = OverloadLadder(self.config)
@@ -134,6 +144,14 @@ class PoolLoad:
 
     def offer(self, now: float, flow: FlowLoad, accelerator_ms: float) -> None:
         """Admissible work arrived: it counts toward the pool's and the flow's offered demand."""
+        self.demand.add(now, accelerator_ms)
+        flow.demand.add(now, accelerator_ms)
+        if self.offers is not None:
+            self.offers.append((now, flow.key, accelerator_ms))
+
+    def add_remote_offer(self, now: float, flow: FlowLoad, accelerator_ms: float) -> None:
+        """Another replica's offered sample (at ``now`` on this replica's clock): counted in the
+        pool's and the flow's offered demand like a local one, and not published again."""
         self.demand.add(now, accelerator_ms)
         flow.demand.add(now, accelerator_ms)
 
@@ -159,7 +177,9 @@ class PoolLoad:
 
     def gather(self, now: float, queue: DispatchQueue, *, healthy: bool, evidence_at: float) -> LadderState:
         healthy_devices = self.devices if healthy else 0
-        capacity = protected_capacity_ms_per_s(healthy_devices, self.protected_utilization)
+        capacity = (
+            protected_capacity_ms_per_s(healthy_devices, self.protected_utilization) * self.capacity_share
+        )
         spans = tuple(span for span in DEFAULT_SPANS_S if span <= self.demand.window_s)
         # The backend is the bottleneck when admitted work (priced as it runs, corrected by
         # observed work) keeps its devices at least SATURATED of their raw time busy.
@@ -186,7 +206,11 @@ class PoolLoad:
         if state.changed:
             log.warning("pool %s ladder step -> %d: %s", self.name, state.step, state.reason)
         self._plan(
-            now, healthy_devices * MS_PER_S * max(self.config.plan_utilization, self.protected_utilization)
+            now,
+            healthy_devices
+            * MS_PER_S
+            * max(self.config.plan_utilization, self.protected_utilization)
+            * self.capacity_share,
         )
         return state
 

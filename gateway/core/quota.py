@@ -92,7 +92,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -109,14 +109,17 @@ __all__ = [
     "RULE_MAX_INPUT_TOKENS",
     "RULE_MAX_OUTPUT_TOKENS",
     "RULE_QUEUED_WORK",
+    "AccountTerms",
     "ClassShareConfig",
     "Outstanding",
+    "QuotaAccounts",
     "QuotaConfig",
     "QuotaLedger",
     "QuotaSettings",
     "QuotaView",
     "Reservation",
     "Settlement",
+    "quota_refusal",
 ]
 
 POOL_TENANT: Final = "*"  # account name of a class's shared default pool; not a valid tenant name
@@ -186,6 +189,52 @@ class QuotaSettings(_Strict):
             raise ValueError(f"tenant name {POOL_TENANT!r} is reserved for a class's default pool")
         self.resolved_rates()  # raises ValueError when a weighted rate cannot be derived
         return self
+
+    def scaled(self, fraction: float) -> QuotaSettings:
+        """These settings with every rate, burst and limit times ``fraction`` (0 < fraction <= 1).
+
+        One replica's share of a fleet's quotas (``fraction`` = 1/N) when the replicas cannot
+        share one ledger: N such ledgers together grant at most what one grants. Counts
+        (``max_concurrent``) round down but stay at least 1; length caps are not shares."""
+        if not (0 < fraction <= 1):
+            raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+
+        def part(value: float | None) -> float | None:
+            return None if value is None else value * fraction
+
+        def account(config: QuotaConfig) -> QuotaConfig:
+            concurrent = config.max_concurrent
+            return config.model_copy(
+                update={
+                    "accelerator_ms_per_s": part(config.accelerator_ms_per_s),
+                    "burst_ms": part(
+                        config.burst_ms
+                        if config.burst_ms is not None or config.accelerator_ms_per_s is None
+                        else DEFAULT_BURST_S * config.accelerator_ms_per_s
+                    ),
+                    "live_token_ms_per_s": part(config.live_token_ms_per_s),
+                    "live_token_burst_ms": part(config.live_token_burst_ms),
+                    "max_concurrent": None if concurrent is None else max(1, int(concurrent * fraction)),
+                    "max_queued_ms": part(config.max_queued_ms),
+                }
+            )
+
+        return QuotaSettings(
+            classes={
+                name: share.model_copy(
+                    update={
+                        "accelerator_ms_per_s": share.accelerator_ms_per_s * fraction,
+                        "burst_ms": part(share.burst_ms),
+                        "default": None if share.default is None else account(share.default),
+                    }
+                )
+                for name, share in self.classes.items()
+            },
+            tenants={
+                tenant: {request_class: account(c) for request_class, c in per_class.items()}
+                for tenant, per_class in self.tenants.items()
+            },
+        )
 
     def resolved_rates(self) -> dict[tuple[str, str], float]:
         """Accelerator-ms/s of every account, weighted ones derived from their class share."""
@@ -287,6 +336,95 @@ class QuotaView:
     max_queued_ms: float | None
     max_input_tokens: int | None
     max_output_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class AccountTerms:
+    """One account's resolved buckets and limits: what a shared store's script applies.
+
+    ``tenant`` is the account's name (``"*"`` for a class's default pool). ``metered=False``:
+    no bucket of its own (only the class share, if any, is debited). ``class_rate_ms_per_s``
+    is ``None`` when the request class has no share. Unset limits are ``None``."""
+
+    tenant: str
+    request_class: str
+    metered: bool
+    pooled: bool
+    rate_ms_per_s: float
+    capacity_ms: float
+    live_token_rate_ms_per_s: float | None
+    live_token_capacity_ms: float | None
+    borrow_limit_ms: float
+    max_concurrent: int | None
+    max_queued_ms: float | None
+    class_rate_ms_per_s: float | None
+    class_capacity_ms: float | None
+
+
+class QuotaAccounts(Protocol):
+    """What closing a reservation needs of a quota ledger (``settlement`` uses this): the
+    in-memory ``QuotaLedger`` and a shared store that applies the same rules elsewhere."""
+
+    def start(self, reservation: Reservation, *, now: float) -> bool: ...
+
+    def settle(
+        self,
+        reservation: Reservation,
+        *,
+        charged_ms: float,
+        charged_live_token_ms: float | None = None,
+        now: float,
+    ) -> Settlement | None: ...
+
+    def release(self, reservation: Reservation, *, now: float) -> Settlement | None: ...
+
+
+def quota_refusal(
+    terms: AccountTerms,
+    rule: str,
+    retry_after_ms: int,
+    *,
+    need: float = 0.0,
+    level: float = 0.0,
+    open_count: int = 0,
+    queued_ms: float = 0.0,
+) -> ResourceExhausted:
+    """The refusal for ``rule`` on this account: one wording whichever ledger decided.
+
+    ``need``/``level`` are the bucket's (accelerator-ms or live-token-ms by ``rule``);
+    ``open_count`` for the concurrency rule, ``queued_ms`` for the queued-work rule. A
+    default pool's refusal carries no numbers: they are other tenants' numbers too."""
+    cls = terms.request_class
+    if rule == RULE_ACCELERATOR_MS:
+        message = (
+            f"the shared accelerator-ms quota of class {cls!r} is exhausted"
+            if terms.pooled
+            else f"accelerator-ms quota of class {cls!r} exhausted: the request needs "
+            f"{need:.1f} ms, {level:.1f} ms available, refill {terms.rate_ms_per_s:g} ms/s"
+        )
+    elif rule == RULE_LIVE_TOKEN_MS:
+        message = (
+            f"the shared live-token-ms quota of class {cls!r} is exhausted"
+            if terms.pooled
+            else f"live-token-ms quota of class {cls!r} exhausted: the request needs "
+            f"{need:.0f}, {level:.0f} available, refill {terms.live_token_rate_ms_per_s or 0.0:g}/s"
+        )
+    elif rule == RULE_CONCURRENCY:
+        message = (
+            f"the shared concurrency limit of class {cls!r} is reached"
+            if terms.pooled
+            else f"{open_count} requests of class {cls!r} are open (limit {terms.max_concurrent})"
+        )
+    elif rule == RULE_QUEUED_WORK:
+        message = (
+            f"the shared queued-work limit of class {cls!r} is reached"
+            if terms.pooled
+            else f"{queued_ms:.1f} accelerator-ms of class {cls!r} already queued "
+            f"(limit {terms.max_queued_ms or 0.0:g} ms)"
+        )
+    else:
+        raise ValueError(f"not a quota refusal rule: {rule!r}")
+    return ResourceExhausted(message, rule=rule, retry_after_ms=retry_after_ms)
 
 
 # --------------------------------------------------------------------------- internal state
@@ -424,6 +562,40 @@ class QuotaLedger:
     def accounts(self) -> tuple[tuple[str, str], ...]:
         """(tenant, request class) of every account with state; ``"*"`` names a default pool."""
         return tuple(self._accounts)
+
+    def terms(self, tenant: str, request_class: str) -> AccountTerms:
+        """The account a (tenant, class) request draws on, resolved: its name and numbers."""
+        account = self._account_for(tenant, request_class)
+        parent = self._classes.get(request_class)
+        class_rate = parent.rate_ms_per_s if parent is not None else None
+        class_capacity = parent.capacity_ms if parent is not None else None
+        if account is None:
+            return AccountTerms(
+                tenant, request_class, False, False, 0.0, 0.0, None, None, 0.0, None, None,
+                class_rate, class_capacity,
+            )  # fmt: skip
+        live = account.live_token
+        return AccountTerms(
+            tenant=account.tenant,
+            request_class=request_class,
+            metered=True,
+            pooled=account.pooled,
+            rate_ms_per_s=account.accelerator.rate_ms_per_s,
+            capacity_ms=account.accelerator.capacity_ms,
+            live_token_rate_ms_per_s=live.rate_ms_per_s if live is not None else None,
+            live_token_capacity_ms=live.capacity_ms if live is not None else None,
+            borrow_limit_ms=account.borrow_limit_ms,
+            max_concurrent=account.config.max_concurrent,
+            max_queued_ms=account.config.max_queued_ms,
+            class_rate_ms_per_s=class_rate,
+            class_capacity_ms=class_capacity,
+        )
+
+    def check_lengths(self, tenant: str, request_class: str, input_tokens: int, output_tokens: int) -> None:
+        """Raise ``PermissionDenied`` for a context or output over the account's length caps."""
+        account = self._account_for(tenant, request_class)
+        if account is not None:
+            self._check_lengths(account, input_tokens, output_tokens)
 
     # ------------------------------------------------------------------ admission
 
@@ -716,19 +888,30 @@ class QuotaLedger:
             return None
         return borrowed
 
+    def _refusal(
+        self,
+        account: _Account,
+        rule: str,
+        wait: int,
+        *,
+        need: float = 0.0,
+        level: float = 0.0,
+        open_count: int = 0,
+        queued_ms: float = 0.0,
+    ) -> _Refusal:
+        terms = self.terms(account.tenant, account.request_class)
+        error = quota_refusal(
+            terms, rule, wait, need=need, level=level, open_count=open_count, queued_ms=queued_ms
+        )
+        return _Refusal(rule, wait, error.message)
+
     def _accelerator_refusal(self, account: _Account, demand_ms: float) -> _Refusal:
         bucket = account.accelerator
         need = bucket.need_for(demand_ms)
         # Waiting for the own bucket is an upper bound: by then the guarantee alone covers it.
-        wait = bucket.wait_ms(need)
-        if account.pooled:
-            message = f"the shared accelerator-ms quota of class {account.request_class!r} is exhausted"
-        else:
-            message = (
-                f"accelerator-ms quota of class {account.request_class!r} exhausted: the request needs "
-                f"{need:.1f} ms, {bucket.level_ms:.1f} ms available, refill {bucket.rate_ms_per_s:g} ms/s"
-            )
-        return _Refusal(RULE_ACCELERATOR_MS, wait, message)
+        return self._refusal(
+            account, RULE_ACCELERATOR_MS, bucket.wait_ms(need), need=need, level=bucket.level_ms
+        )
 
     def _live_token_refusal(self, account: _Account, live_token_ms: float) -> _Refusal | None:
         bucket = account.live_token
@@ -737,14 +920,9 @@ class QuotaLedger:
         need = bucket.need_for(live_token_ms)
         if bucket.covers(need):
             return None
-        if account.pooled:
-            message = f"the shared live-token-ms quota of class {account.request_class!r} is exhausted"
-        else:
-            message = (
-                f"live-token-ms quota of class {account.request_class!r} exhausted: the request needs "
-                f"{need:.0f}, {bucket.level_ms:.0f} available, refill {bucket.rate_ms_per_s:g}/s"
-            )
-        return _Refusal(RULE_LIVE_TOKEN_MS, bucket.wait_ms(need), message)
+        return self._refusal(
+            account, RULE_LIVE_TOKEN_MS, bucket.wait_ms(need), need=need, level=bucket.level_ms
+        )
 
     def _concurrency_refusal(self, account: _Account, now: float) -> _Refusal | None:
         limit = account.config.max_concurrent
@@ -763,12 +941,7 @@ class QuotaLedger:
                     remaining = demand
             soonest = min(soonest, remaining)
         wait = max(1, math.ceil(soonest)) if math.isfinite(soonest) else 1
-        if account.pooled:
-            message = f"the shared concurrency limit of class {account.request_class!r} is reached"
-        else:
-            open_count = len(account.open_ids)
-            message = f"{open_count} requests of class {account.request_class!r} are open (limit {limit})"
-        return _Refusal(RULE_CONCURRENCY, wait, message)
+        return self._refusal(account, RULE_CONCURRENCY, wait, open_count=len(account.open_ids))
 
     def _queued_work_refusal(self, account: _Account, demand_ms: float) -> _Refusal | None:
         limit = account.config.max_queued_ms
@@ -779,14 +952,7 @@ class QuotaLedger:
         # it drains at least at the tenant's own rate under a share-aware scheduler.
         excess = min(queued, queued + demand_ms - limit)
         wait = max(1, math.ceil((excess - _EPSILON_MS) / account.accelerator.rate_ms_per_s * 1000.0))
-        if account.pooled:
-            message = f"the shared queued-work limit of class {account.request_class!r} is reached"
-        else:
-            message = (
-                f"{queued:.1f} accelerator-ms of class {account.request_class!r} already queued "
-                f"(limit {limit:g} ms)"
-            )
-        return _Refusal(RULE_QUEUED_WORK, wait, message)
+        return self._refusal(account, RULE_QUEUED_WORK, wait, queued_ms=queued)
 
     def _check_lengths(self, account: _Account, input_tokens: int, output_tokens: int) -> None:
         config = account.config

@@ -11,7 +11,7 @@ or was cancelled: by what it held if it started, a full refund if it never did.
 from __future__ import annotations
 
 from gateway.core.estimate import CorrectionKey, Estimator, charged_live_token_ms
-from gateway.core.quota import QuotaLedger, Reservation
+from gateway.core.quota import QuotaAccounts, Reservation
 from gateway.core.record import Decision, Outcome, RequestRecord
 
 
@@ -26,7 +26,7 @@ def settle(
     reservation: Reservation,
     correction_key: CorrectionKey,
     *,
-    quotas: QuotaLedger,
+    quotas: QuotaAccounts,
     estimator: Estimator,
     backend_model: str,
     queue_ms: float,
@@ -65,7 +65,7 @@ def settle(
     )
 
 
-def abandon(quotas: QuotaLedger, reservation: Reservation, *, started: float | None, now: float) -> None:
+def abandon(quotas: QuotaAccounts, reservation: Reservation, *, started: float | None, now: float) -> None:
     """A request that failed or was cancelled: settle quota by what it held, or refund all."""
     if started is None:
         quotas.release(reservation, now=now)

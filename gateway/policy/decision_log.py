@@ -36,6 +36,7 @@ class DecisionLogEntry:
     tenant: str
     request_class: str
     model: str
+    model_version: str  # the version that serves it (a rollout's candidate label on a canary)
     policy_version: str
     outcome: str  # "allow" | "deny", or the admission verdict when the caller passes one
     status: str
@@ -56,6 +57,7 @@ class DecisionLogEntry:
             "tenant": self.tenant,
             "class": self.request_class,
             "model": self.model,
+            "model_version": self.model_version,
             "policy_version": self.policy_version,
             "outcome": self.outcome,
             "status": self.status,
@@ -94,6 +96,7 @@ def decision_entry(
         tenant=identity.tenant,
         request_class=identity.request_class,
         model=identity.model,
+        model_version=identity.model_version,
         policy_version=result.policy_version,
         outcome=outcome or result.outcome,
         status=result.status,

@@ -18,7 +18,15 @@ the *padded* shape (compute-bound), decode once per step for the whole batch
 is expensive and batching equal short shapes is cheap.
 
 Environment:
-    ORCHID_TIME_FACTOR   multiplies every sleep (tests use ~0.05; default 1.0)
+    ORCHID_TIME_FACTOR   multiplies every sleep (tests use ~0.05; default 1.0); a model's
+                         optional config parameter ``time_factor_scale`` multiplies it again
+                         for that model alone (a slower candidate version, for rollout tests)
+    ORCHID_FAULT_DIR     optional: forced allocation failures, for rehearsing a version
+                         change. A file ``<model>.fail_load`` there makes loading that model
+                         fail with ``CUDA out of memory`` (Triton reports the load failed); a
+                         file ``<model>.fail_execute`` holding a number N makes every execution
+                         of it after its first N fail the same way (0: from the first). Read at
+                         load (fail_load) and at each execution (fail_execute).
     ORCHID_DEVICE_DIR    optional: emulate a fleet shared by several models. Every
                          model's instances then execute on ORCHID_DEVICES (default 4)
                          emulated devices, one lock file each in this directory: a
@@ -220,6 +228,36 @@ class SharedDevices:
             fcntl.flock(held, fcntl.LOCK_UN)
 
 
+class Faults:
+    """Forced allocation failures of one model (``ORCHID_FAULT_DIR``; see the module docstring)."""
+
+    def __init__(self, model: str) -> None:
+        directory = os.environ.get("ORCHID_FAULT_DIR", "")
+        self.load_file = os.path.join(directory, f"{model}.fail_load") if directory else ""
+        self.execute_file = os.path.join(directory, f"{model}.fail_execute") if directory else ""
+        self.executions = 0
+
+    def check_load(self) -> None:
+        if self.load_file and os.path.exists(self.load_file):
+            raise pb_utils.TritonModelException(
+                "CUDA out of memory loading weights (forced allocation failure: ORCHID_FAULT_DIR)"
+            )
+
+    def execution_error(self) -> str | None:
+        """The allocation failure this execution meets, or None (counts the execution)."""
+        self.executions += 1
+        if not self.execute_file:
+            return None
+        try:
+            with open(self.execute_file, encoding="utf-8") as handle:
+                after = int(handle.read().strip() or "0")
+        except (OSError, ValueError):
+            return None
+        if self.executions <= after:
+            return None
+        return "CUDA out of memory. Tried to allocate live sequence state (forced allocation failure)"
+
+
 class _Emulator:
     """What both emulators read at load: the cost profile, the time factor, shared devices."""
 
@@ -227,7 +265,10 @@ class _Emulator:
         config = json.loads(args["model_config"])
         self.profile = CostProfile.from_model_config(config)
         self.memory = DeviceMemory.from_model_config(config)
-        self.time_factor = time_factor()
+        self.faults = Faults(str(config.get("name", args.get("model_name", ""))))
+        self.faults.check_load()
+        scale = config.get("parameters", {}).get("time_factor_scale", {}).get("string_value", "1")
+        self.time_factor = time_factor() * float(scale)
         self.devices = SharedDevices.from_env(str(args.get("model_instance_name", "")))
 
     def _device(self) -> AbstractContextManager[None]:
@@ -253,6 +294,12 @@ class BatchEmulator(_Emulator):
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
                 continue
             work.append((i, request, ids, n_out))
+        forced = self.faults.execution_error() if work else None
+        if forced is not None:
+            pb_utils.Logger.log_error(forced)
+            for i, _, _, _ in work:
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(forced))
+            work = []
         if work and self.memory is not None:
             rows = sum(ids.shape[0] if ids.ndim == 2 else 1 for _, _, ids, _ in work)
             failure = self.memory.allocation_error(

@@ -1,0 +1,346 @@
+"""Rehearse a version change on the example stack under load (issue 16's seed).
+
+What it does
+    Starts ``orchid-gateway serve`` on the example stack with its local Triton in explicit
+    model-control mode (full-v18, compact-v11 and the kestrel/stream models loaded; the
+    candidate full-v19 not, and deployed with 4 instances like full-v18 in a copy of the
+    repository), the emulator's forced-failure directory (``ORCHID_FAULT_DIR``) set, and
+    ``rollouts/full-v19.yaml`` declared. Open-loop Poisson traffic runs throughout
+    (tenants orchid and lumen, 85 % short 256/64 and 15 % long 4,096/64 requests, a share of
+    lumen's marked ``orchid.risk_class: regulated``: the high-risk cohort). Then:
+
+    1. the rollout starts: full-v19 is loaded and warmed while full-v18 serves the traffic;
+    2. shadow of short interactive requests, then a canary of the high-risk cohorts;
+    3. once the canary serves, an allocation failure is forced on full-v19 (its next
+       execution fails ``CUDA out of memory``): the gateway answers the failed canary from
+       full-v18, rolls back at once, drains and unloads full-v19;
+    4. the fault is cleared and the same rollout runs again to the end: promotion, the old
+       version drains and is unloaded; the report gives the time until it could be removed.
+
+    Prints the timeline (gateway-side, from the rollout reports) and, per phase, the
+    requests, refusals, failures and the on-time attainment of admitted work (answered
+    within the deadline / answered), the target being >= 99 %.
+
+Usage
+    python bench/rehearsal.py [--rate 120] [--time-factor 0.1] [--deadline-ms 200] [--seed 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc.aio as aioclient
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from gateway.backends.local import free_port
+from orchid_tools.evidence import publish_evidence
+from orchid_tools.rollout import rollout_call
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "orchid"
+KEYS = {"orchid": "orchid-demo-key-orchid", "lumen": "orchid-demo-key-lumen"}
+ADMIN_KEY = "orchid-demo-key-ops"
+CANDIDATE = "full-v19"
+
+
+@dataclass
+class Answer:
+    sent: float
+    latency_s: float
+    status: str  # "OK" or the gRPC status
+    version: str = ""
+    reason: str = ""
+
+
+def write_config(work: Path, args: argparse.Namespace, port: int) -> Path:
+    config = yaml.safe_load((EXAMPLE / "gateway.yaml").read_text())
+    config["listen"] = f"127.0.0.1:{port}"
+    config["tenants_file"] = str(EXAMPLE / "tenants.yaml")
+    config["routes_dir"] = str(ROOT / "routes")
+    config["policies_dir"] = str(ROOT / "policies")
+    config["rollouts_dir"] = str(ROOT / "rollouts")
+    local = config["local_triton"]
+    # The example repository, with the candidate deployed at full size: as many instances
+    # (devices) as full-v18, so that it may take the whole route when promoted.
+    repository = work / "repo" / "model_repository"
+    shutil.copytree(EXAMPLE / "model_repository", repository, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        EXAMPLE / "emulator", work / "repo" / "emulator", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    candidate = repository / CANDIDATE / "config.pbtxt"
+    candidate.write_text(
+        candidate.read_text().replace("count: 1, kind: KIND_CPU", "count: 4, kind: KIND_CPU")
+    )
+    local["model_repository"] = str(repository)
+    local["time_factor"] = args.time_factor
+    local["model_control"] = "explicit"
+    local["load_models"] = ["full-v18", "compact-v11", "full-v18-kestrel", "full-v18-stream"]
+    path = work / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+async def one_request(
+    client: aioclient.InferenceServerClient, t0: float, rng: random.Random, args: Any
+) -> Answer:
+    tenant = "orchid" if rng.random() < 0.5 else "lumen"
+    tokens = 4096 if rng.random() < 0.15 else 256
+    params: dict[str, Any] = {"orchid.max_output_tokens": 64}
+    if tenant == "lumen" and rng.random() < 0.2:
+        params["orchid.risk_class"] = "regulated"
+    tensor = aioclient.InferInput("INPUT_IDS", [1, tokens], "INT32")
+    tensor.set_data_from_numpy((np.arange(tokens, dtype=np.int32) % 1000).reshape(1, tokens))
+    sent = time.monotonic()
+    try:
+        result = await client.infer(
+            "full-v18",
+            [tensor],
+            headers={"authorization": f"Bearer {KEYS[tenant]}"},
+            parameters=params,
+            client_timeout=args.deadline_ms / 1000.0,
+        )
+    except InferenceServerException as exc:
+        match = re.match(r"\[StatusCode\.(\w+)\]", str(exc))
+        return Answer(sent - t0, time.monotonic() - sent, match.group(1) if match else "ERROR")
+    p = result.get_response().parameters
+    return Answer(
+        sent - t0,
+        time.monotonic() - sent,
+        "OK",
+        p["orchid.model_version"].string_param,
+        p["orchid.route_reason"].string_param,
+    )
+
+
+async def traffic(address: str, t0: float, stop: asyncio.Event, answers: list[Answer], args: Any) -> None:
+    rng = random.Random(args.seed)
+    pending: set[asyncio.Task[Answer]] = set()
+    async with aioclient.InferenceServerClient(address) as client:
+        next_at = time.monotonic()
+        while not stop.is_set():
+            next_at += rng.expovariate(args.rate)
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one_request(client, t0, rng, args))
+            pending.add(task)
+            task.add_done_callback(lambda done: (pending.discard(done), answers.append(done.result())))
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def status(address: str, name: str) -> tuple[str, dict[str, Any]]:
+    reply = await asyncio.to_thread(rollout_call, address, ADMIN_KEY, "status", name)
+    return reply.phase, json.loads(reply.report_json)
+
+
+async def rehearse(
+    address: str, faults: Path, t0: float, events: list[tuple[float, str]], args: Any
+) -> list[Any]:
+    """The seed's sequence; returns both rollout reports (with their start offsets)."""
+
+    def mark(text: str) -> None:
+        events.append((time.monotonic() - t0, text))
+
+    reports: list[Any] = []
+    # The candidate's quality evidence (the rollout's quality_score_drop guardrail reads it).
+    await asyncio.to_thread(
+        publish_evidence,
+        address,
+        ADMIN_KEY,
+        model="full-v18",
+        version="v19",
+        population="orchid-text-eval-2026q3",
+        score=0.91,
+        samples=800,
+        owner="rehearsal",
+        max_age_s=86400.0,
+    )
+    mark("published full-v19's evaluation: 0.91 on orchid-text-eval-2026q3 (full-v18: 0.92)")
+    await asyncio.sleep(args.baseline_s)
+    # 1-3: load, warm, shadow, canary the high-risk cohorts; force an allocation failure.
+    mark("rollout 1 started (peak traffic on full-v18)")
+    started = time.monotonic() - t0
+    await asyncio.to_thread(rollout_call, address, ADMIN_KEY, "start", "full-v19")
+    forced = False
+    while True:
+        phase, report = await status(address, "full-v19")
+        if phase == "canary" and not forced:
+            (faults / f"{CANDIDATE}.fail_execute").write_text("0")
+            forced = True
+            mark("forced allocation failure on full-v19 (its next execution fails)")
+        if phase in ("rolled_back", "aborted", "complete") and (
+            report.get("unload_s") is not None or phase == "complete"
+        ):
+            break
+        await asyncio.sleep(0.1)
+    reports.append((started, report))
+    (faults / f"{CANDIDATE}.fail_execute").unlink(missing_ok=True)
+    await asyncio.sleep(args.between_s)
+    # 4: the same rollout, fault cleared, to promotion and the old version's removal.
+    mark("rollout 2 started (fault cleared)")
+    started = time.monotonic() - t0
+    await asyncio.to_thread(rollout_call, address, ADMIN_KEY, "start", "full-v19")
+    while True:
+        phase, report = await status(address, "full-v19")
+        if phase in ("rolled_back", "aborted") and report.get("unload_s") is not None:
+            break
+        if phase == "complete":
+            break
+        await asyncio.sleep(0.1)
+    reports.append((started, report))
+    await asyncio.sleep(args.after_s)
+    mark("traffic stops")
+    return reports
+
+
+def attainment(answers: list[Answer], deadline_s: float) -> tuple[int, int, int, int, float]:
+    admitted = [a for a in answers if a.status == "OK"]
+    on_time = sum(1 for a in admitted if a.latency_s <= deadline_s)
+    refused = sum(1 for a in answers if a.status in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"))
+    failed = len(answers) - len(admitted) - refused
+    return len(answers), refused, failed, on_time, (on_time / len(admitted) * 100.0 if admitted else 100.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rate", type=float, default=120.0, help="requests per second (Poisson)")
+    parser.add_argument("--time-factor", type=float, default=0.1, help="the emulator's time factor")
+    parser.add_argument("--deadline-ms", type=float, default=200.0, help="every request's gRPC deadline")
+    parser.add_argument("--baseline-s", type=float, default=3.0, help="traffic before the rollout")
+    parser.add_argument("--between-s", type=float, default=2.0, help="traffic between the two rollouts")
+    parser.add_argument("--after-s", type=float, default=3.0, help="traffic after promotion")
+    parser.add_argument("--seed", type=int, default=16)
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="orchid-rehearsal-"))
+    faults = work / "faults"
+    faults.mkdir()
+    port = free_port()
+    config = write_config(work, args, port)
+    env = dict(os.environ, ORCHID_FAULT_DIR=str(faults))
+    binary = Path(sys.executable).parent / "orchid-gateway"
+    log = (work / "gateway.log").open("wb")
+    gateway = subprocess.Popen(
+        [str(binary), "serve", "--config", str(config), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        env=env,
+    )
+    try:
+        assert gateway.stdout is not None
+        line = gateway.stdout.readline().decode()
+        if "ready" not in line:
+            print(
+                f"gateway did not start: {line}\n{(work / 'gateway.log').read_text()[-2000:]}",
+                file=sys.stderr,
+            )
+            return 3
+        address = f"127.0.0.1:{port}"
+        answers: list[Answer] = []
+        events: list[tuple[float, str]] = []
+
+        async def run() -> list[Any]:
+            stop = asyncio.Event()
+            t0 = time.monotonic()
+            load = asyncio.create_task(traffic(address, t0, stop, answers, args))
+            try:
+                return await rehearse(address, faults, t0, events, args)
+            finally:
+                stop.set()
+                await load
+
+        reports = asyncio.run(run())
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+        log.close()
+    print_results(answers, events, reports, args)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def print_results(
+    answers: list[Answer], events: list[tuple[float, str]], reports: list[Any], args: Any
+) -> None:
+    timeline = list(events)
+    for number, (started, report) in enumerate(reports, 1):
+        for at, text in report["timeline"]:
+            timeline.append((started + at, f"[rollout {number}] {text}"))
+    timeline.sort()
+    # The mix's mean price (routes/orchid.yaml's full-v18 profile: 56.8 ms short, 440.8 ms long
+    # at 64 output tokens) against the protected envelope of full-v18's 4 devices at 70 %.
+    offered = args.rate * (0.85 * 56.8 + 0.15 * 440.8) * args.time_factor
+    print(
+        f"Rehearsal: {args.rate:g} req/s, time factor {args.time_factor:g}, deadline {args.deadline_ms:g} ms;"
+        f" offered {offered:.0f} device-ms/s = {offered / (4 * 700.0):.0%} of full-v18's protected envelope"
+    )
+    print("\nTimeline (s since traffic start)")
+    for at, text in timeline:
+        print(f"  {at:7.2f}  {text}")
+    # Phases: cut the run at the rollout events.
+    cuts = [(0.0, "baseline (full-v18 serves)")]
+    for number, (started, report) in enumerate(reports, 1):
+        rel = {text.split(":")[0]: started + at for at, text in report["timeline"]}
+        ready = report.get("ready_at_s")
+        cuts.append((started, f"rollout {number}: load + warm-up"))
+        if ready is not None:
+            cuts.append((started + ready, f"rollout {number}: shadow/canary"))
+        for key in ("rolled back", "promoted (all steps passed)"):
+            if key in rel:
+                cuts.append(
+                    (
+                        rel[key],
+                        f"rollout {number}: "
+                        + ("routed back, drain" if "rolled" in key else "promoted, old drains"),
+                    )
+                )
+        for at, text in report["timeline"]:
+            if text.startswith("retired version unloaded"):
+                cuts.append((started + at, f"rollout {number}: after unload"))
+    cuts.sort()
+    head = ("from s", 7), ("requests", 9), ("refused", 8), ("failed", 7), ("on time", 8), ("attain %", 9)
+    print(f"\n{'phase':40s} " + " ".join(f"{name:>{width}s}" for name, width in head))
+    deadline_s = args.deadline_ms / 1000.0
+    for index, (start, name) in enumerate(cuts):
+        end = cuts[index + 1][0] if index + 1 < len(cuts) else float("inf")
+        window = [a for a in answers if start <= a.sent < end]
+        if not window:
+            continue
+        n, refused, failed, on_time, pct = attainment(window, deadline_s)
+        print(f"{name:40s} {start:7.2f} {n:9d} {refused:8d} {failed:7d} {on_time:8d} {pct:9.2f}")
+    n, refused, failed, on_time, pct = attainment(answers, deadline_s)
+    print(f"{'whole run':40s} {0.0:7.2f} {n:9d} {refused:8d} {failed:7d} {on_time:8d} {pct:9.2f}")
+    versions: dict[str, int] = {}
+    for a in answers:
+        if a.status == "OK":
+            key = f"{a.version} ({a.reason})"
+            versions[key] = versions.get(key, 0) + 1
+    print(
+        "\nAnswers by version (route reason): " + ", ".join(f"{k}: {v}" for k, v in sorted(versions.items()))
+    )
+    for number, (_, report) in enumerate(reports, 1):
+        print(
+            f"rollout {number}: {report['phase']}"
+            + (f" ({report['reason']})" if report["reason"] else "")
+            + f"; load {report['load_s']} s, warm-up {report['warm_s']} s, retired version safe to remove "
+            f"{report['safe_to_remove_after_s']} s after the switch, unload {report['unload_s']} s, "
+            f"candidate memory high-water {report['memory_high_water']:.1%}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

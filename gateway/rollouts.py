@@ -1,0 +1,845 @@
+"""Rollouts at runtime: load, warm, shadow, canary, promote or roll back one version change.
+
+This module owns the I/O around the pure state machine ``gateway.core.rollout.Rollout``:
+
+* **Files** (``load_rollouts``, ``parse_rollout``): ``rollouts/*.yaml`` through the one
+  located-YAML reader, validated by the core's schema and cross-checked against the routes
+  and the gateway config (route, profiles, classes, risk classes, tenants, the route's
+  output), every problem a ``ConfigError`` at ``file:line:col``.
+* **Two-version memory** (``check_two_versions``): before anything loads, both versions'
+  replicas beside the runtime reserve must leave each device the declared live room; if
+  not, the rollout is refused with the rollback delay that would imply.
+* **Load and warm** (``RolloutController``): the candidate is loaded through Triton's
+  repository API (explicit model control), its manifest identity checked in the
+  repository index, then every declared warm-up shape is sent to it with its outputs
+  validated. Only then does the state machine let it serve.
+* **Routing** (``divert``, ``mirror``): the request path asks which version serves a request
+  (a canary: privacy-eligible, in a declared cohort, the candidate idle in the request's
+  cell); the shadow step mirrors matching requests off the caller's path.
+* **Evidence** (``settled``, ``candidate_failed``, ``quality_drop``): every finished request
+  of the route in the step's cohorts is a sample for its version (outputs of the candidate
+  checked against the declared checks); the published quality evaluations of both versions
+  are compared; a candidate's failure is retried on the
+  current version (the caller never sees it) and an allocation failure rolls back at once.
+* **Retirement**: after promotion the old version's in-flight and queued work drains, then
+  it is unloaded; after a rollback, the candidate's. The measured times are reported.
+
+Metrics: ``orchid_rollout_requests_total{rollout,version,outcome}``,
+``orchid_rollout_latency_seconds{rollout,version,kind}``, ``orchid_rollout_step{rollout}``,
+``orchid_rollout_memory_high_water{rollout}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+from pydantic import ValidationError
+from tritonclient.grpc import service_pb2
+
+from gateway import clock
+from gateway.backends.base import RepositoryControl
+from gateway.config import GatewayConfig, RouteConfig, RouteTable, TenantsFile
+from gateway.core import memory as device_memory
+from gateway.core.errors import ConfigError, FailedPrecondition, GatewayError, NotFound, Unavailable
+from gateway.core.evidence import EvidenceKey, judge
+from gateway.core.record import Mode, RequestRecord, Shape, Verdict
+from gateway.core.rollout import (
+    ACTIVE,
+    CANARY_REASON,
+    OutputCheck,
+    Phase,
+    RequestFacts,
+    Rollout,
+    RolloutSpec,
+    Sample,
+)
+from gateway.evidence import population
+from gateway.policy.metrics import get_or_create
+from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, parse_yaml
+
+if TYPE_CHECKING:
+    from gateway.auth import Tenant
+    from gateway.pipeline import Admitted, BackendHandle, Gateway, Settled
+    from gateway.scheduler import DispatchQueue
+
+log = logging.getLogger("orchid.rollout")
+
+LOAD_TIMEOUT_S = 120.0
+TICK_S = 0.05  # how often the analysis closes intervals and the drain is checked
+QUIET_S = 0.05  # a retired version is drained once its pools stayed empty this long
+ALLOCATION_FAILURE = "out of memory"  # what an allocation failure's message carries
+
+REQUESTS: Counter = get_or_create(
+    "orchid_rollout_requests",
+    lambda: Counter(
+        "orchid_rollout_requests",
+        "Requests of a route under rollout, in the current step's cohorts, by version and outcome "
+        "(ok, late, error, invalid_output, fell_back: chosen for the candidate, answered by current)",
+        ["rollout", "version", "outcome"],
+    ),
+)
+LATENCY: Histogram = get_or_create(
+    "orchid_rollout_latency_seconds",
+    lambda: Histogram(
+        "orchid_rollout_latency_seconds",
+        "First-result and completion latency of a route under rollout, by version",
+        ["rollout", "version", "kind"],
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0),
+    ),
+)
+STEP: Gauge = get_or_create(
+    "orchid_rollout_step",
+    lambda: Gauge(
+        "orchid_rollout_step",
+        "Step of the rollout (0 loading or warming; -1 rolled back or aborted; steps + 1 complete)",
+        ["rollout"],
+    ),
+)
+MEMORY_HIGH_WATER: Gauge = get_or_create(
+    "orchid_rollout_memory_high_water",
+    lambda: Gauge(
+        "orchid_rollout_memory_high_water",
+        "Peak share of the candidate's device live room held by its work",
+        ["rollout"],
+    ),
+)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _at(document: YamlDocument, loc: KeyPath, problem: str) -> ConfigError:
+    return ConfigError(document.location(loc), key_path(loc), problem)
+
+
+def parse_rollout(
+    document: YamlDocument, config: GatewayConfig, tenants: TenantsFile, routes: RouteTable
+) -> RolloutSpec:
+    """One rollout file, validated and cross-checked; ``ConfigError`` at ``file:line:col``."""
+    data = document.value()
+    if not isinstance(data, dict):
+        raise ConfigError(document.location(), "", "expected a mapping at the top level")
+    try:
+        spec = RolloutSpec.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        problem = errors[0]["msg"]
+        if len(errors) > 1:
+            problem += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        raise _at(document, errors[0]["loc"], problem) from exc
+    route = routes.models.get(spec.route)
+    if route is None:
+        raise _at(document, ("route",), f"unknown route {spec.route!r}")
+    if route.streaming:
+        raise _at(document, ("route",), "streaming routes cannot be rolled out yet (unary routes only)")
+    if spec.current.backend_model != route.backend_model:
+        raise _at(
+            document,
+            ("current", "backend_model"),
+            f"route {spec.route!r} runs {route.backend_model!r}, not {spec.current.backend_model!r}",
+        )
+    if route.version and spec.current.version != route.version:
+        raise _at(document, ("current", "version"), f"route {spec.route!r} runs version {route.version!r}")
+    for part in ("current", "candidate"):
+        ref = getattr(spec, part)
+        if ref.profile and ref.profile not in routes.profiles:
+            raise _at(document, (part, "profile"), f"unknown profile {ref.profile!r}")
+    for name in spec.warmup.outputs:
+        if name != "*" and not name:
+            raise _at(document, ("warmup", "outputs"), "an output needs a name")
+    for index, shape in enumerate(spec.warmup.shapes):
+        long = shape.input_tokens > route.shape.long_input_tokens
+        if long != (shape.bucket == "long"):
+            raise _at(
+                document,
+                ("warmup", "shapes", index, "input_tokens"),
+                f"{shape.input_tokens} input tokens is not in the {shape.bucket} bucket "
+                f"(long: over {route.shape.long_input_tokens})",
+            )
+        if shape.input_tokens > route.shape.max_input_tokens or shape.items > route.shape.max_items:
+            raise _at(document, ("warmup", "shapes", index), "larger than the route accepts")
+    for s, step in enumerate(spec.steps):
+        for c, cohort in enumerate(step.cohorts):
+            for field, known, label in (
+                ("classes", config.classes, "class"),
+                ("risk_classes", config.risk_classes, "risk class"),
+                ("tenants", tenants.tenants, "tenant"),
+            ):
+                for i, value in enumerate(getattr(cohort, field)):
+                    if value not in known:
+                        raise _at(
+                            document, ("steps", s, "cohorts", c, field, i), f"unknown {label} {value!r}"
+                        )
+    return spec
+
+
+def load_rollouts(
+    directory: Path, config: GatewayConfig, tenants: TenantsFile, routes: RouteTable
+) -> dict[str, RolloutSpec]:
+    """Every ``*.yaml`` in ``directory``; names unique."""
+    if not directory.is_dir():
+        raise ConfigError(str(directory), "", "rollouts directory does not exist")
+    specs: dict[str, RolloutSpec] = {}
+    for file in sorted(directory.glob("*.yaml")):
+        try:
+            text = file.read_text(encoding="utf-8")
+            document = parse_yaml(str(file), text)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(str(file), "", f"cannot read file: {exc}") from exc
+        except YamlError as exc:
+            raise ConfigError(exc.location, "", exc.problem) from exc
+        spec = parse_rollout(document, config, tenants, routes)
+        if spec.name in specs:
+            raise _at(document, ("name",), f"rollout {spec.name!r} declared twice")
+        specs[spec.name] = spec
+    return specs
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def check_two_versions(gateway: Gateway, spec: RolloutSpec, backends: Sequence[str]) -> None:
+    """Refuse (FAILED_PRECONDITION) a rollout whose two versions cannot both be resident on a
+    device of a backend beside its runtime reserve with ``memory.min_live_tokens`` of live
+    room: rolling back would then need the current version loaded again."""
+    route = gateway.routes.models[spec.route]
+    current = gateway.routes.profiles[spec.current.profile or route.profile]
+    candidate = gateway.routes.profiles[spec.candidate.profile or route.profile]
+    need = spec.memory.min_live_tokens * current.live_cache_bytes_per_token
+    both = device_memory.resident_bytes(current) + device_memory.resident_bytes(candidate)
+    for name in backends:
+        handle = gateway.backends[name]
+        if handle.memory is None:
+            continue
+        others = 0
+        shared = gateway._device_sets.get(name) if handle.shared_devices else None
+        if shared is not None:
+            others = sum(
+                b
+                for model, b in shared.resident.items()
+                if model not in (spec.current.backend_model, spec.candidate.backend_model)
+            )
+        room = handle.memory.live_room_bytes(both + others)
+        if room < need:
+            warm_ms = sum(
+                current.accelerator_ms(s.input_tokens, s.output_tokens) * s.repeat for s in spec.warmup.shapes
+            )
+            gib = 1024**3
+            raise FailedPrecondition(
+                f"rollout {spec.name!r} refused: {spec.current.backend_model} and "
+                f"{spec.candidate.backend_model} do not both fit a device of backend {name!r} "
+                f"({handle.memory.device_bytes / gib:.2f} GiB - "
+                f"{handle.memory.runtime_reserve_bytes / gib:.2f} GiB reserve - {both / gib:.2f} GiB "
+                f"of two replicas{' - other models' if others else ''} leaves "
+                f"{room / gib:.2f} GiB, under the {need / gib:.2f} GiB of live room declared). Loading the "
+                f"candidate would need the current version unloaded first, so a rollback would wait "
+                f"for {spec.candidate.backend_model} to unload, {spec.current.backend_model} to load, and "
+                f"its warm-up ({sum(s.repeat for s in spec.warmup.shapes)} requests, "
+                f"{warm_ms * handle.time_scale:.0f} ms of device time) with no warm version serving "
+                f"the route: free memory, or use devices with room for both versions"
+            )
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+_DTYPES = {
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT8": np.uint8,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "BOOL": np.bool_,
+}
+
+
+def check_outputs(
+    response: service_pb2.ModelInferResponse,
+    checks: dict[str, OutputCheck],
+    *,
+    items: int,
+    input_tokens: int,
+    output_tokens: int,
+    batched: bool,
+) -> list[str]:
+    """What is wrong with ``response``'s outputs against the declared checks ([] = valid)."""
+    problems: list[str] = []
+    outputs = {o.name: (i, o) for i, o in enumerate(response.outputs)}
+    symbols = {"items": items, "input_tokens": input_tokens, "output_tokens": output_tokens}
+    for name, check in checks.items():
+        if name not in outputs:
+            problems.append(f"output {name} missing")
+            continue
+        index, output = outputs[name]
+        if output.datatype != check.datatype:
+            problems.append(f"output {name} is {output.datatype}, expected {check.datatype}")
+            continue
+        want = [symbols[d] if isinstance(d, str) else d for d in check.shape]
+        if not batched and want and check.shape[0] == "items":
+            want = want[1:]
+        shape = [int(d) for d in output.shape]
+        if shape != want:
+            problems.append(f"output {name} has shape {shape}, expected {want}")
+            continue
+        dtype = _DTYPES.get(check.datatype)
+        if dtype is None or index >= len(response.raw_output_contents):
+            continue
+        values = np.frombuffer(response.raw_output_contents[index], dtype=dtype)
+        if values.size != int(np.prod(want)):
+            problems.append(f"output {name} holds {values.size} values for shape {want}")
+        elif values.size and check.min_value is not None and float(values.min()) < check.min_value:
+            problems.append(f"output {name} has a value below {check.min_value:g}")
+        elif values.size and check.max_value is not None and float(values.max()) > check.max_value:
+            problems.append(f"output {name} has a value above {check.max_value:g}")
+    return problems
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+@dataclass(frozen=True, slots=True)
+class Diverted:
+    """Where a request of a route under rollout runs instead of its current version."""
+
+    route: RouteConfig
+    handle: BackendHandle
+    queue: DispatchQueue
+    label: str  # provenance version label
+    reason: str  # route reason ("canary"), or "" to keep admission's (promoted)
+
+
+class RolloutRun:
+    """One rollout's runtime: the state machine, its candidate route and its task."""
+
+    def __init__(self, spec: RolloutSpec, route: RouteConfig, backends: list[str]) -> None:
+        self.spec = spec
+        self.rollout = Rollout(spec)
+        self.backends = backends
+        self.candidate_route = route.model_copy(
+            update={
+                "backend_model": spec.candidate.backend_model,
+                "version": spec.candidate.version,
+                "profile": spec.candidate.profile or route.profile,
+                "shadow": None,
+            }
+        )
+        self.task: asyncio.Task[None] | None = None
+        self.shadow_inflight = 0
+        self.mirrors: set[asyncio.Task[None]] = set()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class RolloutController:
+    """The gateway's rollouts: at most one running per route."""
+
+    def __init__(self, gateway: Gateway, specs: dict[str, RolloutSpec] | None = None) -> None:
+        self.gateway = gateway
+        self.specs: dict[str, RolloutSpec] = dict(specs or {})
+        self.runs: dict[str, RolloutRun] = {}  # latest run per rollout name
+        self.active: dict[str, RolloutRun] = {}  # route -> running rollout
+        self.promoted: dict[str, RolloutRun] = {}  # route -> the rollout whose candidate serves it
+
+    # ------------------------------------------------------------------ control
+
+    def start(self, spec: RolloutSpec) -> RolloutRun:
+        gateway = self.gateway
+        route = gateway.routes.models.get(spec.route)
+        if route is None:
+            raise NotFound(f"rollout {spec.name!r} names unknown route {spec.route!r}")
+        running = self.active.get(spec.route)
+        if running is not None:
+            raise FailedPrecondition(f"route {spec.route!r} is already rolling out ({running.name})")
+        if spec.route in self.promoted:
+            raise FailedPrecondition(
+                f"route {spec.route!r} is served by promoted rollout {self.promoted[spec.route].name}: "
+                "update the route file and restart before the next version change"
+            )
+        backends = [
+            name
+            for name in (route.backends or tuple(gateway.backends))
+            if name in gateway.backends and isinstance(gateway.backends[name].client, RepositoryControl)
+        ]
+        if not backends:
+            raise FailedPrecondition(f"no backend of route {spec.route!r} supports explicit model control")
+        check_two_versions(gateway, spec, backends)
+        run = RolloutRun(spec, route, backends)
+        self.specs[spec.name] = spec
+        self.runs[spec.name] = run
+        self.active[spec.route] = run
+        run.rollout.start(clock.now())
+        STEP.labels(spec.name).set(0)
+        run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"rollout-{spec.name}")
+        return run
+
+    def run_named(self, name: str) -> RolloutRun:
+        run = self.runs.get(name)
+        if run is None:
+            raise NotFound(f"no rollout {name[:128]!r} has run on this gateway")
+        return run
+
+    def promote(self, name: str) -> RolloutRun:
+        run = self.run_named(name)
+        self._guard(run, lambda now: run.rollout.promote(now, "operator"))
+        return run
+
+    def rollback(self, name: str, reason: str = "rolled back by an operator") -> RolloutRun:
+        run = self.run_named(name)
+        self._guard(run, lambda now: run.rollout.roll_back(now, reason))
+        return run
+
+    def abort(self, name: str) -> RolloutRun:
+        run = self.run_named(name)
+        self._guard(run, run.rollout.abort)
+        return run
+
+    @staticmethod
+    def _guard(run: RolloutRun, action: Callable[[float], None]) -> None:
+        try:
+            action(clock.now())
+        except ValueError as exc:
+            raise FailedPrecondition(str(exc)) from None
+
+    async def close(self) -> None:
+        for run in list(self.runs.values()):
+            for task in [run.task, *run.mirrors]:
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+
+    # ------------------------------------------------------------------ the run
+
+    async def _run(self, run: RolloutRun) -> None:
+        rollout, spec = run.rollout, run.spec
+        try:
+            await self._load(run)
+            if rollout.phase is Phase.WARMING:
+                problems = await self._warm(run)
+                rollout.warmed(clock.now(), problems)
+            while rollout.phase in (Phase.SHADOW, Phase.CANARY):
+                await asyncio.sleep(TICK_S)
+                self._sample_memory(run)
+                run.rollout.quality_drop = self.quality_drop(run.spec)
+                rollout.tick(clock.now())
+                STEP.labels(spec.name).set(rollout.step + 1)
+            if rollout.phase is Phase.PROMOTED:
+                self.promoted[spec.route] = run
+                self.active.pop(spec.route, None)
+                await self._retire(run, spec.current.backend_model)
+                STEP.labels(spec.name).set(len(spec.steps) + 1)
+            else:
+                STEP.labels(spec.name).set(-1)
+                self.active.pop(spec.route, None)
+                log.warning("rollout %s %s: %s", spec.name, rollout.phase, rollout.reason)
+                await self._retire(run, spec.candidate.backend_model)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must not leave the route diverted
+            log.exception("rollout %s failed", spec.name)
+            if rollout.phase in ACTIVE and rollout.phase is not Phase.PROMOTED:
+                rollout.roll_back(clock.now(), f"internal error: {type(exc).__name__}")
+            self.active.pop(spec.route, None)
+        finally:
+            for line in rollout.timeline[-1:]:
+                log.info("rollout %s: %s", spec.name, line[1])
+
+    async def _load(self, run: RolloutRun) -> None:
+        spec, rollout = run.spec, run.rollout
+        model = spec.candidate.backend_model
+        for name in run.backends:
+            client = self.gateway.backends[name].client
+            assert isinstance(client, RepositoryControl)
+            try:
+                await client.load_model(model, timeout_s=LOAD_TIMEOUT_S)
+                index = await client.repository_index()
+            except Exception as exc:  # Triton's reason (an allocation failure at load, ...)
+                rollout.load_failed(clock.now(), str(exc))
+                # A failed load leaves the model UNAVAILABLE in Triton's repository, and a
+                # strict-readiness server reports itself not ready until it is unloaded: clean up.
+                with contextlib.suppress(Exception):
+                    await client.unload_model(model, timeout_s=LOAD_TIMEOUT_S)
+                with contextlib.suppress(Exception):
+                    await self.gateway.backends[name].client.probe()
+                return
+            states = {(m, v): state for m, v, state in index}
+            state = states.get((model, spec.candidate.version))
+            if state != "READY":
+                rollout.load_failed(
+                    clock.now(),
+                    f"Triton reports {model} version {spec.candidate.version} as {state or 'absent'} "
+                    f"(manifest identity: the rollout declares that version)",
+                )
+                return
+        rollout.loaded(clock.now())
+
+    def _warmup_request(
+        self, run: RolloutRun, shape_index: int, batched: bool
+    ) -> service_pb2.ModelInferRequest:
+        spec, route = run.spec, run.candidate_route
+        shape = spec.warmup.shapes[shape_index]
+        request = service_pb2.ModelInferRequest(
+            model_name=spec.candidate.backend_model, model_version=spec.candidate.version
+        )
+        request.id = f"warmup-{spec.name}-{shape_index}"
+        tensor = request.inputs.add()
+        tensor.name = route.shape.tokens_input
+        tensor.datatype = "INT32"
+        dims = [shape.items, shape.input_tokens] if batched else [shape.input_tokens]
+        tensor.shape.extend(dims)
+        values = (np.arange(int(np.prod(dims)), dtype=np.int64) % 30_000).astype(np.int32)
+        request.raw_input_contents.append(values.tobytes())
+        if route.shape.output_limit_parameter:
+            request.parameters[route.shape.output_limit_parameter].int64_param = shape.output_tokens
+        return request
+
+    async def _warm(self, run: RolloutRun) -> list[str]:
+        """Every declared shape through the candidate on every backend; the problems found."""
+        spec = run.spec
+        problems: list[str] = []
+        for name in run.backends:
+            client = self.gateway.backends[name].client
+            try:
+                model_spec = await client.model_spec(spec.candidate.backend_model, logical=spec.route)
+            except GatewayError as exc:
+                return [f"{spec.candidate.backend_model} on {name}: {exc.message}"]
+            batched = model_spec.max_batch_size > 0
+            try:
+                current = await client.model_spec(spec.current.backend_model, logical=spec.route)
+            except GatewayError:
+                current = None
+            if current is not None and model_spec.instances < current.instances:
+                run.rollout.promotion_hold = (
+                    f"{spec.candidate.backend_model} has {model_spec.instances} device(s) on backend "
+                    f"{name!r}, {spec.current.backend_model} has {current.instances}: promoting it would "
+                    "cut the route's capacity"
+                )
+            for index, shape in enumerate(spec.warmup.shapes):
+                for _ in range(shape.repeat):
+                    request = self._warmup_request(run, index, batched)
+                    try:
+                        response = await client.infer(
+                            request, timeout_s=spec.warmup.timeout_s, logical=spec.route
+                        )
+                    except GatewayError as exc:
+                        return [
+                            f"{shape.bucket} shape {shape.input_tokens}/{shape.output_tokens}: {exc.message}"
+                        ]
+                    found = check_outputs(
+                        response,
+                        spec.warmup.outputs,
+                        items=shape.items,
+                        input_tokens=shape.input_tokens,
+                        output_tokens=shape.output_tokens,
+                        batched=batched,
+                    )
+                    problems.extend(f"{shape.bucket} shape: {p}" for p in found)
+            if problems:
+                return problems
+        return problems
+
+    def _pools(self, backend_model: str) -> list[DispatchQueue]:
+        return [q for (b, m), q in self.gateway._queues.items() if m == backend_model]
+
+    def _sample_memory(self, run: RolloutRun) -> None:
+        for queue in self._pools(run.spec.candidate.backend_model):
+            room = queue.device_set.live_room_bytes * queue.device_set.devices
+            if room and room != float("inf"):
+                held = sum(slot.live_bytes for slot in queue.device_set.bound)
+                run.rollout.observe_memory(held / room)
+        MEMORY_HIGH_WATER.labels(run.name).set(run.rollout.memory_high_water)
+
+    def quality_drop(self, spec: RolloutSpec) -> float:
+        """The route's quality-evidence score for its current version minus the candidate's
+        (published with ``evidence publish --model ROUTE --version LABEL``), on the route's
+        population; evidence that is missing or expired scores 0."""
+        gateway = self.gateway
+        route = gateway.routes.models[spec.route]
+        fallback = gateway.routes.models.get(route.fallback) if route.fallback else None
+        pop = population(route, fallback)
+        now = clock.wall()
+
+        def score(version: str) -> float:
+            evidence = gateway.evidence.latest(EvidenceKey(spec.route, version, pop))
+            return judge(evidence, floor=0.0, now=now).score
+
+        return score(route.version) - score(spec.candidate.name)
+
+    def _busy(self, backend_model: str) -> bool:
+        return any(q.inflight or q.queued for q in self._pools(backend_model))
+
+    async def _retire(self, run: RolloutRun, backend_model: str) -> None:
+        """Wait for ``backend_model``'s in-flight and queued work (and mirrors) to drain, then
+        unload it: the measured time until it could safely be removed is the report's."""
+        rollout = run.rollout
+        began = clock.now()
+        idle_since: float | None = None
+        # Drained: no work in its pools' queues or slots (and no mirror) for QUIET_S on end, so
+        # a request admitted just before the switch, on its way to the queue, is counted. The
+        # time reported is when that is confirmed: when the version may safely be removed.
+        while True:
+            now = clock.now()
+            busy = self._busy(backend_model) or (
+                backend_model == run.spec.candidate.backend_model and bool(run.mirrors)
+            )
+            if busy:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= QUIET_S:
+                break
+            if now - began > run.spec.drain.max_wait_s:
+                rollout.timeline.append(
+                    (now, f"{backend_model} still busy after {run.spec.drain.max_wait_s:g} s: left loaded")
+                )
+                return
+            await asyncio.sleep(0.005)
+        rollout.retired_drained(clock.now())  # its work ended QUIET_S ago: now it is safe
+        started = clock.now()
+        for name in run.backends:
+            client = self.gateway.backends[name].client
+            assert isinstance(client, RepositoryControl)
+            try:
+                await client.unload_model(backend_model, timeout_s=LOAD_TIMEOUT_S)
+            except Exception as exc:
+                rollout.timeline.append((clock.now(), f"unloading {backend_model} on {name} failed: {exc}"))
+                return
+        rollout.retired_unloaded(clock.now(), clock.now() - started)
+
+    # ------------------------------------------------------------------ the request path
+
+    def _facts(self, record_class: str, shape: Shape, tenant: str, risk_class: str) -> RequestFacts:
+        return RequestFacts(
+            request_class=record_class, bucket=shape.bucket, tenant=tenant, risk_class=risk_class
+        )
+
+    async def divert(
+        self,
+        logical: str,
+        route: RouteConfig,
+        tenant: Tenant,
+        *,
+        request_class: str,
+        shape: Shape,
+        risk_class: str,
+        cell: str,
+        mode: Mode,
+        canary: bool,
+    ) -> Diverted | None:
+        """Which version serves this request, if not the route's current one. A canary only when
+        the request is privacy-eligible (not a dedicated tenant's, the candidate warm in its
+        cell), in a declared cohort and chosen by the step's weight, and the candidate has an
+        idle device (it never waits behind, or makes the caller wait for, the rollout)."""
+        run = self.promoted.get(logical) or self.active.get(logical)
+        if run is None:
+            return None
+        rollout = run.rollout
+        if mode is not Mode.ONLINE and not rollout.serving:
+            return None  # canaries are online unary calls
+        if route.backend_model != (run.spec.candidate if rollout.serving else run.spec.current).backend_model:
+            return None
+        if not rollout.serving and not (canary and rollout.phase is Phase.CANARY):
+            return None
+        if tenant.config.dedicated:
+            return None
+        if not rollout.serving:
+            facts = self._facts(request_class, shape, tenant.name, risk_class)
+            if not rollout.divert(facts):
+                return None
+        try:
+            handle, _spec, queue = await self.gateway.bind_pool(run.candidate_route, cell, logical)
+        except Unavailable:
+            return None
+        if not handle.client.is_warm(run.spec.candidate.backend_model):
+            return None
+        if not rollout.serving:
+            if queue.inflight >= queue.devices or queue.queued:
+                return None  # no idle device: the current version serves it
+            rollout.diverted += 1
+        label = run.spec.candidate.name
+        return Diverted(run.candidate_route, handle, queue, label, "" if rollout.serving else CANARY_REASON)
+
+    def promoted_route(self, logical: str, route: RouteConfig) -> RouteConfig:
+        """The route as it runs now: a promoted rollout's candidate in place of its current
+        version (a dedicated tenant's own backend model is left alone)."""
+        run = self.promoted.get(logical) or self.active.get(logical)
+        if run is None or not run.rollout.serving or route.backend_model != run.spec.current.backend_model:
+            return route
+        return run.candidate_route
+
+    def _run_for(self, record: RequestRecord) -> RolloutRun | None:
+        return self.active.get(record.identity.model)
+
+    def settled(self, admitted: Admitted, settled: Settled, response: service_pb2.ModelInferResponse) -> None:
+        """A finished request: a sample for its version if the step compares its cohort."""
+        run = self._run_for(admitted.record)
+        if run is None or admitted.decision.verdict is not Verdict.ADMIT:
+            return
+        record, outcome = admitted.record, settled.outcome
+        facts = self._facts(
+            record.identity.request_class, record.shape, record.identity.tenant, record.identity.risk_class
+        )
+        candidate = admitted.route.backend_model == run.spec.candidate.backend_model
+        if not candidate and (
+            admitted.route.backend_model != run.spec.current.backend_model or not run.rollout.in_cohort(facts)
+        ):
+            return
+        invalid = False
+        if candidate:
+            spec = run.spec
+            invalid = bool(
+                check_outputs(
+                    response,
+                    spec.warmup.outputs,
+                    items=record.shape.items,
+                    input_tokens=record.shape.input_tokens,
+                    output_tokens=admitted.decision.max_output_tokens or record.shape.max_output_tokens,
+                    batched=admitted.route.shape.items_dim is not None,
+                )
+            )
+        # Latency from dispatch (the gateway's queue is not the version's doing; a canary is only
+        # diverted to an idle candidate), the deadline end to end.
+        sample = Sample(
+            first_result_ms=outcome.first_result_ms,
+            completion_ms=outcome.completion_ms,
+            missed_deadline=outcome.queue_ms + outcome.completion_ms > record.budget.deadline_ms,
+            invalid_output=invalid,
+        )
+        self._observe(run, candidate, sample)
+
+    def _observe(self, run: RolloutRun, candidate: bool, sample: Sample) -> None:
+        version = run.spec.candidate.name if candidate else run.spec.current.name
+        outcome = (
+            "error"
+            if sample.error
+            else "fell_back"
+            if sample.fell_back
+            else "invalid_output"
+            if sample.invalid_output
+            else "late"
+            if sample.missed_deadline
+            else "ok"
+        )
+        REQUESTS.labels(run.name, version, outcome).inc()
+        if not sample.error:
+            LATENCY.labels(run.name, version, "first_result").observe(sample.first_result_ms / 1000.0)
+            LATENCY.labels(run.name, version, "completion").observe(sample.completion_ms / 1000.0)
+        run.rollout.observe(candidate, sample)
+
+    def candidate_failed(self, admitted: Admitted, error: BaseException) -> bool:
+        """A canary's backend call failed. True: the request is to be answered by the current
+        version instead (the caller never sees the candidate's failure). An allocation failure
+        rolls back at once; any other failure is an error sample for the guardrails."""
+        run = self._run_for(admitted.record)
+        if (
+            run is None
+            or not isinstance(error, GatewayError)
+            or admitted.route.backend_model != run.spec.candidate.backend_model
+            or error.status in ("CANCELLED", "DEADLINE_EXCEEDED")
+        ):
+            return False
+        now = clock.now()
+        elapsed_ms = (now - admitted.received_at) * 1000.0
+        self._observe(run, True, Sample(elapsed_ms, elapsed_ms, error=True, fell_back=True))
+        # The backend's own words (the caller's message is sanitized; the cause keeps them).
+        details = getattr(error.__cause__, "details", None)
+        detail = str(details() if callable(details) else error.message)
+        if ALLOCATION_FAILURE in detail.lower() and run.rollout.phase in (Phase.SHADOW, Phase.CANARY):
+            run.rollout.roll_back(
+                now, f"allocation failure on {run.spec.candidate.backend_model}: {detail[:200]}"
+            )
+        return True
+
+    def mirror(self, admitted: Admitted, tenant: Tenant) -> bool:
+        """The shadow step: mirror a matching, privacy-eligible request to the warm candidate,
+        off the caller's path, at most one at a time; its latency and
+        output are samples for the candidate, its answer is discarded. True: a rollout (running
+        or promoted) owns this route, so the route's own ``shadow`` stays off."""
+        logical = admitted.record.identity.model
+        if logical in self.promoted:
+            return True
+        run = self._run_for(admitted.record)
+        if run is None:
+            return False
+        if run.rollout.phase is not Phase.SHADOW or tenant.config.dedicated:
+            return True
+        record = admitted.record
+        if admitted.route.backend_model != run.spec.current.backend_model:
+            return True
+        facts = self._facts(
+            record.identity.request_class, record.shape, tenant.name, record.identity.risk_class
+        )
+        cell = record.identity.privacy_cell
+        for name in self.gateway.candidate_backends(run.candidate_route, cell):
+            client = self.gateway.backends[name].client
+            if client.is_warm(run.spec.candidate.backend_model):
+                break
+        else:
+            return True
+        if run.shadow_inflight >= 1 or not run.rollout.shadow(facts):
+            return True
+        request = service_pb2.ModelInferRequest()
+        request.CopyFrom(admitted.backend_request)
+        request.model_name = run.spec.candidate.backend_model
+        request.model_version = run.spec.candidate.version
+        remaining_s = admitted.deadline_at - clock.now()
+        if remaining_s <= 0:
+            return True
+        run.shadow_inflight += 1
+        run.rollout.shadowed += 1
+        task = asyncio.get_running_loop().create_task(self._shadow(run, client, request, remaining_s, record))
+        run.mirrors.add(task)
+        task.add_done_callback(run.mirrors.discard)
+        return True
+
+    async def _shadow(
+        self,
+        run: RolloutRun,
+        client: object,
+        request: service_pb2.ModelInferRequest,
+        timeout_s: float,
+        record: RequestRecord,
+    ) -> None:
+        started = clock.now()
+        try:
+            response = await client.infer(request, timeout_s=timeout_s, logical=record.identity.model)  # type: ignore[attr-defined]
+        except GatewayError:
+            ms = (clock.now() - started) * 1000.0
+            self._observe(run, True, Sample(ms, ms, error=True))
+            return
+        finally:
+            run.shadow_inflight -= 1
+        ms = (clock.now() - started) * 1000.0
+        invalid = bool(
+            check_outputs(
+                response,
+                run.spec.warmup.outputs,
+                items=record.shape.items,
+                input_tokens=record.shape.input_tokens,
+                output_tokens=record.shape.max_output_tokens,
+                batched=run.candidate_route.shape.items_dim is not None,
+            )
+        )
+        # The mirror starts when the caller's request is dispatched: its backend time compares
+        # with the current version's dispatch-to-completion samples.
+        self._observe(
+            run, True, Sample(ms, ms, missed_deadline=ms > record.budget.deadline_ms, invalid_output=invalid)
+        )
+
+    # ------------------------------------------------------------------ status
+
+    def report(self, name: str) -> dict[str, object]:
+        return self.run_named(name).rollout.report()

@@ -1,0 +1,215 @@
+"""One quota semantics, two ledgers: the core's ``QuotaLedger`` and the Redis scripts.
+
+The same operations, at the same explicit times, go to the in-memory ledger and to the
+fleet's ledger in a real ``redis-server`` (``RedisQuotaStore`` with the script clock set
+by the test); every answer (grant and borrowed part, or refusal rule, retry-after and
+message), every close and the bucket levels must agree. Then the part only the shared
+ledger has: leases that expire when a replica stops renewing them.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.config import StateConfig
+from gateway.core.errors import PermissionDenied, ResourceExhausted
+from gateway.core.quota import QuotaLedger, QuotaSettings, Reservation
+from gateway.state.redis_store import RedisFleet, RedisQuotaStore
+from tests.redis_server import RedisServer, redis_server
+
+__all__ = ["redis_server"]
+
+SETTINGS = QuotaSettings.model_validate(
+    {
+        "classes": {
+            "interactive": {"accelerator_ms_per_s": 100.0, "default": {"weight": 1, "max_concurrent": 2}},
+        },
+        "tenants": {
+            "a": {
+                "interactive": {
+                    "accelerator_ms_per_s": 40.0,
+                    "max_concurrent": 3,
+                    "max_queued_ms": 150.0,
+                    "live_token_ms_per_s": 1000.0,
+                    "max_input_tokens": 4096,
+                },
+                "batch": {"accelerator_ms_per_s": 10.0, "burst_ms": 30.0},
+            },
+            "b": {"interactive": {"weight": 1, "borrow_fraction": 1.0}},
+        },
+    }
+)
+
+
+async def _store(server: RedisServer, prefix: str, *, ttl_ms: int = 60000) -> RedisQuotaStore:
+    fleet = RedisFleet(
+        StateConfig(
+            backend="redis", url=server.url, key_prefix=prefix, lease_ttl_ms=ttl_ms, call_timeout_ms=200
+        ),
+        replica_id=f"{prefix}replica",
+    )
+    assert await fleet.beat()  # membership read: not degraded
+    return RedisQuotaStore(SETTINGS, fleet)
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer, request: pytest.FixtureRequest) -> AsyncIterator[RedisQuotaStore]:
+    shared = await _store(redis_server, f"t{random.randrange(1 << 30)}:")
+    yield shared
+    await shared.fleet.client.aclose()
+
+
+async def _redis_level(store: RedisQuotaStore, tenant: str, request_class: str, now: float) -> float:
+    terms = store.terms(tenant, request_class)
+    level, updated = await store.fleet.client.hmget(store.keys(terms)[0], "alvl", "aupd")
+    if level is None:
+        return terms.capacity_ms
+    return min(terms.capacity_ms, float(level) + terms.rate_ms_per_s * max(0.0, now - float(updated)))
+
+
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
+
+
+def _outcome(error: Exception) -> tuple[str, str | None, int | None, str, list[float]]:
+    """Status, rule, retry-after and wording; the message's numbers apart, compared to their
+    printed precision (the two ledgers' floats may differ in the last bits, which can flip
+    the rounding of a printed ``.x5``)."""
+    assert isinstance(error, ResourceExhausted | PermissionDenied)
+    numbers = [float(n) for n in _NUMBER.findall(error.message)]
+    return type(error).__name__, error.rule, error.retry_after_ms, _NUMBER.sub("#", error.message), numbers
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_same_answers_as_the_core_ledger(store: RedisQuotaStore, seed: int) -> None:
+    rng = random.Random(seed)
+    ledger = QuotaLedger(SETTINGS)
+    now = 0.0
+    open_pairs: list[tuple[Reservation, Reservation]] = []
+    accounts = [("a", "interactive"), ("a", "batch"), ("b", "interactive"), ("zed", "interactive")]
+    grants = refusals = closes = 0
+    for _ in range(250):
+        now += rng.choice([0.0, 0.001, 0.01, 0.05, 0.2, 0.5])  # < 60 s in all: no lease expires
+        op = rng.random()
+        if op < 0.55 or not open_pairs:
+            tenant, request_class = rng.choice(accounts)
+            demand = rng.choice([2.8, 14.0, 56.8, 120.0, 467.6])
+            live = rng.choice([0.0, 100.0, 900.0])
+            tokens = rng.choice([256, 4096, 5000])
+            kwargs = {"demand_ms": demand, "live_token_ms": live, "input_tokens": tokens, "output_tokens": 64}
+            try:
+                mine = ledger.reserve(tenant, request_class, now=now, **kwargs)  # type: ignore[arg-type]
+            except (ResourceExhausted, PermissionDenied) as error:
+                with pytest.raises(type(error)) as shared_error:
+                    await store.reserve(tenant, request_class, now=now, redis_now=now, **kwargs)  # type: ignore[arg-type]
+                *theirs_outcome, theirs_numbers = _outcome(shared_error.value)
+                *mine_outcome, mine_numbers = _outcome(error)
+                assert theirs_outcome == mine_outcome
+                assert theirs_numbers == pytest.approx(mine_numbers, abs=0.11)
+                refusals += 1
+                continue
+            theirs = await store.reserve(tenant, request_class, now=now, redis_now=now, **kwargs)  # type: ignore[arg-type]
+            assert theirs.borrowed_ms == pytest.approx(mine.borrowed_ms, abs=1e-9)
+            assert (theirs.metered, theirs.pooled) == (mine.metered, mine.pooled)
+            open_pairs.append((mine, theirs))
+            grants += 1
+        elif op < 0.7:
+            mine, theirs = rng.choice(open_pairs)
+            assert await store.start_now(theirs, redis_now=now) == ledger.start(mine, now=now)
+        else:
+            mine, theirs = open_pairs.pop(rng.randrange(len(open_pairs)))
+            if rng.random() < 0.3:
+                assert ledger.release(mine, now=now) is not None
+                assert await store.settle_now(
+                    theirs, charged_ms=0.0, charged_live_token_ms=0.0, redis_now=now
+                )
+            else:
+                charged = mine.demand_ms * rng.choice([0.5, 1.0, 1.7])
+                assert ledger.settle(mine, charged_ms=charged, now=now) is not None
+                assert await store.settle_now(theirs, charged_ms=charged, redis_now=now)
+            closes += 1
+        for tenant, request_class in (("a", "interactive"), ("b", "interactive"), ("a", "batch")):
+            expected = ledger.available(tenant, request_class, now=now).available_accelerator_ms
+            assert await _redis_level(store, tenant, request_class, now) == pytest.approx(expected, abs=1e-6)
+    shared_open = await store.fleet_outstanding(redis_now=now)
+    assert shared_open.count == ledger.outstanding().count
+    assert shared_open.accelerator_ms == pytest.approx(ledger.outstanding().accelerator_ms)
+    print(f"seed {seed}: {grants} grants, {refusals} refusals, {closes} closes, all equal")
+    assert grants > 30 and refusals > 30 and closes > 30  # the sequence exercised both answers
+
+
+async def test_closing_twice_is_a_no_op(store: RedisQuotaStore) -> None:
+    reservation = await store.reserve("a", "interactive", demand_ms=10.0, now=0.0, redis_now=0.0)
+    assert await store.settle_now(reservation, charged_ms=10.0, redis_now=0.1)
+    assert not await store.settle_now(reservation, charged_ms=10.0, redis_now=0.2)
+    assert store.release(reservation, now=0.2) is None
+
+
+async def test_a_dead_replicas_reservations_return_when_their_leases_expire(
+    redis_server: RedisServer,
+) -> None:
+    prefix = f"lease{random.randrange(1 << 30)}:"
+    dead = await _store(redis_server, prefix, ttl_ms=1000)
+    alive = await _store(redis_server, prefix, ttl_ms=1000)
+    alive.fleet.replica_id = "alive"
+    for _ in range(3):  # max_concurrent 3: the dead replica holds all of tenant a's slots
+        await dead.reserve("a", "interactive", demand_ms=5.0, now=0.0, redis_now=100.0)
+    with pytest.raises(ResourceExhausted) as refused:
+        await alive.reserve("a", "interactive", demand_ms=5.0, now=0.0, redis_now=100.5)
+    assert refused.value.rule == "quota.concurrency"
+    assert (await alive.fleet_outstanding(redis_now=100.5)).by_owner == {f"{prefix}replica": 3}
+    # The dead replica never renews: one TTL later its leases have expired and closed.
+    after = await alive.fleet_outstanding(redis_now=101.0)
+    assert after.count == 0
+    granted = await alive.reserve("a", "interactive", demand_ms=5.0, now=0.0, redis_now=101.0)
+    # Closed at their prediction: the bucket kept the 3 x 5 ms it was debited (refilled since).
+    level = await _redis_level(alive, "a", "interactive", 101.0)
+    assert level == pytest.approx(min(80.0, 80.0 - 15.0 + 40.0 * 1.0) - 5.0)
+    # A renewed lease does not expire.
+    await alive.renew()  # Redis's own clock: far beyond the test clock's 101 s
+    assert (await alive.fleet_outstanding(redis_now=102.0)).by_owner == {"alive": 1}
+    assert await alive.settle_now(granted, charged_ms=5.0, redis_now=102.0)
+    await dead.fleet.client.aclose()
+    await alive.fleet.client.aclose()
+
+
+def test_scaled_settings_are_one_replicas_share() -> None:
+    half = SETTINGS.scaled(0.5)
+    full_rates = SETTINGS.resolved_rates()
+    for key, rate in half.resolved_rates().items():
+        assert rate == pytest.approx(full_rates[key] / 2)
+    ledger = QuotaLedger(half)
+    assert ledger.terms("a", "interactive").capacity_ms == pytest.approx(40.0)  # 2 s of 20 ms/s
+    assert ledger.terms("a", "interactive").max_concurrent == 1
+    assert ledger.terms("a", "interactive").max_queued_ms == pytest.approx(75.0)
+    with pytest.raises(ValueError, match="fraction"):
+        SETTINGS.scaled(0.0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"backend": "redis"}, "backend redis needs url"),
+        ({"backend": "memory", "url": "redis://127.0.0.1:6379/0"}, "url is only read with backend: redis"),
+        ({"backend": "redis", "url": "http://127.0.0.1:6379"}, "should match pattern"),
+        (
+            {"backend": "redis", "url": "redis://h:1/0", "lease_ttl_ms": 300, "call_timeout_ms": 200},
+            "a third",
+        ),
+        ({"backend": "etcd"}, "'memory' or 'redis'"),
+        ({"fail_mode": "open"}, "'local' or 'closed'"),
+    ],
+)
+def test_bad_state_configuration_says_what_is_wrong(fields: dict[str, object], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        StateConfig.model_validate(fields)
+
+
+def test_the_default_is_one_process() -> None:
+    from gateway.config import load_gateway_config
+    from tests.conftest import EXAMPLE_CONFIG
+
+    assert load_gateway_config(EXAMPLE_CONFIG).state.backend == "memory"
