@@ -47,8 +47,8 @@ DTYPE_BYTES: dict[str, int] = {
 # element count passes this is refused before anything multiplies it by a dtype size.
 MAX_ELEMENTS = 1 << 31
 
-# typed `contents` field per datatype
-_CONTENTS_FIELD = {
+# typed `contents` field of InferTensorContents per datatype (the one table: jobs read it too)
+CONTENTS_FIELD = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",
     "INT16": "int_contents",
@@ -234,7 +234,7 @@ def validate_tensors(
                         f"{list(shape)} x {tensor.datatype} needs {expected}"
                     )
         else:
-            field = _CONTENTS_FIELD.get(tensor.datatype)
+            field = CONTENTS_FIELD.get(tensor.datatype)
             if field is None:
                 raise InvalidArgument(
                     f"input {tensor.name!r}: datatype {tensor.datatype} needs raw_input_contents"

@@ -24,22 +24,9 @@ from tritonclient.grpc import service_pb2
 
 from gateway.core.errors import InvalidArgument
 from gateway.core.jobs import DTYPE_BYTES, MAX_CUSTOM_ID_CHARS, OutputFacts
+from gateway.shape import CONTENTS_FIELD
 
-# typed `contents` field of InferTensorContents per datatype (JSON data travels typed)
-_CONTENTS = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
+_CONTENTS = CONTENTS_FIELD  # JSON data travels typed
 _NUMPY = {
     "BOOL": np.bool_,
     "INT8": np.int8,
