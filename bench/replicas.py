@@ -67,6 +67,7 @@ from overhead import (  # type: ignore[import-not-found]
 )
 
 from gateway.backends.local import LocalTriton
+from orchid_tools.fleet_demo import start_redis
 
 SETUPS = (("memory x1", "memory", 1), ("redis x1", "redis", 1), ("redis x2", "redis", 2))
 CPU_BUDGET = 1.15  # redis x1 may cost at most 15 % more gateway CPU per request than memory x1
@@ -86,28 +87,6 @@ class Result:
     req_per_s: float
     cpu_us: float
     redis_us: float
-
-
-def start_redis(work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server not found: apt-get install -y redis-server (scripts/bootstrap.sh)")
-    port = free_port()
-    process = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(work)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # bounded wait until it answers PING
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
-                conn.sendall(b"PING\r\n")
-                if conn.recv(16).startswith(b"+PONG"):
-                    return process, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
 
 
 def measure(
