@@ -14,10 +14,19 @@ the order of the emulator's own per-call overhead, which the estimator learns as
 the simulator (whose devices take exactly their profile time) does not have; even at 0.5 that
 bias degraded about 8 % more of the surge live than simulated.
 
-Agreement, per arrival class: admitted, degraded and refused counts within 10 % of the class's
-requests of each other; for the timing-free classes, the identical decision for every request.
-The simulator models neither the gateway's CPU nor the network nor the emulator's per-call
-overhead, which is what the tolerance is for.
+Agreement, per class (the gateway's unit of decision: one tenant's requests of one request
+class on one model, a flow of the overload plan): admitted, degraded and refused counts within
+10 % of the class's requests of each other; for the timing-free arrival classes, the identical
+decision for every request. The simulator models neither the gateway's CPU nor the network nor
+the emulator's per-call overhead, which is what the tolerance is for.
+
+Within one flow, *which* of its requests carry the share the plan diverts is decided by the
+flow's credit picker over the flow's arrival order, re-planned every 100 ms; live, a re-plan
+falls between other arrivals than in virtual time, so the split of a flow's diversions between
+its short and long requests moves from run to run (live, 28 to 36 of 57 longs admitted at full
+quality in repeated runs against a simulated 36) while the flow's total holds within a few
+requests. The per-arrival-class counts are therefore held to a looser 20 %: wide enough for
+that split, tight enough to catch a class the live gateway treats differently.
 """
 
 from __future__ import annotations
@@ -49,7 +58,8 @@ from tests.conftest import (
 TIME_FACTOR = 1.0
 
 KEYS = {"orchid": ORCHID_KEY, "lumen": LUMEN_KEY}
-TOLERANCE = 0.10  # of a class's requests
+TOLERANCE = 0.10  # of a flow's requests
+SPLIT_TOLERANCE = 0.20  # of an arrival class's requests (see the module docstring)
 TIMING_FREE = ("lumen-compact", "orchid-impossible")
 
 
@@ -86,7 +96,9 @@ phases:
 """
 
 
-def simulated(tmp_path: Path) -> tuple[list[str], list[simulate.Arrival], list[str]]:
+def simulated(tmp_path: Path) -> tuple[list[str], list[simulate.Arrival], list[str], dict[str, str]]:
+    """The arrival classes, the schedule, each arrival's simulated decision, and each arrival
+    class's flow (tenant / request class / model)."""
     path = tmp_path / "agreement.yaml"
     path.write_text(textwrap.dedent(SCENARIO))
     scenario, source = simulate.load_scenario(path)
@@ -98,7 +110,11 @@ def simulated(tmp_path: Path) -> tuple[list[str], list[simulate.Arrival], list[s
         decision(outcome, approximation)
         for outcome, approximation in zip(record.outcome, record.approximation, strict=True)
     ]
-    return names, arrivals, decisions
+    flows = {
+        name: f"{facts.tenant}/{facts.request_class}/{facts.model}"
+        for name, facts in prepared.classes.items()
+    }
+    return names, arrivals, decisions, flows
 
 
 def decision(outcome: str, approximation: str) -> str:
@@ -168,7 +184,7 @@ def triton_real_time(tmp_path: Path) -> Iterator[LocalTriton]:
 
 @pytest.mark.slow
 def test_live_and_simulated_decisions_agree(triton_real_time: LocalTriton, tmp_path: Path) -> None:
-    names, arrivals, sim = simulated(tmp_path)
+    names, arrivals, sim, flows = simulated(tmp_path)
     config = gateway_config(triton_real_time.address)
     backends = tuple(b.model_copy(update={"time_scale": TIME_FACTOR}) for b in config.backends)
     running = ThreadedGateway(config.model_copy(update={"backends": backends}))
@@ -177,17 +193,27 @@ def test_live_and_simulated_decisions_agree(triton_real_time: LocalTriton, tmp_p
         live = asyncio.run(drive(running.address, names, arrivals, tmp_path))
     finally:
         running.stop()
-    report = {}
-    for k, name in enumerate(names):
-        indices = [i for i, a in enumerate(arrivals) if a.klass == k]
-        s = Counter(sim[i] for i in indices)
-        v = Counter(live[i] for i in indices)
-        report[name] = (len(indices), dict(s), dict(v))
-    print("\nper class: requests, simulated, live:", *(f"  {n}: {r}" for n, r in report.items()), sep="\n")
-    for k, name in enumerate(names):
-        total, s, v = report[name]
+
+    def counts(indices: list[int]) -> tuple[int, dict[str, int], dict[str, int]]:
+        return len(indices), dict(Counter(sim[i] for i in indices)), dict(Counter(live[i] for i in indices))
+
+    per_class = {
+        name: counts([i for i, a in enumerate(arrivals) if a.klass == k]) for k, name in enumerate(names)
+    }
+    per_flow = {
+        flow: counts([i for i, a in enumerate(arrivals) if flows[names[a.klass]] == flow])
+        for flow in dict.fromkeys(flows.values())
+    }
+    print("\nper flow: requests, simulated, live:", *(f"  {n}: {r}" for n, r in per_flow.items()), sep="\n")
+    print("per arrival class:", *(f"  {n}: {r}" for n, r in per_class.items()), sep="\n")
+    assert len(per_flow) < len(per_class)  # the scenario has a flow of two arrival classes
+    for name, (total, s, v) in per_flow.items():
         for kind in ("admitted", "degraded", "refused"):
-            assert abs(s.get(kind, 0) - v.get(kind, 0)) <= TOLERANCE * total, (name, kind, report)
+            assert abs(s.get(kind, 0) - v.get(kind, 0)) <= TOLERANCE * total, (name, kind, per_flow)
+    for k, name in enumerate(names):
+        total, s, v = per_class[name]
+        for kind in ("admitted", "degraded", "refused"):
+            assert abs(s.get(kind, 0) - v.get(kind, 0)) <= SPLIT_TOLERANCE * total, (name, kind, per_class)
         if name in TIMING_FREE:
             indices = [i for i, a in enumerate(arrivals) if a.klass == k]
-            assert [sim[i] for i in indices] == [live[i] for i in indices], (name, report)
+            assert [sim[i] for i in indices] == [live[i] for i in indices], (name, per_class)

@@ -658,5 +658,7 @@ def test_drain_for_policy_is_finite_when_no_device_is_healthy() -> None:
     assert load.step == 6
     assert load.evidence is not None and load.evidence.backend_saturated  # no capacity: saturated
     assert load.drain_ms() == float(DEFAULT_LADDER.retry_after_max_ms)
-    assert load.retry_after_ms() == DEFAULT_LADDER.retry_after_max_ms
+    # The caller's advice is the health re-check horizon: nothing drains, capacity comes back
+    # only with a probe.
+    assert load.retry_after_ms() == DEFAULT_LADDER.retry_after_no_capacity_ms == 1_000
     assert protected_capacity_ms_per_s(4) == 2_800.0

@@ -650,7 +650,21 @@ def test_retry_after_is_bounded_with_reasons() -> None:
     flooded = retry_after_ms(evidence(0.5, queued_accelerator_ms=10_000_000.0))
     assert flooded.ms == 30_000 and flooded.drain_ms > 30_000 and "capped at 30000 ms" in flooded.reason
     lost = retry_after_ms(evidence(offered=5_000.0, capacity=0.0, healthy=0))
-    assert lost.ms == 30_000 and lost.drain_ms == math.inf and "no protected capacity" in lost.reason
+    # Every device lost: nothing drains, so no drain is priced; the advice is the health
+    # re-check horizon, not the cap (a backend back in 1 s must not wait out 30 s of backoff).
+    assert lost.ms == 1_000 and lost.drain_ms == math.inf and "no protected capacity" in lost.reason
+    assert "re-check horizon, 1000 ms" in lost.reason
+    assert (
+        retry_after_ms(
+            lost_evidence := evidence(offered=5_000.0, capacity=0.0, healthy=0),
+            LadderConfig(retry_after_no_capacity_ms=2_500),
+        ).ms
+        == 2_500
+    )
+    # The horizon stays within the configured bounds.
+    assert (
+        retry_after_ms(lost_evidence, LadderConfig(retry_after_min_ms=10, retry_after_max_ms=500)).ms == 500
+    )
     unreadable = retry_after_ms(evidence(offered=math.nan))
     assert unreadable.ms == 30_000
     config = LadderConfig(retry_after_min_ms=10, retry_after_max_ms=1_000)

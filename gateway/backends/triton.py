@@ -80,6 +80,12 @@ class TritonBackend:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", 10_000),
+            # A restarted Triton is used again within about a second of being ready: gRPC's
+            # default reconnect backoff grows to 120 s, which would keep a recovered backend
+            # idle long after the health probe (every 0.5 s) could have seen it.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1_000),
         ]
         self._channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)

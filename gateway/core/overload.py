@@ -556,6 +556,11 @@ class LadderConfig(BaseModel):
     # a product alternative than by a precise-looking guess.
     retry_after_min_ms: int = Field(default=100, ge=0)
     retry_after_max_ms: int = Field(default=30_000, ge=1)
+    # With every device lost nothing drains, so there is no drain to price. Capacity comes
+    # back only when a health probe (every 0.5 s) sees a backend again: the advice is that
+    # re-check horizon (within the bounds above), not the 30 s cap, which would keep
+    # well-behaved clients away from a backend that came back after one second.
+    retry_after_no_capacity_ms: int = Field(default=1_000, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -1007,11 +1012,12 @@ def retry_after_ms(evidence: LoadEvidence, config: LadderConfig = DEFAULT_LADDER
     drain = drain_ms(evidence)
     capacity = evidence.protected_capacity_ms_per_s
     if not (math.isfinite(capacity) and capacity > 0.0):
+        horizon = min(max(config.retry_after_no_capacity_ms, low), high)
         reason = (
             f"no protected capacity ({evidence.healthy_devices}/{evidence.configured_devices} devices "
-            f"healthy): nothing drains, capped at {high} ms"
+            f"healthy): nothing drains; retry at the health re-check horizon, {horizon} ms"
         )
-        return RetryAfter(ms=high, drain_ms=drain, reason=reason)
+        return RetryAfter(ms=horizon, drain_ms=drain, reason=reason)
     if not math.isfinite(drain):
         reason = (
             f"offered demand ({evidence.offered_ms_per_s}) or backlog ({evidence.backlog_ms}) "
