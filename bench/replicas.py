@@ -9,11 +9,15 @@ What it measures
                      slot leases, offered-demand exchange and estimator merge in Redis)
     * ``redis x2``   two replicas on the same Redis (same ``key_prefix``), each sent half
 
-    Every request is metered (tenant ``orchid``: a weighted slice of the interactive share),
-    so on Redis each one costs a reserve script (one round trip) before it queues, a slot
-    lease before it binds, and a background start and settle. The gateway's backend gets
-    ``time_scale`` = the emulator's time factor as in ``bench/overhead.py`` (time factor 0:
-    the model answers at once, the gateway's own cost dominates and the ladder stays at 0).
+    Every request is metered (tenant ``orchid``: a weighted part of the interactive share).
+    On Redis, with the default ``state.quota_slice`` (0.05), a replica reserves a slice of
+    the account in Redis (one round trip) and admits the next requests on it locally,
+    settling them locally too; each request still needs a dispatch slot lease before it
+    binds (one round trip unless a returned lease lingers). ``--quota-slice 0`` measures the
+    exact path, one reserve script per request and a background settle. The gateway's
+    backend gets ``time_scale`` = the emulator's time factor as in ``bench/overhead.py``
+    (time factor 0: the model answers at once, the gateway's own cost dominates and the
+    ladder stays at 0).
 
 How
     As ``bench/overhead.py`` (whose helpers it imports): one serialized request framed as
@@ -28,6 +32,7 @@ Run::
 
     python bench/replicas.py                 # -n 4000 per set-up (+500 warm-up), -c 8 -m 1
     python bench/replicas.py -n 1000 --warmup 200
+    python bench/replicas.py --quota-slice 0    # a reservation in Redis per request
 
 Needs ``h2load`` (``apt-get install -y nghttp2-client``) and ``redis-server`` (Debian's
 ``redis-server``; ``scripts/bootstrap.sh`` installs it).
@@ -152,6 +157,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--time-factor", type=float, default=0.0)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    parser.add_argument(
+        "--quota-slice",
+        type=float,
+        default=None,
+        help="state.quota_slice on Redis",
+    )
     args = parser.parse_args()
     h2load = shutil.which("h2load")
     if h2load is None:
@@ -179,6 +190,8 @@ def main() -> int:
                 if backend == "redis":
                     config = yaml.safe_load(path.read_text())
                     config["state"] = {"backend": "redis", "url": redis_url, "key_prefix": f"bench{index}:"}
+                    if args.quota_slice is not None:
+                        config["state"]["quota_slice"] = args.quota_slice
                     path.write_text(yaml.safe_dump(config, sort_keys=False))
                 child = Child(f"{name}-{r}", [gateway_command(), "serve", "--config", str(path)],
                               work / f"gateway-{index}-{r}.log", "orchid-gateway ready on")  # fmt: skip
@@ -204,8 +217,9 @@ def main() -> int:
         redis_process.wait(timeout=10)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    quota_slice = "default" if args.quota_slice is None else f"{args.quota_slice:g}"
     print(f"\nmachine: nproc={os.cpu_count()}; -n {args.requests} per set-up, -c {args.connections} "
-          f"-m {args.streams}; time factor {args.time_factor}")  # fmt: skip
+          f"-m {args.streams}; time factor {args.time_factor}; quota_slice {quota_slice}")  # fmt: skip
     print(f"{'set-up':<10} {'ok/failed':>12} {'req/s':>8} {'cpu-us/req':>11} {'+redis':>8}")
     for r in results:
         print(f"{r.name:<10} {f'{r.succeeded}/{r.failed}':>12} {r.req_per_s:>8.0f} {r.cpu_us:>11.0f} "

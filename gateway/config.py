@@ -264,6 +264,13 @@ class StateConfig(_Strict):
         "(renewed every lease_ttl_ms / 3)",
     )
     call_timeout_ms: int = Field(default=100, ge=5, le=10000, description="deadline of every Redis call")
+    quota_slice: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=0.25,
+        description="share of an account's burst (and of its max_concurrent) a replica claims from "
+        "Redis in one reservation and admits on locally; 0 = one Redis round trip per request",
+    )
 
     @model_validator(mode="after")
     def _url_for_redis(self) -> StateConfig:

@@ -11,6 +11,7 @@ tests can drive it with unmodified synchronous ``tritonclient`` as well as
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
@@ -93,6 +94,23 @@ def gateway_config(triton_address: str, **changes: Any) -> GatewayConfig:
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
     server = LocalTriton(MODEL_REPOSITORY, tmp_path_factory.mktemp("triton"), time_factor=TIME_FACTOR)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def triton_real_time(tmp_path: Path) -> Iterator[LocalTriton]:
+    """A Triton of the test's own at time factor 1 (request times as the benchmarks see them:
+    the emulator's per-call overhead small beside them), full-v18 and compact-v11 only
+    (faster to start)."""
+    repository = tmp_path / "repo" / "model_repository"
+    for model in ("full-v18", "compact-v11"):
+        shutil.copytree(MODEL_REPOSITORY / model, repository / model)
+    shutil.copytree(MODEL_REPOSITORY.parent / "emulator", tmp_path / "repo" / "emulator")
+    server = LocalTriton(repository, tmp_path / "triton", time_factor=1.0)
     server.start()
     try:
         yield server

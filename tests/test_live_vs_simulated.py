@@ -32,11 +32,9 @@ that split, tight enough to catch a class the live gateway treats differently.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,7 +45,6 @@ from gateway.backends.local import LocalTriton
 from orchid_tools import simulate
 from tests.conftest import (
     LUMEN_KEY,
-    MODEL_REPOSITORY,
     ORCHID_KEY,
     ROOT,
     ThreadedGateway,
@@ -165,21 +162,6 @@ async def drive(
         t0 = time.monotonic() + 0.3
         await asyncio.gather(*(one(i, a.at_s, t0) for i, a in enumerate(arrivals)))
     return results
-
-
-@pytest.fixture
-def triton_real_time(tmp_path: Path) -> Iterator[LocalTriton]:
-    """full-v18 and compact-v11 only (faster to start), at time factor 1."""
-    repository = tmp_path / "repo" / "model_repository"
-    for model in ("full-v18", "compact-v11"):
-        shutil.copytree(MODEL_REPOSITORY / model, repository / model)
-    shutil.copytree(MODEL_REPOSITORY.parent / "emulator", tmp_path / "repo" / "emulator")
-    server = LocalTriton(repository, tmp_path / "triton", time_factor=TIME_FACTOR)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow

@@ -567,6 +567,26 @@ def test_relief_is_what_admitted_work_runs_at() -> None:
     assert seed_pool().relief(9.5) == 1.0  # nothing admitted: no relief
 
 
+def test_a_replicas_relief_is_scaled_to_the_fleets_demand() -> None:
+    """In a fleet the flow's offered demand is the fleet's (remote samples added) while its
+    admitted work is this replica's own: the relief the plan subtracts from the fleet's excess
+    is scaled by the fleet's offered demand over this replica's. Two replicas, even halves:
+    this replica's savings count twice; the ratio (relief) is unchanged."""
+    load = seed_pool()
+    load.offers = []  # a fleet member: offered samples are published
+    flow = interactive(load)
+    for i in range(100):
+        t = 8.0 + i * 0.02
+        load.offer(t, flow, 56.8)  # this replica's arrivals
+        load.add_remote_offer(t, flow, 56.8)  # the other replica's, as many
+        load.admitted(t, flow, offered_ms=56.8, running_ms=32.0)
+    own = flow.relief(10.0)
+    scaled = flow.relief(10.0, fleet=True)
+    assert scaled.offered_ms_per_s == pytest.approx(2 * own.offered_ms_per_s)
+    assert scaled.diverted_ms_per_s == pytest.approx(2 * own.diverted_ms_per_s)
+    assert scaled.relief == pytest.approx(own.relief) == pytest.approx(32.0 / 56.8)
+
+
 def test_reduced_output_learns_its_saving() -> None:
     load = seed_pool()
     flow = interactive(load)

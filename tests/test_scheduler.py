@@ -403,3 +403,30 @@ def test_core_full_queue_refuses_the_flooders_least_urgent_waiter() -> None:
     assert (queue.queued_for("lumen"), queue.queued_for("orchid")) == (1, 1)
     with pytest.raises(ResourceExhausted):  # lumen now holds no more than orchid: plain full
         queue.request(0.0, latest_start=7.0, cost_ms=10, tenant="lumen")
+
+
+def test_predicted_wait_counts_work_other_replicas_bound() -> None:
+    """In a fleet, the devices also run what the other replicas bound (``remote_ends``): a new
+    arrival's predicted wait counts it, so admission here judges a deadline against the work
+    really ahead on the shared backend, not this replica's half of it. Binding itself is not
+    held back by it (the fleet's slot leases bound that)."""
+    queue = CoreQueue("q", devices=2, slots=4, max_queued=10)
+    t = 100.0
+    assert queue.predicted_wait_ms(t) == 0.0
+    queue.device_set.remote_ends["q"] = (t + 0.050, t + 0.080)  # both devices busy elsewhere
+    assert queue.predicted_wait_ms(t) == pytest.approx(50.0)
+    local = queue.request(t, latest_start=t + 1.0, cost_ms=30.0)
+    assert isinstance(local, CoreSlot)  # bound at once: remote work gates no local binding
+    # The local request queues behind the first remote end (50 ms), ending at 80 ms: both
+    # devices then free at 80 ms.
+    assert queue.predicted_wait_ms(t) == pytest.approx(80.0)
+    # Another pool on the same devices (a fallback beside the primary) counts too; ends
+    # already past are work that finished.
+    queue.device_set.remote_ends["q"] = (t - 0.010,)
+    queue.device_set.remote_ends["fallback"] = (t + 0.020,)
+    # One device busy elsewhere until 20 ms, the local 30 ms request on the other: 20 ms.
+    assert queue.predicted_wait_ms(t) == pytest.approx(20.0)
+    queue.device_set.remote_ends["fallback"] = (t + 0.020, t + 0.040)
+    assert queue.predicted_wait_ms(t) == pytest.approx(40.0)  # local 30 ms after the 20 ms remote
+    queue.device_set.remote_ends.clear()
+    assert queue.predicted_wait_ms(t) == 0.0  # one device idle: the local request holds the other

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from gateway import clock
 from gateway.config import StateConfig
 from gateway.core.errors import PermissionDenied, ResourceExhausted
 from gateway.core.quota import QuotaLedger, QuotaSettings, Reservation
@@ -45,15 +46,30 @@ SETTINGS = QuotaSettings.model_validate(
 )
 
 
-async def _store(server: RedisServer, prefix: str, *, ttl_ms: int = 60000) -> RedisQuotaStore:
+async def _store(
+    server: RedisServer,
+    prefix: str,
+    *,
+    ttl_ms: int = 60000,
+    quota_slice: float = 0.0,
+    settings: QuotaSettings = SETTINGS,
+    replica: str = "replica",
+) -> RedisQuotaStore:
+    """A replica's store; ``quota_slice`` 0 (here the default): every reservation is its own
+    script call, so its answers can be compared one for one with the core ledger's."""
     fleet = RedisFleet(
         StateConfig(
-            backend="redis", url=server.url, key_prefix=prefix, lease_ttl_ms=ttl_ms, call_timeout_ms=200
+            backend="redis",
+            url=server.url,
+            key_prefix=prefix,
+            lease_ttl_ms=ttl_ms,
+            call_timeout_ms=200,
+            quota_slice=quota_slice,
         ),
-        replica_id=f"{prefix}replica",
+        replica_id=f"{prefix}{replica}",
     )
     assert await fleet.beat()  # membership read: not degraded
-    return RedisQuotaStore(SETTINGS, fleet)
+    return RedisQuotaStore(settings, fleet)
 
 
 @pytest.fixture
@@ -172,6 +188,122 @@ async def test_a_dead_replicas_reservations_return_when_their_leases_expire(
     await alive.renew()  # Redis's own clock: far beyond the test clock's 101 s
     assert (await alive.fleet_outstanding(redis_now=102.0)).by_owner == {"alive": 1}
     assert await alive.settle_now(granted, charged_ms=5.0, redis_now=102.0)
+    await dead.fleet.client.aclose()
+    await alive.fleet.client.aclose()
+
+
+SLICED = QuotaSettings.model_validate(
+    {
+        "classes": {"interactive": {"accelerator_ms_per_s": 1000.0}},
+        "tenants": {
+            "s": {
+                "interactive": {"accelerator_ms_per_s": 100.0, "burst_ms": 200.0, "max_concurrent": 8},
+                "batch": {"accelerator_ms_per_s": 10.0, "burst_ms": 30.0},
+            },
+        },
+    }
+)
+
+
+async def _open_units(store: RedisQuotaStore, tenant: str, request_class: str) -> tuple[int, int]:
+    """Open reservations of the account in Redis, and the concurrency they hold."""
+    acct, open_key = store.keys(store.terms(tenant, request_class))[:2]
+    count = int(await store.fleet.client.hlen(open_key))
+    extra = await store.fleet.client.hget(acct, "xu")
+    return count, count + int(extra or 0)
+
+
+async def test_requests_are_admitted_on_a_slice_and_its_unused_rest_returns(
+    redis_server: RedisServer,
+) -> None:
+    store = await _store(
+        redis_server, f"slice{random.randrange(1 << 30)}:", quota_slice=0.25, settings=SLICED
+    )
+    terms = store.terms("s", "batch")  # 10 ms/s, burst 30: slices of 7.5 ms, no concurrency limit
+    seconds, micros = await store.fleet.client.time()
+    began = float(seconds) + float(micros) / 1e6
+    first = [await store.reserve("s", "batch", demand_ms=2.0, now=0.0, redis_now=began) for _ in range(3)]
+    # Three requests, one reservation in Redis: the slice, debited in full.
+    assert store.remote_reservations == store.slices_claimed == 1
+    shared = await store.fleet_outstanding(redis_now=began)
+    assert (shared.count, shared.accelerator_ms) == (1, pytest.approx(7.5))
+    assert store.outstanding().count == 3
+    # The fourth does not fit what is left (1.5 ms): a second slice.
+    fourth = await store.reserve("s", "batch", demand_ms=2.0, now=0.0, redis_now=began)
+    assert store.slices_claimed == 2
+    assert (await store.fleet_outstanding(redis_now=began)).count == 2
+    view = store.available("s", "batch", now=clock.now())
+    assert view.available_accelerator_ms >= 30.0 - 15.0 + 5.5 - 1e-9  # the live slice's rest is ours
+    for reservation in first:  # observed 1 ms each: the spent slice closes at 3 ms
+        settled = store.settle(reservation, charged_ms=1.0, now=0.0)
+        assert settled is not None and settled.refunded_ms == pytest.approx(1.0)
+    assert store.release(fourth, now=0.0) is not None
+    assert store.settle(first[0], charged_ms=1.0, now=0.0) is None  # closed once
+    await store.drain()  # returns the slice not in use
+    assert (await store.fleet_outstanding()).count == 0
+    assert store.outstanding().count == 0
+    level = await store.level("s", "batch")  # refilled to Redis's clock, read before ours
+    seconds, micros = await store.fleet.client.time()
+    elapsed = float(seconds) + float(micros) / 1e6 - began
+    # The bucket paid what the requests were charged (3 ms), nothing for the unused rest.
+    assert 27.0 - 1e-6 <= level <= min(terms.capacity_ms, 27.0 + terms.rate_ms_per_s * elapsed) + 1e-6
+    await store.fleet.client.aclose()
+
+
+async def test_a_slices_concurrency_counts_against_the_fleets_limit(redis_server: RedisServer) -> None:
+    prefix = f"units{random.randrange(1 << 30)}:"
+    sliced = await _store(redis_server, prefix, quota_slice=0.25, settings=SLICED)  # 2 of 8 per slice
+    single = await _store(redis_server, prefix, settings=SLICED, replica="single")
+    on_slice = [await sliced.reserve("s", "interactive", demand_ms=1.0, now=0.0, redis_now=10.0)]
+    on_slice.append(await sliced.reserve("s", "interactive", demand_ms=1.0, now=0.0, redis_now=10.0))
+    assert sliced.slices_claimed == 1
+    assert await _open_units(sliced, "s", "interactive") == (1, 2)
+    alone = [
+        await single.reserve("s", "interactive", demand_ms=1.0, now=0.0, redis_now=10.0) for _ in range(6)
+    ]
+    assert await _open_units(sliced, "s", "interactive") == (7, 8)
+    with pytest.raises(ResourceExhausted) as refused:  # 8 in flight across the fleet
+        await single.reserve("s", "interactive", demand_ms=1.0, now=0.0, redis_now=10.0)
+    assert refused.value.rule == "quota.concurrency"
+    # The slice's two are busy; a second slice (two more) does not fit, nor one more request.
+    with pytest.raises(ResourceExhausted) as refused:
+        await sliced.reserve("s", "interactive", demand_ms=1.0, now=0.0, redis_now=10.0)
+    assert refused.value.rule == "quota.concurrency"
+    assert sliced.slices_claimed == 1
+    assert await single.settle_now(alone.pop(), charged_ms=1.0, redis_now=10.0)
+    # One free: the sliced replica reserves this request alone (a slice of two would not fit).
+    extra = await sliced.reserve("s", "interactive", demand_ms=1.0, now=0.0, redis_now=10.0)
+    assert sliced.slices_claimed == 1 and sliced.remote_reservations == 2
+    assert await _open_units(sliced, "s", "interactive") == (7, 8)  # the slice, 5 alone, this one
+    # A unit of the slice comes back when one of its requests settles: reused locally.
+    assert sliced.settle(on_slice.pop(), charged_ms=1.0, now=0.0) is not None
+    on_slice.append(await sliced.reserve("s", "interactive", demand_ms=1.0, now=0.0, redis_now=10.0))
+    assert sliced.remote_reservations == 2
+    for reservation in on_slice:
+        sliced.settle(reservation, charged_ms=1.0, now=0.0)
+    assert await sliced.settle_now(extra, charged_ms=1.0, redis_now=10.0)
+    for reservation in alone:
+        assert await single.settle_now(reservation, charged_ms=1.0, redis_now=10.0)
+    await sliced.drain()
+    assert await _open_units(sliced, "s", "interactive") == (0, 0)
+    await sliced.fleet.client.aclose()
+    await single.fleet.client.aclose()
+
+
+async def test_a_dead_replicas_slice_returns_when_its_lease_expires(redis_server: RedisServer) -> None:
+    prefix = f"slicelease{random.randrange(1 << 30)}:"
+    dead = await _store(redis_server, prefix, ttl_ms=1000, quota_slice=0.25, settings=SLICED)
+    alive = await _store(redis_server, prefix, ttl_ms=1000, settings=SLICED, replica="alive")
+    await dead.reserve("s", "interactive", demand_ms=1.0, now=0.0, redis_now=100.0)  # a slice: 50 ms, 2 units
+    assert await _open_units(alive, "s", "interactive") == (1, 2)
+    after = await alive.fleet_outstanding(redis_now=101.0)  # one TTL later, never renewed
+    assert after.count == 0
+    assert await _open_units(alive, "s", "interactive") == (0, 0)
+    # Closed at its whole size (its requests may have run): 200 - 50, refilled 100 ms/s x 1 s.
+    granted = await alive.reserve("s", "interactive", demand_ms=5.0, now=0.0, redis_now=101.0)
+    level = await _redis_level(alive, "s", "interactive", 101.0)
+    assert level == pytest.approx(min(200.0, 150.0 + 100.0) - 5.0)
+    assert await alive.settle_now(granted, charged_ms=5.0, redis_now=101.0)
     await dead.fleet.client.aclose()
     await alive.fleet.client.aclose()
 

@@ -174,6 +174,10 @@ class DeviceSet:
         self._changes: list[Waiter] = []  # granted or refused since the driver last looked
         self.memory = memory  # each device's memory (rule 8); None: live state is not bounded
         self.resident: dict[str, int] = {}  # model -> its replica's bytes on every device
+        # Work other replicas of a fleet have bound to these devices: pool -> predicted ends
+        # (this replica's clock), refreshed by the fleet's exchange. Predictions count it
+        # (``predicted_wait_ms``); binding does not (the fleet's slot leases bound that).
+        self.remote_ends: dict[str, tuple[float, ...]] = {}
 
     def place(self, model: str, resident_bytes: int) -> None:
         """A model whose replica is resident on every device of the set (a pool dispatches it
@@ -219,7 +223,7 @@ class DeviceSet:
             heapq.heappush(free, heapq.heappop(free) + cost_ms / 1000.0)
         return free[0]
 
-    def schedule(self, now: float, *, replan: bool = False) -> list[_Device]:
+    def schedule(self, now: float, *, replan: bool = False, fleet: bool = False) -> list[_Device]:
         """The list schedule of the work bound to the devices: in binding order (Triton's
         queue is FIFO over the instances) each slot goes to the device that frees first (among
         equals the one holding the least live state), its remaining work from its predicted
@@ -228,9 +232,18 @@ class DeviceSet:
 
         ``replan`` (a device just freed, perhaps earlier or later than predicted): work
         still waiting in the backend's queue starts when the next device frees, so its
-        predicted start moves there."""
+        predicted start moves there.
+
+        ``fleet``: the work other replicas have bound (``remote_ends``) holds the devices
+        first, each request one device until its predicted end (bound before this replica's
+        work is looked at, it is ahead of it in the backend's queue)."""
         devices = [_Device(now) for _ in range(self.devices)]
         free = [(now, 0, index) for index in range(self.devices)]
+        if fleet and self.remote_ends:
+            for remote_end in sorted(e for ends in self.remote_ends.values() for e in ends if e > now):
+                device_free, _, index = heapq.heappop(free)
+                devices[index].free_at = max(device_free, remote_end)
+                heapq.heappush(free, (devices[index].free_at, 0, index))
         for slot in self.bound:
             device_free, _, index = heapq.heappop(free)
             if replan and slot.predicted_start > now:
@@ -244,10 +257,10 @@ class DeviceSet:
             heapq.heappush(free, (end, device.live_bytes, index))
         return devices
 
-    def free_times(self, now: float, *, replan: bool = False) -> list[float]:
+    def free_times(self, now: float, *, replan: bool = False, fleet: bool = False) -> list[float]:
         """A heap of the times each device is predicted to finish the work bound to it
-        (``schedule``)."""
-        free = [device.free_at for device in self.schedule(now, replan=replan)]
+        (``schedule``; with ``fleet``, the other replicas' bound work too)."""
+        free = [device.free_at for device in self.schedule(now, replan=replan, fleet=fleet)]
         heapq.heapify(free)
         return free
 
@@ -360,8 +373,9 @@ class DispatchQueue:
         cost_ms: float = 0.0,
         long: bool = False,
     ) -> float:
-        """How long a new arrival would wait for a device: the work bound to the backend,
-        then the queued work that goes before it, list-scheduled over the pool's devices. On
+        """How long a new arrival would wait for a device: the work bound to the backend (by
+        this replica and, in a fleet, by the others: ``DeviceSet.remote_ends``), then the
+        queued work that goes before it, list-scheduled over the pool's devices. On
         shared devices that includes the other pools' waiters (a freed device goes to the most
         urgent). What goes before it:
 
@@ -373,7 +387,7 @@ class DispatchQueue:
           will finish at: rule 1); other classes and other pools by latest start. A flooder's
           backlog therefore does not make an in-share tenant's request look infeasible.
         """
-        free = self.device_set.free_times(now)
+        free = self.device_set.free_times(now, fleet=True)
         queued = any(queue.queued for queue in self.device_set.queues)
         ahead = self._ahead(latest_start, flow, weight, cost_ms) if queued else []
         # Queued long work beyond what the short lane lets start takes no device here (it

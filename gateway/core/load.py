@@ -21,7 +21,9 @@ problem, not the pool's load.
 A fleet of replicas (``gateway/state/fleet_load.py``) decides on the fleet's sum: with
 ``offers`` set, every offered sample is also kept there for the fleet to publish, and the
 other replicas' samples are added to the same windows (``add_remote_offer``), so each
-replica's ladder and plan read the fleet's offered demand. ``capacity_share`` is the part
+replica's ladder and plan read the fleet's offered demand; what a flow's admitted work saved
+(its relief) is this replica's own, scaled to the fleet by the flow's offered demand over
+this replica's part of it (``FlowLoad.relief``). ``capacity_share`` is the part
 of the pool's devices the ladder plans for: 1 alone or with fresh fleet evidence, 1/N
 while a replica decides on its own demand only (fleet evidence stale).
 """
@@ -90,12 +92,24 @@ class FlowLoad:
     reducer: Shedder = field(default_factory=Shedder)
     diverter: Shedder = field(default_factory=Shedder)
     admitter: Shedder = field(default_factory=Shedder)
+    # This replica's own offered samples (``demand`` also holds a fleet's remote ones).
+    own_offered: DemandWindow = field(default_factory=_plan_window)
 
-    def relief(self, now: float) -> FlowRelief:
+    def relief(self, now: float, *, fleet: bool = False) -> FlowRelief:
+        """What this flow's admitted work saved, in the units of its offered ``demand``. In a
+        fleet the demand is the fleet's while admitted work is this replica's own: the rates
+        are scaled by the fleet's offered demand over this replica's, so the plan compares
+        like with like (an unscaled relief reads half a fleet's savings as all of them and
+        degrades more of the flow than one replica would on the same arrivals)."""
+        scale = 1.0
+        if fleet:
+            own = self.own_offered.reading(now, DEFAULT_PLAN_SPAN_S).offered_ms_per_s
+            fleet_wide = self.demand.reading(now, DEFAULT_PLAN_SPAN_S).offered_ms_per_s
+            scale = max(1.0, fleet_wide / own) if own > 0.0 else 1.0
         return FlowRelief(
-            offered_ms_per_s=self.admitted_offered.rate_ms_per_s(now),
-            running_ms_per_s=self.admitted_running.rate_ms_per_s(now),
-            reduced_ms_per_s=self.admitted_reduction.rate_ms_per_s(now),
+            offered_ms_per_s=self.admitted_offered.rate_ms_per_s(now) * scale,
+            running_ms_per_s=self.admitted_running.rate_ms_per_s(now) * scale,
+            reduced_ms_per_s=self.admitted_reduction.rate_ms_per_s(now) * scale,
         )
 
 
@@ -146,6 +160,7 @@ class PoolLoad:
         """Admissible work arrived: it counts toward the pool's and the flow's offered demand."""
         self.demand.add(now, accelerator_ms)
         flow.demand.add(now, accelerator_ms)
+        flow.own_offered.add(now, accelerator_ms)
         if self.offers is not None:
             self.offers.append((now, flow.key, accelerator_ms))
 
@@ -227,7 +242,7 @@ class PoolLoad:
         ]
         plans = plan_flows(
             demands,
-            {flow.key: flow.relief(now) for flow in active},
+            {flow.key: flow.relief(now, fleet=self.offers is not None) for flow in active},
             capacity_ms_per_s=capacity,
             step=self.ladder.step,
             reduce_saving=self.reduce_saving,

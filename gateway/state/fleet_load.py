@@ -16,8 +16,20 @@ pool plans for ``1/N`` of its capacity (``PoolLoad.capacity_share``, N from the 
 membership) against its own demand only, which is each replica's fair part of the fleet's
 envelope; the first successful exchange restores the fleet view.
 
+The same round trip reads the fleet's bound work: the predicted end of every dispatch slot
+lease the other replicas hold on each pool (``gateway.state.device_leases``), handed to the
+pool's devices (``DeviceSet.remote_ends``, on this replica's clock). Admission's predicted
+wait then counts the work really ahead on the shared backend, as one replica's would: without
+it, a replica predicts from its own share of the bound work, admits to the primary requests
+that then wait for a fleet slot past their latest start, and ends up degrading far more of a
+surge than a single replica does (``tests/test_replicas_surge.py``). The view is at most one
+interval old; a lease whose predicted end has passed counts as finished. Stale (no exchange
+for ``stale_after_s``), the remote work is forgotten with the rest of the fleet view.
+
 What is not exchanged: queue dwell, admitted work (relief) and backend saturation stay
-each replica's own evidence (its queue, its requests).
+each replica's own evidence (its queue, its requests); a flow's relief, which the plan
+subtracts from the fleet's excess, is scaled to the fleet by the flow's offered demand over
+this replica's (``FlowLoad.relief``).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Final
 
 from gateway import clock
+from gateway.core.dispatch import DispatchQueue
 from gateway.core.load import PoolLoad
 from gateway.state.redis_store import REDIS_FAILURES, RedisFleet
 
@@ -87,6 +100,9 @@ class FleetLoad:
                 )
             if self.last_id is not None:
                 pipe.xread({self.stream: self.last_id}, count=10000)
+            pools = self._pools()
+            for name in pools:
+                pipe.hgetall(self._ends_key(name))
             try:
                 answers = await self.fleet.call(pipe.execute())
             except REDIS_FAILURES:  # the fleet marked itself degraded; these samples are lost to the others
@@ -96,16 +112,39 @@ class FleetLoad:
                 seconds, micros = answers[0]
                 redis_now = seconds + micros / 1e6
                 self.offset_s = redis_now - (before + after) / 2.0
+                bound = answers[len(answers) - len(pools) :]
                 if self.last_id is None:
                     self.last_id = f"{int(redis_now * 1000)}-0"
                 else:
-                    self._add_remote(answers[-1], loads)
+                    self._add_remote(answers[-1 - len(pools)], loads)
+                self._set_remote_bound(pools, bound)
                 self.fresh_at = after
                 ok = True
-        share = 1.0 / self.fleet.size if self.stale else 1.0
+        stale = self.stale
+        share = 1.0 / self.fleet.size if stale else 1.0
         for load in loads.values():
             load.capacity_share = share
+        if stale:
+            for queue in self._pools().values():
+                queue.device_set.remote_ends.pop(queue.name, None)
         return ok
+
+    def _pools(self) -> dict[str, DispatchQueue]:
+        """This replica's dispatch queues by pool name (the pools it has served)."""
+        names = {name: self.gateway.queue_named(name) for name in self.gateway.loads}
+        return {name: queue for name, queue in names.items() if queue is not None}
+
+    def _ends_key(self, pool: str) -> str:
+        # The hash of predicted ends kept beside the slot leases (``device_leases.FleetSlots``).
+        return f"{self.fleet.config.key_prefix}{{slots:{pool}}}:ends"
+
+    def _set_remote_bound(self, pools: dict[str, DispatchQueue], answers: list[Any]) -> None:
+        """The other replicas' leases' predicted ends, per pool, onto the pool's devices."""
+        offset = self.offset_s or 0.0
+        mine = f"{self.fleet.replica_id}:".encode()
+        for (name, queue), ends in zip(pools.items(), answers, strict=True):
+            theirs = [end for lease, end in (ends or {}).items() if not bytes(lease).startswith(mine)]
+            queue.device_set.remote_ends[name] = tuple(float(end) - offset for end in theirs)
 
     async def run(self, interval_s: float) -> None:
         """Exchange every ``interval_s`` until cancelled."""

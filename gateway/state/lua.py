@@ -8,8 +8,10 @@ queued-work limits, live-token-ms, reserve -> start -> settle/release, idempoten
 with one addition the in-memory ledger does not need: every reservation is a *lease* that
 expires unless its replica renews it, and an expired lease closes as settled at its
 prediction (the request may have run; its replica is gone), so a dead replica's open
-reservations, queued work and borrowing come back by themselves. ``tests/test_state_quota.py``
-runs the same cases through both ledgers and compares every answer.
+reservations, queued work and borrowing come back by themselves; and a second, that a
+reservation may hold several units of concurrency (a replica's quota slice,
+``gateway.state.redis_store``). ``tests/test_state_quota.py`` runs the same cases through
+both ledgers (one request per reservation) and compares every answer.
 
 Numbers travel as strings (``%.17g``): Lua would truncate a returned double to an integer.
 The bucket parameters (rates, capacities, limits) come from the caller's resolved
@@ -21,7 +23,9 @@ Keys of one request class share a hash tag (``{prefix:q:CLASS}``): each script t
 class's keys only. Per account (tenant or the ``*`` pool): ``a:`` hash (bucket levels,
 queued ms, queued count, borrowed ms), ``o:`` hash (open reservations: id -> record), ``l:``
 sorted set (id -> lease expiry). Per class: ``c`` hash (the share's bucket), ``ids`` counter.
-Open record: ``demand live borrowed started queued metered owner`` (started -1: queued).
+Open record: ``demand live borrowed started queued metered owner units`` (started -1: queued;
+units: the concurrency it holds, 1 but for a replica's quota slice, whose extra units the
+account's ``xu`` field sums so the concurrency limit counts them).
 """
 
 from __future__ import annotations
@@ -66,11 +70,16 @@ local function parse(v)
   local f = {}
   for w in string.gmatch(v, '%S+') do f[#f + 1] = w end
   return {demand = tonumber(f[1]), live = tonumber(f[2]), borrowed = tonumber(f[3]),
-          started = tonumber(f[4]), queued = tonumber(f[5]), metered = tonumber(f[6]), owner = f[7]}
+          started = tonumber(f[4]), queued = tonumber(f[5]), metered = tonumber(f[6]), owner = f[7],
+          units = tonumber(f[8] or '1')}
 end
 local function unparse(r)
   return table.concat({num(r.demand), num(r.live), num(r.borrowed), num(r.started),
-                       tostring(r.queued), tostring(r.metered), r.owner}, ' ')
+                       tostring(r.queued), tostring(r.metered), r.owner, tostring(r.units)}, ' ')
+end
+-- Open reservations count one unit of concurrency each; a quota slice counts its units.
+local function open_units(acct, open)
+  return redis.call('HLEN', open) + tonumber(redis.call('HGET', acct, 'xu') or '0')
 end
 local function account_state(acct)
   local a = redis.call('HMGET', acct, 'queued', 'nq', 'borrowed')
@@ -87,8 +96,14 @@ local function forget(acct, open, leases, id, r)
       queued = queued - r.demand
     end
     if nq <= 0 then nq = 0; queued = 0 elseif queued < 0 then queued = 0 end
-    if redis.call('HLEN', open) == 0 then borrowed = 0 else borrowed = math.max(0, borrowed - r.borrowed) end
-    redis.call('HSET', acct, 'queued', num(queued), 'nq', tostring(nq), 'borrowed', num(borrowed))
+    local xu = tonumber(redis.call('HGET', acct, 'xu') or '0') - (r.units - 1)
+    if redis.call('HLEN', open) == 0 then
+      borrowed = 0; xu = 0
+    else
+      borrowed = math.max(0, borrowed - r.borrowed)
+    end
+    redis.call('HSET', acct, 'queued', num(queued), 'nq', tostring(nq), 'borrowed', num(borrowed),
+               'xu', tostring(math.max(0, xu)))
   end
 end
 -- Expired leases close as settled at their prediction: no bucket moves.
@@ -107,8 +122,10 @@ RESERVE: Final = (
     + r"""
 -- KEYS: acct, open, leases, class, ids
 -- ARGV: now, ttl_s, metered, rate, cap, live_rate, live_cap, borrow_limit, max_concurrent,
---       max_queued_ms, class_rate, class_cap, demand, live_demand, owner   ('' = none)
+--       max_queued_ms, class_rate, class_cap, demand, live_demand, owner, units   ('' = none)
+-- units: the concurrency the reservation holds (a quota slice: several; '' = 1).
 local acct, open, leases = KEYS[1], KEYS[2], KEYS[3]
+local units = tonumber(ARGV[16] or '') or 1
 local now = clock(ARGV[1])
 local ttl = tonumber(ARGV[2])
 reap(acct, open, leases, now)
@@ -121,8 +138,9 @@ end
 local function open_reservation(borrowed, metered)
   local id = redis.call('INCR', KEYS[5])
   local r = {demand = demand, live = live_demand, borrowed = borrowed, started = -1,
-             queued = metered, metered = metered, owner = ARGV[15]}
+             queued = metered, metered = metered, owner = ARGV[15], units = units}
   redis.call('HSET', open, id, unparse(r))
+  if units > 1 then redis.call('HINCRBY', acct, 'xu', units - 1) end
   redis.call('ZADD', leases, now + ttl, id)
   return id
 end
@@ -140,12 +158,12 @@ if ARGV[6] ~= '' then
 end
 local borrow_limit = tonumber(ARGV[8])
 local queued, nq, borrowed = account_state(acct)
-local open_count = redis.call('HLEN', open)
+local open_count = open_units(acct, open)
 local best = nil
 local function refuse(rule, wait, need, level)
   if best == nil or wait > best[2] then best = {rule, wait, need, level} end
 end
-if ARGV[9] ~= '' and open_count >= tonumber(ARGV[9]) then
+if ARGV[9] ~= '' and open_count + units > tonumber(ARGV[9]) then
   local soonest = nil
   for _, v in ipairs(redis.call('HVALS', open)) do
     local r = parse(v)
@@ -193,7 +211,7 @@ queued = queued + demand
 redis.call('HSET', acct, 'queued', num(queued), 'nq', tostring(nq + 1), 'borrowed', num(borrowed))
 local id = open_reservation(grant, 1)
 return {'ok', tostring(id), num(grant), num(now), num(acc.lvl), parent and num(parent.lvl) or '',
-        num(borrowed), tostring(open_count + 1), num(queued)}
+        num(borrowed), tostring(open_count + units), num(queued)}
 """
 )
 
@@ -241,7 +259,7 @@ forget(acct, open, leases, id, r)
 reap(acct, open, leases, now)
 local queued, _, borrowed = account_state(acct)
 return {'ok', num(r.demand), num(charged), num(r.live), level, parent_level, num(borrowed),
-        tostring(redis.call('HLEN', open)), num(queued)}
+        tostring(open_units(acct, open)), num(queued)}
 """
 )
 

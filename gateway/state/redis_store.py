@@ -3,7 +3,19 @@
 Owns the client side of the shared state: ``RedisFleet`` (the connection, this replica's
 heartbeat, the membership it reads back, degraded mode) and ``RedisQuotaStore`` (the
 ``QuotaStore`` the pipeline uses: the core's quota rules applied by ``gateway.state.lua``'s
-scripts, one round trip per reserve, start, settle or release).
+scripts, one round trip per reserve, start, settle or release, or per quota slice).
+
+Quota slices (``state.quota_slice``, a share of the account's burst and of its
+``max_concurrent``): a replica reserves a *slice* of an account in Redis (one reservation,
+debited in full, holding ``ceil(share x max_concurrent)`` of its concurrency) and admits its
+own requests on it with no round trip, settling them locally; a retired slice (spent, a
+heartbeat interval old, or the store draining) closes in Redis, once its last request has
+settled, charged what its requests were charged: the unused rest goes back to the bucket.
+Every token a slice admits was debited in Redis first, so slices cannot overshoot a quota;
+what they cost is under-use (a replica's unused slice is unavailable to the others until it
+returns, at most about a heartbeat interval). A request larger than a slice, a refused
+slice, and accounts with a queued-work limit or a live-token bucket (both read each request)
+reserve one request per call as before; borrowing from the class share is per request only.
 
 Rules of the edge:
 
@@ -20,20 +32,24 @@ Rules of the edge:
 * Hot-path scripts (reserve, start, settle, slot leases) go through one channel that
   sends everything asked for in the same event-loop turn as one pipeline (one round trip,
   one deadline), and holds calls nobody awaits up to ``COALESCE_S`` (2 ms) for company:
-  under load many requests share a round trip, which is what keeps the
-  Redis path's CPU per request near the in-memory one (``bench/replicas.py``).
+  under load many requests share a round trip. With quota slices most requests need no
+  quota round trip at all, which is what keeps the Redis path's CPU per request near the
+  in-memory one (``bench/replicas.py``).
 * Starting, settling and releasing are sent in the background (they are called from
   synchronous code). A lost one costs nothing permanent: the reservation's lease expires
   and closes it as settled at its prediction.
-* This replica renews the leases of its open reservations with its heartbeat, every
-  ``lease_ttl_ms / 3``; a replica that dies stops renewing, so its reservations, queued
-  work and borrowing return within ``lease_ttl_ms``.
+* This replica renews the leases of its open reservations and slices with its heartbeat,
+  every ``lease_ttl_ms / 3``; a replica that dies stops renewing, so its reservations,
+  slices, queued work and borrowing return within ``lease_ttl_ms`` (a dead replica's slice
+  closes charged in full: its requests may have run).
+* Degraded, slices are dropped: their open requests settle locally, their leases expire.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -79,6 +95,7 @@ RULE_STATE_UNAVAILABLE: Final = "state.unavailable"
 # round trip with others: refunds reach the ledger a few ms later, for far fewer round trips.
 COALESCE_S: Final = 0.002
 REDIS_FAILURES: Final = (RedisError, OSError, asyncio.TimeoutError)
+_EPSILON_MS: Final = 1e-6
 
 
 def _num(value: float | None) -> str:
@@ -326,6 +343,24 @@ class RedisFleet:
             await asyncio.wait_for(self.client.aclose(), self.timeout_s * 2)
 
 
+@dataclass(slots=True, eq=False)
+class _Slice:
+    """A quota slice: one reservation in Redis (``size_ms``, ``units`` of concurrency) that
+    this replica admits its own requests on without a round trip, and closes in Redis with
+    their summed charge once retired and empty (the unused rest goes back to the bucket)."""
+
+    terms: AccountTerms
+    rid: int  # the reservation's id in Redis
+    size_ms: float
+    units: int | None  # concurrent requests it may hold (None: the account has no limit)
+    claimed_at: float  # this replica's clock
+    left_ms: float  # size less what its open requests reserved and its closed ones were charged
+    charged_ms: float = 0.0  # observed charges of its closed requests
+    inflight: int = 0
+    retired: bool = False  # admits no more; closes in Redis when its last request settles
+    closed: bool = False
+
+
 @dataclass(slots=True)
 class _Cached:
     """The last account state Redis reported, for ``available`` between reservations."""
@@ -356,7 +391,17 @@ class RedisQuotaStore:
         self._cache: dict[tuple[str, str], _Cached] = {}
         self._local: QuotaLedger | None = None  # the 1/N share while degraded (fail_mode local)
         self._unmetered_tenants: tuple[str, ...] = ()
-        fleet.on_beat(self.renew)
+        self._slice_share = fleet.config.quota_slice
+        # Slices last between a half and one and a half heartbeat intervals (ttl/3) before
+        # retiring: what a replica holds unused goes back within about a second (default TTL).
+        self._slice_hold_s = fleet.ttl_s / 6.0
+        self._slices: dict[tuple[str, str], list[_Slice]] = {}  # account -> its live slices
+        self._on_slice: dict[tuple[str, int], tuple[Reservation, _Slice]] = {}
+        self._claims: dict[tuple[str, str], asyncio.Task[_Slice | None]] = {}
+        self._slice_ids = itertools.count(-1, -1)  # requests admitted on a slice: negative ids
+        self.remote_reservations = 0  # reservations opened in Redis: slices and single requests
+        self.slices_claimed = 0
+        fleet.on_beat(self._beat)
         fleet.on_degraded(self._degrade)
 
     # ------------------------------------------------------------------ protocol
@@ -399,6 +444,8 @@ class RedisQuotaStore:
             if cached.level_ms is not None
             else view.available_accelerator_ms
         )
+        # What this replica's slices still hold is its to spend (already debited in Redis).
+        level += sum(s.left_ms for s in self._slices.get((terms.tenant, request_class), ()) if not s.retired)
         borrowable = 0.0
         if terms.class_rate_ms_per_s is not None and terms.class_capacity_ms is not None and level >= 0:
             class_level = (
@@ -427,7 +474,7 @@ class RedisQuotaStore:
         )
 
     def outstanding(self) -> Outstanding:
-        remote = [r for r, _ in self._open.values()]
+        remote = [r for r, _ in self._open.values()] + [r for r, _ in self._on_slice.values()]
         local = self._local.outstanding() if self._local is not None else Outstanding(0, 0.0, 0.0, 0.0)
         return Outstanding(
             count=len(remote) + local.count,
@@ -470,6 +517,14 @@ class RedisQuotaStore:
         self._terms.check_lengths(tenant, request_class, input_tokens, output_tokens)
         if self.degraded:
             return self._reserve_degraded(tenant, request_class, demand_ms, live_token_ms, now)
+        if self._slice_size(terms, demand_ms) is not None:
+            on_slice = self._admit_on_slice(terms, tenant, demand_ms, live_token_ms, now)
+            if on_slice is None and await self._claim_slice(terms, demand_ms, now, redis_now):
+                on_slice = self._admit_on_slice(terms, tenant, demand_ms, live_token_ms, now)
+            if on_slice is not None:
+                return on_slice
+            if self.degraded:  # the claim failed: Redis is unreachable
+                return self._reserve_degraded(tenant, request_class, demand_ms, live_token_ms, now)
         args = [
             _num(redis_now),
             repr(self.fleet.ttl_s),
@@ -486,6 +541,7 @@ class RedisQuotaStore:
             _num(demand_ms),
             _num(live_token_ms),
             self.fleet.replica_id,
+            "",
         ]
         try:
             # The batch's deadline bounds this answer (and marks the replica degraded on failure).
@@ -506,6 +562,7 @@ class RedisQuotaStore:
                 queued_ms=float(queued),
             )
         _, rid, borrowed, _at, level, class_level, acct_borrowed, open_count, queued = fields
+        self.remote_reservations += 1
         reservation = Reservation(
             id=int(rid),
             tenant=tenant,
@@ -530,6 +587,8 @@ class RedisQuotaStore:
         return reservation
 
     def start(self, reservation: Reservation, *, now: float) -> bool:
+        if self._sliced(reservation) is not None:
+            return True  # sliced accounts have no queued-work limit: nothing reads the start
         entry = self._remote(reservation)
         if entry is None:
             return self._local is not None and self._local.start(reservation, now=now)
@@ -614,10 +673,14 @@ class RedisQuotaStore:
         return min(terms.capacity_ms, float(level) + terms.rate_ms_per_s * elapsed)
 
     async def renew(self) -> None:
-        """Push back the leases of this replica's open reservations (one call per account)."""
+        """Push back the leases of this replica's open reservations and slices (one call per
+        account)."""
         by_leases: dict[str, list[str]] = {}
         for (_, rid), (_, terms) in list(self._open.items()):
             by_leases.setdefault(self.keys(terms)[2], []).append(str(rid))
+        for slices in self._slices.values():
+            for piece in slices:
+                by_leases.setdefault(self.keys(piece.terms)[2], []).append(str(piece.rid))
         if not by_leases:
             return
         ttl = repr(self.fleet.ttl_s)
@@ -625,8 +688,23 @@ class RedisQuotaStore:
         await self.fleet.call(asyncio.gather(*calls))
 
     async def drain(self) -> None:
-        """Wait (bounded by the call deadline) for background starts and settlements."""
+        """Return every slice not in use, then wait (bounded by the call deadline) for
+        background starts and settlements."""
+        self.retire_slices(older_than_s=0.0)
         await self.fleet.drain()
+
+    def retire_slices(self, *, older_than_s: float) -> None:
+        """Retire the slices claimed at least ``older_than_s`` ago; the empty ones close now,
+        the others when their last request settles."""
+        now = clock.now()
+        for slices in list(self._slices.values()):
+            for piece in list(slices):
+                if now - piece.claimed_at >= older_than_s:
+                    self._retire(piece)
+
+    async def _beat(self) -> None:
+        self.retire_slices(older_than_s=self._slice_hold_s)
+        await self.renew()
 
     # ------------------------------------------------------------------ internals
 
@@ -641,6 +719,156 @@ class RedisQuotaStore:
     def watch_unmetered(self, tenants: tuple[str, ...]) -> None:
         """Tenants without a quota whose class-share reservations ``fleet_outstanding`` reads."""
         self._unmetered_tenants = tenants
+
+    # ------------------------------------------------------------------ quota slices
+
+    def _slice_size(self, terms: AccountTerms, demand_ms: float) -> float | None:
+        """The slice this account's requests are admitted on (None: one reservation each).
+
+        Only a metered account whose limits a slice can carry: accelerator-ms and concurrency.
+        The queued-work limit reads each request's start and the live-token bucket each
+        request's memory, so those accounts (and a request larger than a slice) reserve in
+        Redis one by one."""
+        if (
+            self._slice_share <= 0.0
+            or not terms.metered
+            or terms.max_queued_ms is not None
+            or terms.live_token_rate_ms_per_s is not None
+        ):
+            return None
+        size = self._slice_share * terms.capacity_ms
+        return size if demand_ms <= size else None
+
+    def _slice_units(self, terms: AccountTerms) -> int | None:
+        if terms.max_concurrent is None:
+            return None
+        return max(1, math.ceil(self._slice_share * terms.max_concurrent))
+
+    def _sliced(self, reservation: Reservation) -> _Slice | None:
+        entry = self._on_slice.get((reservation.request_class, reservation.id))
+        if entry is None or entry[0] is not reservation:
+            return None
+        return entry[1]
+
+    def _admit_on_slice(
+        self, terms: AccountTerms, tenant: str, demand_ms: float, live_token_ms: float, now: float
+    ) -> Reservation | None:
+        """A reservation on one of this replica's slices of the account, without a round trip."""
+        for piece in self._slices.get((terms.tenant, terms.request_class), ()):
+            if piece.retired or (piece.units is not None and piece.inflight >= piece.units):
+                continue
+            if piece.left_ms < demand_ms - _EPSILON_MS:
+                self._retire(piece)  # spent: the rest goes back when its requests have settled
+                continue
+            piece.left_ms -= demand_ms
+            piece.inflight += 1
+            reservation = Reservation(
+                id=next(self._slice_ids),
+                tenant=tenant,
+                request_class=terms.request_class,
+                demand_ms=demand_ms,
+                live_token_ms=live_token_ms,
+                borrowed_ms=0.0,
+                reserved_at=now,
+                metered=True,
+                pooled=terms.pooled,
+            )
+            self._on_slice[(terms.request_class, reservation.id)] = (reservation, piece)
+            return reservation
+        return None
+
+    async def _claim_slice(
+        self, terms: AccountTerms, demand_ms: float, now: float, redis_now: float | None
+    ) -> bool:
+        """Claim a new slice of the account (one per account at a time: a request arriving
+        while one is being claimed waits for that claim). False: none was granted."""
+        key = (terms.tenant, terms.request_class)
+        claim = self._claims.get(key)
+        if claim is None:
+            size, units = self._slice_size(terms, demand_ms), self._slice_units(terms)
+            assert size is not None
+            cached = self._cache.get(key)
+            if cached is not None and cached.level_ms is not None:
+                # The last answer says the slice would be refused: reserve this request alone.
+                elapsed = max(0.0, clock.now() - cached.at)
+                level = min(terms.capacity_ms, cached.level_ms + terms.rate_ms_per_s * elapsed)
+                limit = terms.max_concurrent
+                if level < size or (limit is not None and cached.open_count + (units or 1) > limit):
+                    return False
+            # A task of its own: a caller cancelled meanwhile does not lose the granted slice.
+            claim = asyncio.get_running_loop().create_task(self._claim(terms, size, units, now, redis_now))
+            self._claims[key] = claim
+            claim.add_done_callback(lambda done: self._claim_done(key, done))
+        return await asyncio.shield(claim) is not None
+
+    def _claim_done(self, key: tuple[str, str], done: asyncio.Task[_Slice | None]) -> None:
+        if self._claims.get(key) is done:
+            del self._claims[key]
+
+    async def _claim(
+        self, terms: AccountTerms, size: float, units: int | None, now: float, redis_now: float | None
+    ) -> _Slice | None:
+        args = [
+            _num(redis_now),
+            repr(self.fleet.ttl_s),
+            "1",
+            _num(terms.rate_ms_per_s),
+            _num(terms.capacity_ms),
+            "",
+            "",
+            "0",  # a slice is paid from the account's own bucket: borrowing stays per request
+            _opt(terms.max_concurrent),
+            "",
+            _num(terms.class_rate_ms_per_s),
+            _num(terms.class_capacity_ms),
+            _num(size),
+            "0",
+            self.fleet.replica_id,
+            _opt(units),
+        ]
+        try:
+            answer = await self.fleet.run_script(self._reserve, self.keys(terms), args)
+        except REDIS_FAILURES:
+            return None
+        fields = [a.decode() if isinstance(a, bytes) else str(a) for a in answer]
+        if fields[0] == "refused":
+            _, _rule, _wait, _need, level, open_count, queued = fields
+            self._remember(terms, level=float(level), open_count=int(open_count), queued_ms=float(queued))
+            return None
+        _, rid, _borrowed, _at, level, class_level, acct_borrowed, open_count, queued = fields
+        self._remember(
+            terms,
+            level=float(level),
+            class_level=float(class_level) if class_level else None,
+            borrowed_ms=float(acct_borrowed),
+            open_count=int(open_count),
+            queued_ms=float(queued),
+        )
+        self.remote_reservations += 1
+        self.slices_claimed += 1
+        piece = _Slice(terms=terms, rid=int(rid), size_ms=size, units=units, claimed_at=now, left_ms=size)
+        if self.degraded:  # failed meanwhile: its lease expires in Redis
+            piece.retired = piece.closed = True
+        else:
+            self._slices.setdefault((terms.tenant, terms.request_class), []).append(piece)
+        return piece
+
+    def _retire(self, piece: _Slice) -> None:
+        piece.retired = True
+        if piece.inflight == 0:
+            self._close_slice(piece)
+
+    def _close_slice(self, piece: _Slice) -> None:
+        """Close the slice in Redis at what its requests were charged (in the background)."""
+        if piece.closed:
+            return
+        piece.closed = True
+        slices = self._slices.get((piece.terms.tenant, piece.terms.request_class))
+        if slices is not None and piece in slices:
+            slices.remove(piece)
+        if not self.degraded:  # degraded: its lease expires and closes it at its whole size
+            keys, args = self._settle_keys_args(piece.terms, piece.rid, piece.charged_ms, 0.0, None)
+            self.fleet.send_script(self._settle, keys, args)
 
     def _remote(self, reservation: Reservation) -> tuple[Reservation, AccountTerms] | None:
         entry = self._open.get((reservation.request_class, reservation.id))
@@ -670,7 +898,14 @@ class RedisQuotaStore:
         return self._local
 
     def _degrade(self) -> None:
-        """Entering degraded mode: a fresh local share of 1/N from the last membership."""
+        """Entering degraded mode: a fresh local share of 1/N from the last membership.
+
+        Slices are dropped: their requests still settle here, nothing more is admitted on
+        them, and their leases in Redis expire (closing as charged in full)."""
+        for slices in self._slices.values():
+            for piece in slices:
+                piece.retired = piece.closed = True
+        self._slices.clear()
         previous = self._local
         if previous is None or previous.outstanding().count == 0:
             self._local = QuotaLedger(self._settings.scaled(1.0 / self.fleet.size))
@@ -691,14 +926,15 @@ class RedisQuotaStore:
     def _settle_keys_args(
         self,
         terms: AccountTerms,
-        reservation: Reservation,
+        reservation: Reservation | int,
         charged_ms: float,
         charged_live_token_ms: float,
         redis_now: float | None,
     ) -> tuple[list[str], list[str]]:
+        rid = reservation if isinstance(reservation, int) else reservation.id
         args = [
             _num(redis_now),
-            str(reservation.id),
+            str(rid),
             _num(charged_ms),
             _num(charged_live_token_ms),
             _num(terms.rate_ms_per_s),
@@ -718,6 +954,18 @@ class RedisQuotaStore:
         now: float,
         kind: str,
     ) -> Settlement | None:
+        sliced = self._sliced(reservation)
+        if sliced is not None:
+            del self._on_slice[(reservation.request_class, reservation.id)]
+            sliced.inflight -= 1
+            sliced.left_ms += reservation.demand_ms - charged_ms
+            sliced.charged_ms += charged_ms
+            if sliced.retired:
+                if sliced.inflight == 0:
+                    self._close_slice(sliced)
+            elif sliced.left_ms < 0.0:  # observed work beyond the slice: settle the debt now
+                self._retire(sliced)
+            return self._settlement(reservation, charged_ms, charged_live_token_ms, kind)
         entry = self._remote(reservation)
         if entry is None:
             if self._local is None:
@@ -733,6 +981,12 @@ class RedisQuotaStore:
                 self._settle,
                 *self._settle_keys_args(entry[1], reservation, charged_ms, charged_live_token_ms, None),
             )
+        return self._settlement(reservation, charged_ms, charged_live_token_ms, kind)
+
+    @staticmethod
+    def _settlement(
+        reservation: Reservation, charged_ms: float, charged_live_token_ms: float, kind: str
+    ) -> Settlement:
         delta = charged_ms - reservation.demand_ms
         return Settlement(
             reservation_id=reservation.id,
