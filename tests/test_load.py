@@ -567,24 +567,39 @@ def test_relief_is_what_admitted_work_runs_at() -> None:
     assert seed_pool().relief(9.5) == 1.0  # nothing admitted: no relief
 
 
-def test_a_replicas_relief_is_scaled_to_the_fleets_demand() -> None:
-    """In a fleet the flow's offered demand is the fleet's (remote samples added) while its
-    admitted work is this replica's own: the relief the plan subtracts from the fleet's excess
-    is scaled by the fleet's offered demand over this replica's. Two replicas, even halves:
-    this replica's savings count twice; the ratio (relief) is unchanged."""
+def test_a_fleet_members_relief_is_the_fleets() -> None:
+    """In a fleet, admitted work and what capping saved are published like offered demand
+    (``admits``, ``reductions``) and the other replicas' samples join the same windows
+    (``add_admitted``, ``add_reduction``): the relief a flow's plan subtracts from the fleet's
+    excess, and the pool's relief the ladder reads, are the fleet's, not this replica's half."""
     load = seed_pool()
-    load.offers = []  # a fleet member: offered samples are published
+    load.offers, load.admits, load.reductions = [], [], []  # a fleet member
     flow = interactive(load)
     for i in range(100):
         t = 8.0 + i * 0.02
-        load.offer(t, flow, 56.8)  # this replica's arrivals
-        load.add_remote_offer(t, flow, 56.8)  # the other replica's, as many
-        load.admitted(t, flow, offered_ms=56.8, running_ms=32.0)
-    own = flow.relief(10.0)
-    scaled = flow.relief(10.0, fleet=True)
-    assert scaled.offered_ms_per_s == pytest.approx(2 * own.offered_ms_per_s)
-    assert scaled.diverted_ms_per_s == pytest.approx(2 * own.diverted_ms_per_s)
-    assert scaled.relief == pytest.approx(own.relief) == pytest.approx(32.0 / 56.8)
+        load.offer(t, flow, 56.8)
+        load.admitted(t, flow, offered_ms=56.8, running_ms=32.0)  # this replica: fallbacks
+        load.reduced(t, flow, full_ms=56.8, reduced_ms=45.0)
+        load.add_remote_offer(t, flow, 56.8)
+        load.add_admitted(t, flow, 56.8, 56.8)  # the other replica: primaries
+        load.add_reduction(t, flow, 0.0)
+    # Published: this replica's own samples only, each once.
+    assert len(load.offers) == len(load.admits) == len(load.reductions) == 100
+    assert load.admits[0] == (8.0, flow.key, 56.8, 32.0)
+    assert load.reductions[0][:2] == (8.0, flow.key) and load.reductions[0][2] == pytest.approx(11.8)
+    # Against the same windows fed with this replica's samples only: twice the admitted work,
+    # the other replica's primaries added to what runs, the same saving by capping.
+    alone = seed_pool()
+    alone_flow = interactive(alone)
+    for i in range(100):
+        t = 8.0 + i * 0.02
+        alone.admitted(t, alone_flow, offered_ms=56.8, running_ms=32.0)
+        alone.reduced(t, alone_flow, full_ms=56.8, reduced_ms=45.0)
+    own, fleet = alone_flow.relief(10.0), flow.relief(10.0)
+    assert fleet.offered_ms_per_s == pytest.approx(2 * own.offered_ms_per_s)
+    assert fleet.running_ms_per_s == pytest.approx(own.running_ms_per_s * (32.0 + 56.8) / 32.0)
+    assert fleet.reduced_ms_per_s == pytest.approx(own.reduced_ms_per_s) and own.reduced_ms_per_s > 0
+    assert load.relief(10.0) == pytest.approx((32.0 + 56.8) / (2 * 56.8))
 
 
 def test_reduced_output_learns_its_saving() -> None:

@@ -1117,6 +1117,48 @@ def test_measured_reduction_comes_first_and_lowers_the_divert_share() -> None:
     assert first.divert_share == pytest.approx(at_3.divert_share)
 
 
+def test_degradations_of_equal_quality_cost_degrade_the_fewest_answers() -> None:
+    """The example routes: a capped output loses 0.03 of modeled quality for ~21 % of a price
+    saved, a fallback answer 0.06 for 39-45 %. Per accelerator-ms saved they cost the same
+    within the scores' precision (QUALITY_TIE), whichever way the learned savings wobble, so
+    the fallback, which degrades about half as many answers for the same saving, goes first
+    every time; a real difference in quality cost still decides the order."""
+    for fallback_saving in (0.388, 0.43, 0.45):
+        tied = plan(
+            SURGE_FLOW,
+            3,
+            reduce_saving=0.221,
+            fallback_saving=fallback_saving,
+            reduce_quality_loss=0.03,
+            fallback_quality_loss=0.06,
+        )[SOLO]
+        assert tied.divert_share == pytest.approx(SURGE_EXCESS / (SEED_SURGE * fallback_saving))
+        # Fallback first: with nothing measured yet the cap is planned for the whole excess too,
+        # but measured diversion takes it off (reduce-first would ignore it).
+        diverted = {SOLO: FlowRelief(offered_ms_per_s=SEED_SURGE, running_ms_per_s=SEED_SURGE - SURGE_EXCESS)}
+        covered = plan(
+            SURGE_FLOW,
+            3,
+            reliefs=diverted,
+            reduce_saving=0.221,
+            fallback_saving=fallback_saving,
+            reduce_quality_loss=0.03,
+            fallback_quality_loss=0.06,
+        )[SOLO]
+        assert covered.reduce_share == 0.0 and covered.divert_share == pytest.approx(tied.divert_share)
+    # Outside the tie (a fallback answer losing twice as much per ms saved), capping goes first.
+    capped_first = plan(
+        SURGE_FLOW,
+        3,
+        reliefs={SOLO: FlowRelief(reduced_ms_per_s=SURGE_EXCESS)},
+        reduce_saving=0.221,
+        fallback_saving=0.43,
+        reduce_quality_loss=0.03,
+        fallback_quality_loss=0.12,
+    )[SOLO]
+    assert capped_first.divert_share == 0.0
+
+
 def test_learned_savings_are_floored_at_5_percent() -> None:
     # A saving of ~0 would make every request a candidate for a mechanism that saves nothing.
     small = flows(("interactive", "orchid", 17_000.0, 1, 1))

@@ -21,11 +21,16 @@ problem, not the pool's load.
 A fleet of replicas (``gateway/state/fleet_load.py``) decides on the fleet's sum: with
 ``offers`` set, every offered sample is also kept there for the fleet to publish, and the
 other replicas' samples are added to the same windows (``add_remote_offer``), so each
-replica's ladder and plan read the fleet's offered demand; what a flow's admitted work saved
-(its relief) is this replica's own, scaled to the fleet by the flow's offered demand over
-this replica's part of it (``FlowLoad.relief``). ``capacity_share`` is the part
-of the pool's devices the ladder plans for: 1 alone or with fresh fleet evidence, 1/N
-while a replica decides on its own demand only (fleet evidence stale).
+replica's ladder and plan read the fleet's offered demand. Admitted work and what capping it
+saved travel the same way (``admits``/``add_admitted``, ``reductions``/``add_reduction``), so
+the relief the ladder judges steps 4-6 by, the saturation test and each flow's plan all read
+the fleet's admitted work against the fleet's demand. Each replica's ladder steps on that
+shared evidence, and the request path acts on the highest step any replica holds
+(``fleet_step``): the few hundred milliseconds by which replicas' evidence can differ near a
+threshold, and the descent's hold period, would otherwise keep them a step apart for seconds.
+``capacity_share`` is the part of the pool's devices the ladder plans for: 1 alone or with
+fresh fleet evidence, 1/N while a replica decides on its own demand only (fleet evidence
+stale).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from gateway.core.overload import (
     FlowRelief,
     LadderConfig,
     LadderState,
+    LadderStep,
     LoadEvidence,
     OverloadLadder,
     Shedder,
@@ -92,24 +98,12 @@ class FlowLoad:
     reducer: Shedder = field(default_factory=Shedder)
     diverter: Shedder = field(default_factory=Shedder)
     admitter: Shedder = field(default_factory=Shedder)
-    # This replica's own offered samples (``demand`` also holds a fleet's remote ones).
-    own_offered: DemandWindow = field(default_factory=_plan_window)
 
-    def relief(self, now: float, *, fleet: bool = False) -> FlowRelief:
-        """What this flow's admitted work saved, in the units of its offered ``demand``. In a
-        fleet the demand is the fleet's while admitted work is this replica's own: the rates
-        are scaled by the fleet's offered demand over this replica's, so the plan compares
-        like with like (an unscaled relief reads half a fleet's savings as all of them and
-        degrades more of the flow than one replica would on the same arrivals)."""
-        scale = 1.0
-        if fleet:
-            own = self.own_offered.reading(now, DEFAULT_PLAN_SPAN_S).offered_ms_per_s
-            fleet_wide = self.demand.reading(now, DEFAULT_PLAN_SPAN_S).offered_ms_per_s
-            scale = max(1.0, fleet_wide / own) if own > 0.0 else 1.0
+    def relief(self, now: float) -> FlowRelief:
         return FlowRelief(
-            offered_ms_per_s=self.admitted_offered.rate_ms_per_s(now) * scale,
-            running_ms_per_s=self.admitted_running.rate_ms_per_s(now) * scale,
-            reduced_ms_per_s=self.admitted_reduction.rate_ms_per_s(now) * scale,
+            offered_ms_per_s=self.admitted_offered.rate_ms_per_s(now),
+            running_ms_per_s=self.admitted_running.rate_ms_per_s(now),
+            reduced_ms_per_s=self.admitted_reduction.rate_ms_per_s(now),
         )
 
 
@@ -135,6 +129,10 @@ class PoolLoad:
     fallback_quality_loss: float = 0.0
     # Fleet (see the module docstring): samples to publish, and this replica's capacity share.
     offers: list[tuple[float, FlowKey, float]] | None = None
+    admits: list[tuple[float, FlowKey, float, float]] | None = None  # offered, running
+    # The highest step another replica of the fleet published recently (0 alone).
+    fleet_step: int = 0
+    reductions: list[tuple[float, FlowKey, float]] | None = None  # saved by capping
     capacity_share: float = 1.0
 
     def __post_init__(self) -> None:
@@ -142,7 +140,9 @@ class PoolLoad:
 
     @property
     def step(self) -> int:
-        return int(self.ladder.step)
+        """The step the request path acts on: this pool's ladder, or in a fleet the highest step
+        another replica published in the last exchanges (``fleet_step``), if higher."""
+        return max(int(self.ladder.step), self.fleet_step)
 
     # ------------------------------------------------------------------ evidence
 
@@ -160,7 +160,6 @@ class PoolLoad:
         """Admissible work arrived: it counts toward the pool's and the flow's offered demand."""
         self.demand.add(now, accelerator_ms)
         flow.demand.add(now, accelerator_ms)
-        flow.own_offered.add(now, accelerator_ms)
         if self.offers is not None:
             self.offers.append((now, flow.key, accelerator_ms))
 
@@ -171,16 +170,31 @@ class PoolLoad:
         flow.demand.add(now, accelerator_ms)
 
     def admitted(self, now: float, flow: FlowLoad, offered_ms: float, running_ms: float) -> None:
+        self.add_admitted(now, flow, offered_ms, running_ms)
+        if self.admits is not None:
+            self.admits.append((now, flow.key, offered_ms, running_ms))
+
+    def reduced(self, now: float, flow: FlowLoad, full_ms: float, reduced_ms: float) -> None:
+        """An admitted request whose output the ladder capped: learn what that saves."""
+        saved_ms = max(0.0, full_ms - reduced_ms)
+        self.add_reduction(now, flow, saved_ms)
+        if self.reductions is not None:
+            self.reductions.append((now, flow.key, saved_ms))
+        if full_ms > 0:
+            self.reduce_saving += 0.1 * ((1.0 - reduced_ms / full_ms) - self.reduce_saving)
+
+    def add_admitted(self, now: float, flow: FlowLoad, offered_ms: float, running_ms: float) -> None:
+        """Admitted work, priced as offered and as it runs: this replica's own, or another's
+        from the fleet's exchange (not published again). The relief the ladder and the plan
+        read is then the fleet's, in the units of its demand."""
         self.admitted_offered.add(now, offered_ms)
         self.admitted_running.add(now, running_ms)
         flow.admitted_offered.add(now, offered_ms)
         flow.admitted_running.add(now, running_ms)
 
-    def reduced(self, now: float, flow: FlowLoad, full_ms: float, reduced_ms: float) -> None:
-        """An admitted request whose output the ladder capped: learn what that saves."""
-        flow.admitted_reduction.add(now, max(0.0, full_ms - reduced_ms))
-        if full_ms > 0:
-            self.reduce_saving += 0.1 * ((1.0 - reduced_ms / full_ms) - self.reduce_saving)
+    def add_reduction(self, now: float, flow: FlowLoad, saved_ms: float) -> None:
+        """What capping an admitted request's output saved (this replica's or another's)."""
+        flow.admitted_reduction.add(now, saved_ms)
 
     def observed_saving(self, primary_ms: float, fallback_ms: float) -> None:
         if primary_ms > 0:
@@ -242,9 +256,9 @@ class PoolLoad:
         ]
         plans = plan_flows(
             demands,
-            {flow.key: flow.relief(now, fleet=self.offers is not None) for flow in active},
+            {flow.key: flow.relief(now) for flow in active},
             capacity_ms_per_s=capacity,
-            step=self.ladder.step,
+            step=LadderStep(self.step),
             reduce_saving=self.reduce_saving,
             fallback_saving=self.saving,
             exempt_classes=frozenset({CONTROL_CLASS}),

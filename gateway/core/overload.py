@@ -140,6 +140,15 @@ DEFAULT_SPANS_S: tuple[float, ...] = (1.0, 2.0, 4.0, 10.0)
 # when a surge ends, the short spans fall at once and the 10 s one only holds what it is sure of.
 PLAN_SPANS_S: tuple[float, ...] = (2.0, 4.0, 10.0)
 PLAN_Z = 1.0
+# Two degradations whose modeled quality cost per accelerator-ms saved is within this share of
+# each other cost the same, and the plan then degrades the fewest answers. Route quality
+# scores come with two decimals (0.92 full, 0.89 capped, 0.86 fallback on the example routes):
+# rounding alone leaves a 0.03 loss uncertain by +-17 %, and the learned savings move by
+# about 10 % between replicas and runs (0.39-0.45 for the fallback). Without the tie the
+# order followed that noise across a knife edge (0.06 / 0.43 vs 0.03 / 0.21: 1.4 % apart;
+# 0.06 / 0.39: 12 %), and a pool flipped between capping 46 % of a surge's answers and
+# diverting 20 % of them.
+QUALITY_TIE = 0.25
 # The recent span over which a flow's admitted work, and what capping or the fallback saved of
 # it, is measured (the relief the plan counts on), and the pool's point estimate of demand.
 DEFAULT_PLAN_SPAN_S = 2.0
@@ -955,11 +964,16 @@ def plan_flows(
         reduce_share = divert_share = 0.0
         reduce_saving, fallback_saving = max(reduce_saving, 0.05), max(fallback_saving, 0.05)
         # The degradation that costs the least modeled quality per accelerator-ms saved goes
-        # first (once the step permits both): it also degrades the fewest answers when it is
-        # the fallback (a capped output saves ~20 % of a price, the fallback ~45 %).
-        fallback_first = fx.fallback_for_eligible and (
-            fallback_quality_loss / fallback_saving <= reduce_quality_loss / reduce_saving
-        )
+        # first (once the step permits both). Within QUALITY_TIE of each other the two cost
+        # the same modeled quality for the same saving, and the one that saves more per answer
+        # goes first: it degrades the fewest answers (on the example routes the fallback, ~45 %
+        # of a price against ~20 % for a capped output).
+        fallback_cost = fallback_quality_loss / fallback_saving
+        reduce_cost = reduce_quality_loss / reduce_saving
+        if abs(fallback_cost - reduce_cost) <= QUALITY_TIE * max(fallback_cost, reduce_cost):
+            fallback_first = fx.fallback_for_eligible and fallback_saving >= reduce_saving
+        else:
+            fallback_first = fx.fallback_for_eligible and fallback_cost < reduce_cost
         if fallback_first:
             divert_share = min(1.0, excess / (offered * fallback_saving))
             left = max(0.0, excess - relief.diverted_ms_per_s)

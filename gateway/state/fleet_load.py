@@ -26,10 +26,21 @@ surge than a single replica does (``tests/test_replicas_surge.py``). The view is
 interval old; a lease whose predicted end has passed counts as finished. Stale (no exchange
 for ``stale_after_s``), the remote work is forgotten with the rest of the fleet view.
 
-What is not exchanged: queue dwell, admitted work (relief) and backend saturation stay
-each replica's own evidence (its queue, its requests); a flow's relief, which the plan
-subtracts from the fleet's excess, is scaled to the fleet by the flow's offered demand over
-this replica's (``FlowLoad.relief``).
+Admitted work (priced as offered and as it runs) and what capping it saved travel in the same
+entries: the relief the ladder judges steps 4-6 by, the backend-saturation test and the
+relief each flow's plan subtracts from the fleet's excess are then the fleet's, in the units
+of its demand. With each replica's own relief against the fleet's demand, a replica read half
+the fleet's savings as all of them (and degraded more of a surge than one replica would), and
+replicas with different local ratios sat on different steps for seconds.
+
+Every entry also carries each pool's step on the sending replica's own ladder (``s``), and
+the request path of every replica acts on the highest step published in the last
+``STEP_MEMORY`` intervals (``PoolLoad.fleet_step``): replicas' evidence can still differ by an
+exchange's delay and their own queue dwell, and near a threshold, with the descent's hold
+period, that kept two replicas a step apart for over a second; now the fleet climbs with its
+first replica and descends with its last, within an exchange or two.
+
+What is not exchanged: queue dwell stays each replica's own evidence (its queue).
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from gateway import clock
 from gateway.core.dispatch import DispatchQueue
-from gateway.core.load import PoolLoad
+from gateway.core.load import FlowLoad, PoolLoad
 from gateway.state.redis_store import REDIS_FAILURES, RedisFleet
 
 if TYPE_CHECKING:
@@ -51,6 +62,8 @@ __all__ = ["FleetLoad"]
 
 log = logging.getLogger("orchid.state")
 
+# Another replica's published step counts for this many exchange intervals after it was read.
+STEP_MEMORY: Final = 3
 _STREAM_MAXLEN: Final = 5000  # entries kept (approximate trim): many seconds of a fleet's exchanges
 
 
@@ -66,6 +79,9 @@ class FleetLoad:
         self.last_id: str | None = None
         self.fresh_at: float | None = None
         self.received = 0  # remote samples added (for tests and the status of the exchange)
+        self.interval_s = 0.1  # set by ``run``
+        # pool -> sender -> (its ladder's step, when read on this replica's clock)
+        self.steps: dict[str, dict[str, tuple[int, float]]] = {}
 
     @property
     def stale(self) -> bool:
@@ -76,16 +92,39 @@ class FleetLoad:
         for load in loads.values():
             if load.offers is None:
                 load.offers = []
+            if load.admits is None:
+                load.admits = []
+            if load.reductions is None:
+                load.reductions = []
         return loads
+
+    def _collect(self, load: PoolLoad) -> dict[str, list[list[Any]]]:
+        """The pool's samples since the last exchange, on Redis's clock: offered (``o``),
+        admitted (``a``: priced as offered, as it runs) and saved by capping (``r``)."""
+        offers, load.offers = load.offers or [], []
+        admits, load.admits = load.admits or [], []
+        reductions, load.reductions = load.reductions or [], []
+        if self.offset_s is None:
+            return {}
+        at = self.offset_s
+        samples = {
+            "o": [[t + at, key[0], key[1], ms] for t, key, ms in offers],
+            "a": [[t + at, key[0], key[1], offered, running] for t, key, offered, running in admits],
+            "r": [[t + at, key[0], key[1], saved] for t, key, saved in reductions],
+        }
+        published: dict[str, list[list[Any]]] = {kind: rows for kind, rows in samples.items() if rows}
+        if published or load.ladder.step > 0:
+            published["s"] = [[int(load.ladder.step)]]  # this replica's own step (not the fleet's)
+        return published
 
     async def exchange(self) -> bool:
         """One exchange; False when Redis did not answer (the pools then plan for 1/N)."""
         loads = self._attach()
-        batch: dict[str, list[list[Any]]] = {}
+        batch: dict[str, dict[str, list[list[Any]]]] = {}
         for name, load in loads.items():
-            offers, load.offers = load.offers or [], []
-            if offers and self.offset_s is not None:
-                batch[name] = [[t + self.offset_s, key[0], key[1], ms] for t, key, ms in offers]
+            samples = self._collect(load)
+            if samples:
+                batch[name] = samples
         ok = False
         if not self.fleet.degraded:
             before = clock.now()
@@ -124,10 +163,23 @@ class FleetLoad:
         share = 1.0 / self.fleet.size if stale else 1.0
         for load in loads.values():
             load.capacity_share = share
+        self._set_fleet_steps(loads, stale)
         if stale:
             for queue in self._pools().values():
                 queue.device_set.remote_ends.pop(queue.name, None)
         return ok
+
+    def _set_fleet_steps(self, loads: dict[str, PoolLoad], stale: bool) -> None:
+        """Each pool's highest step another replica published within STEP_MEMORY exchanges
+        (a replica publishes its step with every entry while it is above 0 or has samples;
+        one that stopped publishing is back at 0 or gone). Stale: this replica's own only."""
+        now = clock.now()
+        horizon = STEP_MEMORY * self.interval_s
+        for name, load in loads.items():
+            senders = self.steps.get(name, {})
+            for sender in [k for k, (_, at) in senders.items() if now - at > horizon]:
+                del senders[sender]
+            load.fleet_step = 0 if stale else max((step for step, _ in senders.values()), default=0)
 
     def _pools(self) -> dict[str, DispatchQueue]:
         """This replica's dispatch queues by pool name (the pools it has served)."""
@@ -148,6 +200,7 @@ class FleetLoad:
 
     async def run(self, interval_s: float) -> None:
         """Exchange every ``interval_s`` until cancelled."""
+        self.interval_s = interval_s
         while True:
             await asyncio.sleep(interval_s)
             await self.exchange()
@@ -156,8 +209,6 @@ class FleetLoad:
         if not streams:
             return
         offset = self.offset_s or 0.0
-        tenants = self.gateway.tenants.tenants
-        classes = self.gateway.config.classes
         me = self.fleet.replica_id
         for _stream, entries in streams:
             for entry_id, fields in entries:
@@ -169,14 +220,25 @@ class FleetLoad:
                     load = loads.get(pool)
                     if load is None:
                         continue  # a pool this replica has not served yet: its ladder starts later
-                    for t, request_class, tenant_name, ms in samples:
-                        tenant = tenants.get(tenant_name)
-                        request_class_config = classes.get(request_class)
-                        flow = load.flow(
-                            request_class,
-                            tenant_name,
-                            weight=tenant.config.weight if tenant is not None else 1.0,
-                            class_weight=request_class_config.weight if request_class_config else 1.0,
-                        )
-                        load.add_remote_offer(t - offset, flow, float(ms))
-                        self.received += 1
+                    for kind in ("o", "a", "r"):
+                        for t, request_class, tenant_name, *values in samples.get(kind, ()):
+                            flow = self._flow(load, request_class, tenant_name)
+                            if kind == "o":
+                                load.add_remote_offer(t - offset, flow, float(values[0]))
+                            elif kind == "a":
+                                load.add_admitted(t - offset, flow, float(values[0]), float(values[1]))
+                            elif kind == "r":
+                                load.add_reduction(t - offset, flow, float(values[0]))
+                            self.received += 1
+                    if "s" in samples:
+                        self.steps.setdefault(pool, {})[sender] = (int(samples["s"][0][0]), clock.now())
+
+    def _flow(self, load: PoolLoad, request_class: str, tenant_name: str) -> FlowLoad:
+        tenant = self.gateway.tenants.tenants.get(tenant_name)
+        request_class_config = self.gateway.config.classes.get(request_class)
+        return load.flow(
+            request_class,
+            tenant_name,
+            weight=tenant.config.weight if tenant is not None else 1.0,
+            class_weight=request_class_config.weight if request_class_config else 1.0,
+        )
