@@ -1,7 +1,7 @@
 """The fleet-wide overload ladder's evidence: offered demand exchanged through Redis.
 
 Owns the exchange that lets every replica's ladder decide on the *fleet's* offered demand.
-Every ``interval_s`` (the ladder's update interval) each replica, in one round trip,
+Every ``interval_s`` (a quarter of the ladder's update interval) each replica, in one round trip,
 publishes the admissible samples its pools were offered since the last exchange
 (``PoolLoad.offers``: time, flow, accelerator-ms) to one Redis stream and reads the other
 replicas' samples, which it adds to the same pools' and flows' windows

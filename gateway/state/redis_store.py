@@ -561,29 +561,20 @@ class RedisQuotaStore:
                 open_count=int(open_count),
                 queued_ms=float(queued),
             )
-        _, rid, borrowed, _at, level, class_level, acct_borrowed, open_count, queued = fields
+        rid, borrowed = self._granted(terms, fields, remember=terms.metered)
         self.remote_reservations += 1
         reservation = Reservation(
-            id=int(rid),
+            id=rid,
             tenant=tenant,
             request_class=request_class,
             demand_ms=demand_ms,
             live_token_ms=live_token_ms,
-            borrowed_ms=float(borrowed),
+            borrowed_ms=borrowed,
             reserved_at=now,
             metered=terms.metered,
             pooled=terms.pooled,
         )
         self._open[(request_class, reservation.id)] = (reservation, terms)
-        if terms.metered:
-            self._remember(
-                terms,
-                level=float(level),
-                class_level=float(class_level) if class_level else None,
-                borrowed_ms=float(acct_borrowed),
-                open_count=int(open_count),
-                queued_ms=float(queued),
-            )
         return reservation
 
     def start(self, reservation: Reservation, *, now: float) -> bool:
@@ -835,18 +826,10 @@ class RedisQuotaStore:
             _, _rule, _wait, _need, level, open_count, queued = fields
             self._remember(terms, level=float(level), open_count=int(open_count), queued_ms=float(queued))
             return None
-        _, rid, _borrowed, _at, level, class_level, acct_borrowed, open_count, queued = fields
-        self._remember(
-            terms,
-            level=float(level),
-            class_level=float(class_level) if class_level else None,
-            borrowed_ms=float(acct_borrowed),
-            open_count=int(open_count),
-            queued_ms=float(queued),
-        )
+        rid, _borrowed = self._granted(terms, fields)
         self.remote_reservations += 1
         self.slices_claimed += 1
-        piece = _Slice(terms=terms, rid=int(rid), size_ms=size, units=units, claimed_at=now, left_ms=size)
+        piece = _Slice(terms=terms, rid=rid, size_ms=size, units=units, claimed_at=now, left_ms=size)
         if self.degraded:  # failed meanwhile: its lease expires in Redis
             piece.retired = piece.closed = True
         else:
@@ -875,6 +858,21 @@ class RedisQuotaStore:
         if entry is None or entry[0] is not reservation:
             return None
         return entry
+
+    def _granted(self, terms: AccountTerms, fields: list[str], *, remember: bool = True) -> tuple[int, float]:
+        """A granted reserve script's answer: the reservation's id and its borrowed ms; the
+        account's levels it reports go to the cache (``remember``)."""
+        _, rid, borrowed, _at, level, class_level, acct_borrowed, open_count, queued = fields
+        if remember:
+            self._remember(
+                terms,
+                level=float(level),
+                class_level=float(class_level) if class_level else None,
+                borrowed_ms=float(acct_borrowed),
+                open_count=int(open_count),
+                queued_ms=float(queued),
+            )
+        return int(rid), float(borrowed)
 
     def _remember(
         self,
