@@ -34,12 +34,19 @@ from gateway.core.errors import DeadlineExpired, Unavailable
 from gateway.state import lua
 from gateway.state.redis_store import REDIS_FAILURES, RULE_STATE_UNAVAILABLE, RedisFleet, still_cancelled
 
-__all__ = ["LINGER_S", "FleetSlots"]
+__all__ = ["LINGER_S", "FleetSlots", "slot_keys"]
 
 # A returned lease stays with its replica this long for the pool's next request (which then
 # binds without a round trip) before it goes back to the fleet. Back-to-back requests on a
 # busy replica reuse it; the fleet loses at most this much of a device's time per release.
 LINGER_S = 0.003
+
+
+def slot_keys(key_prefix: str, pool: str) -> list[str]:
+    """A pool's slot leases (lease id -> expiry) and their predicted ends (lease id -> time),
+    in one hash slot; the fleet's load exchange reads the ends too."""
+    tag = f"{key_prefix}{{slots:{pool}}}"
+    return [f"{tag}:leases", f"{tag}:ends"]
 
 
 class FleetSlots:
@@ -59,8 +66,7 @@ class FleetSlots:
         fleet.on_beat(self.renew)
 
     def keys(self, pool: str) -> list[str]:
-        tag = f"{self.fleet.config.key_prefix}{{slots:{pool}}}"
-        return [f"{tag}:leases", f"{tag}:ends"]
+        return slot_keys(self.fleet.config.key_prefix, pool)
 
     def held(self, pool: str) -> int:
         return len(self._held.get(pool, ())) + self._local.get(pool, 0)

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Final
 from gateway import clock
 from gateway.core.dispatch import DispatchQueue
 from gateway.core.load import FlowLoad, PoolLoad
+from gateway.state.device_leases import slot_keys
 from gateway.state.redis_store import REDIS_FAILURES, RedisFleet
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class FleetLoad:
     async def exchange(self) -> bool:
         """One exchange; False when Redis did not answer (the pools then plan for 1/N)."""
         loads = self._attach()
+        pools = self._pools()
         batch: dict[str, dict[str, list[list[Any]]]] = {}
         for name, load in loads.items():
             samples = self._collect(load)
@@ -139,7 +141,6 @@ class FleetLoad:
                 )
             if self.last_id is not None:
                 pipe.xread({self.stream: self.last_id}, count=10000)
-            pools = self._pools()
             for name in pools:
                 pipe.hgetall(self._ends_key(name))
             try:
@@ -165,7 +166,7 @@ class FleetLoad:
             load.capacity_share = share
         self._set_fleet_steps(loads, stale)
         if stale:
-            for queue in self._pools().values():
+            for queue in pools.values():
                 queue.device_set.remote_ends.pop(queue.name, None)
         return ok
 
@@ -187,8 +188,7 @@ class FleetLoad:
         return {name: queue for name, queue in names.items() if queue is not None}
 
     def _ends_key(self, pool: str) -> str:
-        # The hash of predicted ends kept beside the slot leases (``device_leases.FleetSlots``).
-        return f"{self.fleet.config.key_prefix}{{slots:{pool}}}:ends"
+        return slot_keys(self.fleet.config.key_prefix, pool)[1]
 
     def _set_remote_bound(self, pools: dict[str, DispatchQueue], answers: list[Any]) -> None:
         """The other replicas' leases' predicted ends, per pool, onto the pool's devices."""
