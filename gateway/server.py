@@ -68,6 +68,9 @@ from gateway.statuspage import TelemetryListener
 from gateway.telemetry import ListenerGroup, Telemetry
 
 log = logging.getLogger("orchid.gateway")
+# How long stop waits for the background loops (ladders, statistics, fleet exchanges, policy
+# watch) to end after their cancellation: each ends at its next await.
+TASK_STOP_TIMEOUT_S = 5.0
 
 LOCAL_BACKEND = "local"
 # How often every pool's ladder steps from fresh evidence, and how often the backends'
@@ -350,7 +353,22 @@ class GatewayServer:
             await self.server.stop(grace=self.config.limits.drain_timeout_s)
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            # Bounded: a background loop that lost its cancellation (a library turning it into
+            # an ordinary error it then catches) must not hang the shutdown; it is named in the
+            # log with where it was, and abandoned with the loop.
+            _, stuck = await asyncio.wait(self._tasks, timeout=TASK_STOP_TIMEOUT_S)
+            for task in stuck:
+                where = "".join(
+                    f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}; "
+                    for frame in task.get_stack()
+                )
+                log.error(
+                    "background task %s did not stop within %.0f s of its cancellation, abandoned (at %s)",
+                    task.get_name(),
+                    TASK_STOP_TIMEOUT_S,
+                    where or "unknown",
+                )
         if self.shared_quotas is not None:
             await self.shared_quotas.drain()  # the last settlements reach Redis (bounded)
         if self.fleet is not None:

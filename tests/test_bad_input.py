@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -257,3 +261,30 @@ def test_routing_rules_are_enforced_at_serve_time(triton: LocalTriton, tmp_path:
             assert dict(failure.value.trailing_metadata())["orchid-rule"] == "routing.excluded_backend"
     finally:
         running.stop()
+
+
+def test_a_background_loop_that_swallows_its_cancellation_does_not_hang_shutdown(
+    triton: LocalTriton, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stop cancels the background loops and waits for them, bounded: one that turns its
+    cancellation into an error it catches (as a library may) is named in the log and
+    abandoned, and the gateway still stops."""
+    running = ThreadedGateway(gateway_config(triton.address))
+    running.start()
+    gate = threading.Event()
+
+    async def stubborn() -> None:
+        while not gate.is_set():
+            with contextlib.suppress(asyncio.CancelledError):  # swallowed: the loop goes on
+                await asyncio.sleep(0.05)
+
+    async def add() -> None:
+        running.server._tasks.append(asyncio.get_running_loop().create_task(stubborn(), name="stubborn"))
+
+    running.call(add())
+    try:
+        with caplog.at_level(logging.ERROR, logger="orchid.gateway"):
+            running.stop()
+    finally:
+        gate.set()
+    assert any("background task stubborn did not stop" in r.getMessage() for r in caplog.records)
