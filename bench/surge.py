@@ -579,6 +579,7 @@ def gateway_config(
     inflight: int | None = None,
     ladder: dict[str, float] | None = None,
     shared_devices: bool = False,
+    limits: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The example gateway config with the local Triton as a `backends:` entry and the
     classes' time constants scaled by f."""
@@ -607,7 +608,7 @@ def gateway_config(
         ],
         "classes": classes,
         "default_class": base["default_class"],
-        "limits": {**base.get("limits", {}), "drain_timeout_s": 2},
+        "limits": {**base.get("limits", {}), "drain_timeout_s": 2, **(limits or {})},
     }
     if ladder:
         config["ladder"] = ladder
@@ -888,6 +889,7 @@ class Options:
     gateway_pythonpath: str | None
     gateway_inflight: int | None = None
     gateway_ladder: dict[str, float] | None = None
+    gateway_limits: dict[str, float] | None = None
     shared_devices: bool = False
     seed: int = 0  # the run's --seed (the sweep draws its own schedule from seed + 2)
 
@@ -930,6 +932,7 @@ async def run_target(target: str, opts: Options, run: str | None = None) -> RunR
                 opts.gateway_inflight,
                 opts.gateway_ladder,
                 shared_devices=opts.shared_devices,
+                limits=opts.gateway_limits,
             )
             config_path.write_text(yaml.safe_dump(config))
             gateway = GatewayProcess(config_path, listen, work / "gateway.log", opts.gateway_pythonpath)
@@ -1723,7 +1726,8 @@ def plot(results: dict[str, RunResult], scenario: Scenario, path: Path) -> bool:
 
 def parse_setting(item: str) -> tuple[str, float]:
     key, _, value = item.partition("=")
-    return key.strip(), float(value)
+    number = float(value)
+    return key.strip(), int(number) if number.is_integer() else number
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -1804,6 +1808,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="diagnostic: a `ladder:` setting of the gateway config, e.g. reject_interactive_at=1.5",
+    )
+    parser.add_argument(
+        "--gateway-limit",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="diagnostic: a `limits:` setting of the gateway config, e.g. short_lane_devices=2",
     )
     parser.add_argument(
         "--fallback-devices",
@@ -1955,6 +1966,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gateway_pythonpath=args.gateway_pythonpath,
             gateway_inflight=args.gateway_inflight,
             gateway_ladder=dict(parse_setting(item) for item in args.gateway_ladder) or None,
+            gateway_limits=dict(parse_setting(item) for item in args.gateway_limit) or None,
             shared_devices=args.fallback_devices == "shared",
             seed=args.seed,
         )

@@ -169,6 +169,12 @@ class LimitsConfig(_Strict):
         description="devices per pool long-bucket work never occupies (0: none): short work "
         "always finds a device within one short request's time, not behind long ones",
     )
+    short_lane_soft_devices: int = Field(
+        default=1,
+        ge=0,
+        description="further devices per pool long-bucket work takes only when waiting for one "
+        "of its own would make it miss its latest start (0: none)",
+    )
 
 
 class TlsConfig(_Strict):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import uuid
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -76,6 +76,16 @@ from gateway.state.base import MemoryQuotaStore, QuotaStore
 from gateway.streams import StreamSession
 
 log = logging.getLogger(__name__)
+
+# A random (version 4) UUID's bits: everything but the version and variant fields are random.
+_UUID4_RANDOM = ~((0xF000 << 64) | (0xC000 << 48))
+_UUID4_FIXED = (4 << 76) | (0x8000 << 48)
+
+
+def new_request_id() -> str:
+    """A request id: ``uuid.uuid4().hex`` (the same random bits and format), without building
+    a ``UUID`` object on every request."""
+    return f"{int.from_bytes(os.urandom(16)) & _UUID4_RANDOM | _UUID4_FIXED:032x}"
 
 
 class GatewayListener:
@@ -161,6 +171,19 @@ class _Priced:
 
 
 @dataclass(frozen=True, slots=True)
+class _RouteFacts:
+    """A route's policy facts that depend on configuration alone (``Gateway._route_facts``)."""
+
+    route: RouteConfig  # held, so the id keying it cannot be reused while the entry lives
+    fallback: RouteConfig | None
+    fallback_handles: tuple[BackendHandle, ...]  # the fallback's backends in the cell, in order
+    backends: tuple[BackendFacts, ...]
+
+
+_MAX_ROUTE_FACTS = 1024
+
+
+@dataclass(frozen=True, slots=True)
 class Settled:
     record: RequestRecord
     decision: Decision
@@ -195,6 +218,7 @@ class Gateway:
         self.listener: GatewayListener = listener or GatewayListener()
         self.loads: dict[str, PoolLoad] = {}
         self._tenant_routes: dict[tuple[str, str], RouteConfig | None] = {}
+        self._route_facts_cache: dict[tuple[int, str], _RouteFacts] = {}  # see _route_facts
         self.shadows = ShadowTraffic(self)
         self.rollouts = RolloutController(self)  # version changes (gateway.rollouts); none by default
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
@@ -260,6 +284,7 @@ class Gateway:
                 device_set=device_set,
             )
             queue.device_set.short_lane = self.config.limits.short_lane_devices
+            queue.device_set.short_lane_soft = self.config.limits.short_lane_soft_devices
             queue.fleet = self.fleet_slots  # a fleet's shared dispatch slots (None: this process only)
             if profile is not None:
                 queue.device_set.place(spec.name, device_memory.resident_bytes(profile))
@@ -350,7 +375,7 @@ class Gateway:
         now = clock.now()
         deadline_ms = self._deadline_ms(call, request_class)
         identity = Identity(
-            request_id=late.record.identity.request_id if late is not None else uuid.uuid4().hex,
+            request_id=late.record.identity.request_id if late is not None else new_request_id(),
             tenant=tenant.name,
             request_class=class_name,
             model=logical,
@@ -658,12 +683,12 @@ class Gateway:
     ) -> PolicyContext:
         """What this gateway observes (fallback warmth, live load, configured backends), put
         into policy's terms by the one builder, ``gateway.policy.context``."""
-        fallback = self.routes.models.get(route.fallback) if route.fallback else None
+        facts = self._route_facts(route, cell)
+        fallback = facts.fallback
         fallback_warm = False
         fallback_cell = ""
         if fallback is not None:
-            for name in self.candidate_backends(fallback, cell):
-                handle = self.backends[name]
+            for handle in facts.fallback_handles:
                 if handle.client.is_warm(fallback.backend_model):
                     fallback_warm, fallback_cell = True, handle.labels.get("cell", "")
                     break
@@ -681,14 +706,37 @@ class Gateway:
                 reduce_output=reduce_output,
             ),
             quota=quota,
-            # Routing-stage rules judge every backend configured for the route, in any cell.
-            backends=tuple(
-                BackendFacts(name=name, model=route.backend_model, labels=self.backends[name].labels)
-                for name in (route.backends or tuple(self.backends))
-                if name in self.backends
-            ),
+            backends=facts.backends,
             evidence=evidence,
         )
+
+    def _route_facts(self, route: RouteConfig, cell: str) -> _RouteFacts:
+        """What ``_policy_context`` reads from configuration alone for ``route`` in ``cell``,
+        derived once: the routes, tenants and backends a ``Gateway`` holds do not change
+        (a rollout's or a dedicated tenant's route is another ``RouteConfig`` object)."""
+        key = (id(route), cell)
+        facts = self._route_facts_cache.get(key)
+        if facts is None or facts.route is not route:
+            fallback = self.routes.models.get(route.fallback) if route.fallback else None
+            facts = _RouteFacts(
+                route=route,
+                fallback=fallback,
+                fallback_handles=tuple(
+                    self.backends[name] for name in self.candidate_backends(fallback, cell)
+                )
+                if fallback is not None
+                else (),
+                # Routing-stage rules judge every backend configured for the route, in any cell.
+                backends=tuple(
+                    BackendFacts(name=name, model=route.backend_model, labels=self.backends[name].labels)
+                    for name in (route.backends or tuple(self.backends))
+                    if name in self.backends
+                ),
+            )
+            if len(self._route_facts_cache) >= _MAX_ROUTE_FACTS:
+                self._route_facts_cache.clear()  # bounded: rollouts' candidate routes come and go
+            self._route_facts_cache[key] = facts
+        return facts
 
     def pool_load(
         self, queue: DispatchQueue, request_class: RequestClassConfig, route: RouteConfig | None = None
@@ -730,7 +778,9 @@ class Gateway:
     def _deadline_ms(self, call: CallContext, request_class: RequestClassConfig) -> float:
         if call.time_remaining_s is None:
             return request_class.default_deadline_ms
-        deadline_ms = call.time_remaining_s * 1000.0 + (clock.now() - call.received_at) * 1000.0
+        # The caller's deadline, from when the call arrived (``time_remaining_s`` was read then):
+        # a second decision later in the call (a late rescue) keeps the same deadline.
+        deadline_ms = call.time_remaining_s * 1000.0
         if deadline_ms <= 0:
             raise DeadlineInfeasible(
                 "the call's deadline has already passed", rule="admission.deadline_passed"

@@ -42,6 +42,7 @@ STEP_CHANGES = 50  # ladder step changes kept per pool
 RECENT_DECISIONS = 100
 WINDOW_S = 60.0  # recent shares (accelerator-ms, fallback, reduced output)
 _WINDOW_EVENTS = 20_000  # bound on the events behind the recent shares
+_MAX_PRIMARY_MODELS = 4096  # bound on the (tenant, model) -> backend model lookups kept
 
 JSON = dict[str, Any]
 
@@ -76,9 +77,11 @@ class StatusBoard(GatewayListener):
         self._fail_opens: Counter[str] = Counter()
         self._policy_seen: tuple[str, int] | None = None
         self.last_reload: JSON | None = None
+        self._primary_models: dict[tuple[str, str], str] = {}  # (tenant, model) -> backend model
 
     def bind(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self._primary_models.clear()
         self._watch_policy()
 
     # ------------------------------------------------------------------ events
@@ -156,10 +159,19 @@ class StatusBoard(GatewayListener):
         gateway = self.gateway
         if gateway is None:
             return model
-        known = gateway.tenants.tenants.get(tenant)
-        dedicated = known.config.dedicated_models.get(model) if known is not None else None
-        route = gateway.routes.models.get(model)
-        return dedicated or (route.backend_model if route is not None else model)
+        # Configuration alone decides it (a gateway's tenants and routes do not change):
+        # derived once per (tenant, model), for every admission.
+        key = (tenant, model)
+        known_model = self._primary_models.get(key)
+        if known_model is None:
+            known = gateway.tenants.tenants.get(tenant)
+            dedicated = known.config.dedicated_models.get(model) if known is not None else None
+            route = gateway.routes.models.get(model)
+            known_model = dedicated or (route.backend_model if route is not None else model)
+            if len(self._primary_models) >= _MAX_PRIMARY_MODELS:
+                self._primary_models.clear()
+            self._primary_models[key] = known_model
+        return known_model
 
     def _watch_policy(self) -> None:
         """A reload shows as a new version (ok) or one more rejected reload (failed)."""

@@ -132,6 +132,62 @@ class Metrics:
         )
 
 
+# At most this many label combinations are cached per event; a full cache starts over.
+MAX_CACHED_LABELS = 4096
+
+
+class _SettledChildren:
+    """The labelled metrics one settled request of a (class, model, tenant, bucket) feeds.
+    Those a request feeds only sometimes (a miss, a success, a ratio) are labelled on first
+    use, as before: a labelled child is a series the scrape shows, even at zero."""
+
+    __slots__ = (
+        "_bucket",
+        "_deadline_misses",
+        "_metrics",
+        "_prediction_ratio",
+        "_request_class",
+        "_successes",
+        "charged_ms",
+        "completion",
+        "first_result",
+        "model",
+        "predicted_ms",
+        "queue_dwell",
+        "useful_tokens",
+    )
+
+    def __init__(self, m: Metrics, request_class: str, model: str, tenant: str, bucket: str) -> None:
+        self._metrics, self._request_class, self.model, self._bucket = m, request_class, model, bucket
+        self.queue_dwell = m.queue_dwell.labels(request_class)
+        self.first_result = m.first_result.labels(request_class, model)
+        self.completion = m.completion.labels(request_class, model)
+        self.predicted_ms = m.predicted_ms.labels(model)
+        self.charged_ms = m.charged_ms.labels(model, tenant)
+        self.useful_tokens = m.useful_tokens.labels(model)
+        self._deadline_misses: Counter | None = None
+        self._successes: Counter | None = None
+        self._prediction_ratio: Histogram | None = None
+
+    @property
+    def deadline_misses(self) -> Counter:
+        if self._deadline_misses is None:
+            self._deadline_misses = self._metrics.deadline_misses.labels(self._request_class, self.model)
+        return self._deadline_misses
+
+    @property
+    def successes(self) -> Counter:
+        if self._successes is None:
+            self._successes = self._metrics.successes.labels(self.model)
+        return self._successes
+
+    @property
+    def prediction_ratio(self) -> Histogram:
+        if self._prediction_ratio is None:
+            self._prediction_ratio = self._metrics.prediction_ratio.labels(self.model, self._bucket)
+        return self._prediction_ratio
+
+
 class ListenerGroup(GatewayListener):
     """Every event to each listener, in order (the gateway holds one listener)."""
 
@@ -251,6 +307,11 @@ class Telemetry(GatewayListener):
         self.tracer = provider.get_tracer("orchid-gateway")
         # Monotonic -> wall clock, for span timestamps (OTel wants epoch nanoseconds).
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+        # Labelled children, looked up once per label values (``labels()`` validates and
+        # locks on every call; a request settles into eight of them). Bounded: the labels
+        # come from configuration (classes, models, tenants, buckets, rules).
+        self._settled_cache: dict[tuple[str, str, str, str], _SettledChildren] = {}
+        self._decision_cache: dict[tuple[str, str, Verdict, str, str], Counter] = {}
 
     def bind(self, gateway: Gateway) -> None:
         """Read pool and backend gauges from ``gateway`` at scrape time."""
@@ -264,9 +325,21 @@ class Telemetry(GatewayListener):
     def decided(self, record: RequestRecord, decision: Decision, policy: PolicyResult) -> None:
         identity = record.identity
         rule = decision.rules[0] if decision.verdict is Verdict.REJECT and decision.rules else ""
-        self.metrics.decisions.labels(
-            identity.model, identity.request_class, str(decision.verdict), rule, self._tenant(identity.tenant)
-        ).inc()
+        key = (identity.model, identity.request_class, decision.verdict, rule, identity.tenant)
+        counter = self._decision_cache.get(key)
+        if counter is None:
+            if len(self._decision_cache) >= MAX_CACHED_LABELS:
+                self._decision_cache.clear()
+            counter = self._decision_cache[key] = self.metrics.decisions.labels(
+                identity.model,
+                identity.request_class,
+                str(decision.verdict),
+                rule,
+                self._tenant(identity.tenant),
+            )
+        counter.inc()
+        if not self.decision_log.records(policy):
+            return
         self.decision_log.record(
             decision_id=identity.request_id,
             at_unix_s=time.time(),
@@ -283,28 +356,36 @@ class Telemetry(GatewayListener):
     def settled(self, settled: Settled) -> None:
         record, decision, outcome = settled.record, settled.decision, settled.outcome
         identity = record.identity
-        model = decision.target_model
-        m = self.metrics
-        m.queue_dwell.labels(identity.request_class).observe(outcome.queue_ms / 1000.0)
+        c = self._settled_children(identity.request_class, decision.target_model, identity.tenant, record)
+        c.queue_dwell.observe(outcome.queue_ms / 1000.0)
         total_s = (outcome.queue_ms + outcome.completion_ms) / 1000.0
-        m.first_result.labels(identity.request_class, model).observe(
-            (outcome.queue_ms + outcome.first_result_ms) / 1000.0
-        )
-        m.completion.labels(identity.request_class, model).observe(total_s)
+        c.first_result.observe((outcome.queue_ms + outcome.first_result_ms) / 1000.0)
+        c.completion.observe(total_s)
         late = total_s * 1000.0 > record.budget.deadline_ms
         if late:
-            m.deadline_misses.labels(identity.request_class, model).inc()
+            c.deadline_misses.inc()
         else:
-            m.successes.labels(model).inc()
-        m.predicted_ms.labels(model).inc(record.demand.accelerator_ms)
-        m.charged_ms.labels(model, self._tenant(identity.tenant)).inc(outcome.charged_accelerator_ms)
+            c.successes.inc()
+        c.predicted_ms.inc(record.demand.accelerator_ms)
+        c.charged_ms.inc(outcome.charged_accelerator_ms)
         if record.demand.accelerator_ms > 0:
-            m.prediction_ratio.labels(model, record.shape.bucket).observe(
-                outcome.observed_accelerator_ms / record.demand.accelerator_ms
-            )
-        m.useful_tokens.labels(model).inc(record.shape.input_tokens * record.shape.items)
+            c.prediction_ratio.observe(outcome.observed_accelerator_ms / record.demand.accelerator_ms)
+        c.useful_tokens.inc(record.shape.input_tokens * record.shape.items)
         if settled.stages is not None and self.config.trace_sample_ratio > 0:
             self._spans(settled, settled.stages)
+
+    def _settled_children(
+        self, request_class: str, model: str, tenant: str, record: RequestRecord
+    ) -> _SettledChildren:
+        key = (request_class, model, tenant, record.shape.bucket)
+        children = self._settled_cache.get(key)
+        if children is None:
+            if len(self._settled_cache) >= MAX_CACHED_LABELS:
+                self._settled_cache.clear()
+            children = self._settled_cache[key] = _SettledChildren(
+                self.metrics, request_class, model, self._tenant(tenant), record.shape.bucket
+            )
+        return children
 
     def ladder(self, pool: str, step: int) -> None:
         self.metrics.ladder_step.labels(pool).set(step)

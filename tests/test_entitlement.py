@@ -9,6 +9,7 @@ from typing import cast
 
 import pytest
 
+from gateway import pipeline
 from gateway.auth import Tenant, TenantDirectory
 from gateway.config import TenantConfig, TenantsFile, load_gateway_config, load_routes, load_tenants
 from gateway.core.entitlement import may_call
@@ -133,3 +134,23 @@ def test_policy_reads_the_entitlement_as_a_fact(
     # The rule reads the gateway's answer; it does not re-derive it from the list.
     rule = next(r for r in POLICY.rules if r.id == "model-allowed")
     assert rule.condition_reads == ("tenant.entitled",)
+
+
+def test_route_facts_follow_the_route_object() -> None:
+    """What ``_policy_context`` derives from configuration is kept per route object and cell:
+    another object for the same model (a rollout's candidate, a dedicated tenant's copy) gets
+    its own, and the cache stays bounded."""
+    gateway = Gateway(
+        CONFIG, TenantDirectory(load_tenants(CONFIG.tenants_file)), ROUTES, {}, cast(PolicyStore, None)
+    )
+    route = ROUTES.models["full-v18"]
+    facts = gateway._route_facts(route, "eu-restricted")
+    assert gateway._route_facts(route, "eu-restricted") is facts
+    assert facts.fallback is ROUTES.models.get(route.fallback or "")
+    candidate = route.model_copy(update={"backend_model": "full-v19", "fallback": None})
+    other = gateway._route_facts(candidate, "eu-restricted")
+    assert other.route is candidate and other.fallback is None
+    assert all(b.model == "full-v19" for b in other.backends)
+    for n in range(pipeline._MAX_ROUTE_FACTS + 5):
+        gateway._route_facts(route.model_copy(update={"version": str(n)}), "eu-restricted")
+    assert len(gateway._route_facts_cache) <= pipeline._MAX_ROUTE_FACTS

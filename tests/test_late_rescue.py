@@ -60,11 +60,11 @@ def infer(address: str, deadline_s: float = 1.0, **parameters: Any) -> dict[str,
     return {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in response.parameters.items()}
 
 
-def hold_primary(gateway: ThreadedGateway) -> list[Slot]:
-    """Bind every slot of the primary's pool that can be bound, and keep them."""
+def hold_primary(gateway: ThreadedGateway, pool: str = "local/full-v18") -> list[Slot]:
+    """Bind every slot of the primary's pool (or ``pool``) that can be bound, and keep them."""
 
     def hold() -> list[Slot]:
-        queue = next(q for q in gateway.server.gateway._queues.values() if q.name == "local/full-v18")
+        queue = next(q for q in gateway.server.gateway._queues.values() if q.name == pool)
         held: list[Slot] = []
         while True:
             granted = queue.request(clock.now(), latest_start=clock.now() + 60.0, cost_ms=1.0)
@@ -108,3 +108,26 @@ def test_without_a_fallback_the_late_request_is_refused_as_late(stalled: Threade
         release(stalled, held)
     assert refused.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     assert "could not start before its deadline" in (refused.value.message() or "")
+
+
+def test_a_rescue_keeps_the_callers_deadline(stalled: ThreadedGateway) -> None:
+    """The second decision prices the fallback against the deadline the call arrived with, not
+    that deadline plus the time already spent waiting: with the fallback's pool stalled too, the
+    rescued request reaches the fallback's latest start inside the caller's 1 s and is refused
+    by the gateway (``queue.latest_start``), rather than waiting in the fallback's queue until
+    the caller's own deadline expires."""
+    held = hold_primary(stalled)
+    try:  # a first rescue creates the fallback's pool
+        assert infer(stalled.address)["orchid.route_reason"] == "fallback:primary_late"
+        held += hold_primary(stalled, "local/compact-v11")
+        assert len(held) >= 8
+        started = clock.wall()
+        with pytest.raises(InferenceServerException) as refused:
+            infer(stalled.address, deadline_s=1.5)
+        elapsed_s = clock.wall() - started
+    finally:
+        release(stalled, held)
+    assert refused.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    # The gateway's refusal, not the client's own deadline expiring ("Deadline Exceeded").
+    assert "could not start before its deadline" in (refused.value.message() or "")
+    assert elapsed_s < 1.5

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from gateway.core.errors import Unavailable
 from gateway.core.record import Approximation, Decision, Verdict
 from gateway.messages import approximation, stream_error
+from gateway.pipeline import new_request_id
 from tests.conftest import ORCHID_KEY, ThreadedGateway, bearer
 from tests.test_ladder_effects import pin, request
 
@@ -176,3 +178,11 @@ def test_a_capped_fallback_answer_says_both(pinned: ThreadedGateway) -> None:
             seen[(got["orchid.approximation"], got["orchid.complete"])] += 1
     assert seen[("fallback,reduced_output", False)] > 0, seen
     assert set(seen) <= {("fallback,reduced_output", False), ("reduced_output", False)}, seen
+
+
+def test_request_ids_are_random_uuid4_hex() -> None:
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    for rid in ids:
+        parsed = uuid.UUID(hex=rid)
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122 and parsed.hex == rid

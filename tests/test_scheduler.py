@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -430,3 +431,92 @@ def test_predicted_wait_counts_work_other_replicas_bound() -> None:
     assert queue.predicted_wait_ms(t) == pytest.approx(40.0)  # local 30 ms after the 20 ms remote
     queue.device_set.remote_ends.clear()
     assert queue.predicted_wait_ms(t) == 0.0  # one device idle: the local request holds the other
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_free_times_are_the_list_schedules_free_times(seed: int) -> None:
+    """``free_times`` (floats only, on every prediction and release) is ``schedule`` reduced to
+    each device's free time: the same times, and with ``replan`` the same moved starts."""
+
+    rng = random.Random(seed)
+    devices = rng.randint(1, 4)
+    now = 10.0
+    pair = [DeviceSet(devices), DeviceSet(devices)]
+    queues = [CoreQueue("q", devices=devices, slots=8, max_queued=1, device_set=d) for d in pair]
+    for _ in range(rng.randint(0, 8)):
+        cost_ms = rng.choice([0.0, 1.0, 5.0, rng.uniform(0, 50)])
+        start = now + rng.choice([-0.03, -0.001, 0.0, 0.002, rng.uniform(-0.05, 0.05)])
+        live = rng.choice([0, 10, 20])
+        for queue in queues:
+            slot = CoreSlot(queue, cost_ms, now - 0.1, start, live_bytes=live)
+            queue.device_set.bound[slot] = None
+    ends = {"r": (now + 0.004, now - 1.0, now + 0.02)} if rng.random() < 0.5 else {}
+    for device_set in pair:
+        device_set.remote_ends = dict(ends)
+    for fleet in (False, True):
+        expected = sorted(d.free_at for d in pair[0].schedule(now, fleet=fleet))
+        assert sorted(pair[1].free_times(now, fleet=fleet)) == expected
+    expected = sorted(d.free_at for d in pair[0].schedule(now, replan=True))
+    got = pair[1].free_times(now, replan=True)
+    assert sorted(got) == expected and got[0] == min(got)  # a heap
+    starts = [[slot.predicted_start for slot in d.bound] for d in pair]
+    assert starts[0] == starts[1]
+
+
+def test_long_work_takes_the_soft_lane_only_when_waiting_would_make_it_late() -> None:
+    """Rule 7's soft lane (core queue, ``now`` passed in): with a one-device short lane and one
+    soft-lane device, long requests hold two of four devices while they can wait for one of
+    those two; one whose wait would start it later than a tenth of its run before its latest
+    start takes the third device at once; the fourth is never theirs."""
+    queue = CoreQueue("q", devices=4, slots=8, max_queued=10)
+    queue.device_set.short_lane, queue.device_set.short_lane_soft = 1, 1
+    t = 100.0
+    short = queue.request(t, latest_start=t + 1.0, cost_ms=28)  # short work is about: lanes kept
+    assert isinstance(short, CoreSlot)
+    short.release(t)
+    held = [queue.request(t, latest_start=t + 10.0, cost_ms=200, long=True) for _ in range(2)]
+    assert all(isinstance(slot, CoreSlot) for slot in held)  # end at t + 0.2
+    # Slack to wait for one of the two: it waits, two devices free or not.
+    patient = queue.request(t, latest_start=t + 0.25, cost_ms=200, long=True)
+    assert isinstance(patient, Waiter) and patient.slot is None
+    assert queue.predicted_wait_ms(t, latest_start=t + 0.25, cost_ms=200, long=True) == pytest.approx(200)
+    # Waiting for them would start it at t + 0.2, after t + 0.21 - 0.1 x 200 ms: the soft lane.
+    assert queue.predicted_wait_ms(t, latest_start=t + 0.21, cost_ms=200, long=True) == 0.0
+    urgent = queue.request(t, latest_start=t + 0.21, cost_ms=200, long=True)
+    assert isinstance(urgent, Waiter) and urgent.slot is not None  # granted as it was queued
+    assert queue.device_set.long_bound() == 3
+    # The short lane's own device is never long work's, however urgent.
+    too_late = queue.request(t, latest_start=t + 0.05, cost_ms=200, long=True)
+    assert isinstance(too_late, Waiter) and too_late.slot is None
+    second_short = queue.request(t, latest_start=t + 1.0, cost_ms=28)  # the lane: at once
+    assert isinstance(second_short, Waiter) and second_short.slot is not None
+    assert queue.withdraw(too_late, t + 0.05) is None  # its driver gives up at its latest start
+    # A long device frees, but the urgent request holds a soft-cap place: the patient one waits
+    # for the next, predicted in time for it; it takes that one.
+    held[0].release(t + 0.2)
+    assert patient.slot is None
+    held[1].release(t + 0.2)
+    assert patient.slot is not None
+    assert queue.device_set.long_bound() == 2 and queue.queued == 0
+
+
+def test_one_long_request_per_wake_up() -> None:
+    """Two long requests sent to the backend in the same instant would be co-batched (one
+    padded batch, about twice the time): a wake-up that could bind two binds one, and the
+    other waits for the next device to free."""
+    queue = CoreQueue("q", devices=4, slots=8, max_queued=10)
+    queue.device_set.short_lane, queue.device_set.short_lane_soft = 0, 2  # soft cap 2, hard cap 4
+    t = 100.0
+    short = queue.request(t, latest_start=t + 1.0, cost_ms=28)
+    assert isinstance(short, CoreSlot)
+    short.release(t)
+    held = [queue.request(t, latest_start=t + 10.0, cost_ms=200, long=True) for _ in range(2)]
+    assert all(isinstance(slot, CoreSlot) for slot in held)  # predicted to end at t + 0.2
+    waiting = [queue.request(t, latest_start=t + 0.3, cost_ms=200, long=True) for _ in range(2)]
+    assert all(isinstance(w, Waiter) and w.slot is None for w in waiting)  # not urgent yet
+    # At t + 0.29 the two held requests overran their prediction: both waiters are urgent now,
+    # and two devices are free. A short arrival wakes the queue.
+    arrival = queue.request(t + 0.29, latest_start=t + 0.35, cost_ms=28)
+    assert [w.slot is not None for w in waiting] == [True, False]
+    assert isinstance(arrival, Waiter) and arrival.slot is not None  # the other free device
+    assert queue.device_set.long_bound() == 3

@@ -3,6 +3,8 @@ and metadata header never reaches logs, the decision log, traces, metrics or err
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import logging
 from collections.abc import Iterator
@@ -12,12 +14,27 @@ import grpc
 import numpy as np
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from gateway._proto import jobs_pb2, jobs_pb2_grpc
 from gateway.backends.local import LocalTriton
 from gateway.config import JobsConfig, TelemetryConfig
+from gateway.core.record import (
+    Budget,
+    Decision,
+    Demand,
+    Identity,
+    Mode,
+    Outcome,
+    RequestRecord,
+    Shape,
+    Verdict,
+)
+from gateway.pipeline import Settled
+from gateway.policy.decision_log import DecisionLog
+from gateway.policy.snapshot import FailOpen, PolicyResult
+from gateway.telemetry import Telemetry
 from tests.conftest import ORCHID_KEY, ThreadedGateway, gateway_config
 
 CANARY = "CANARY-d41d8cd98f00b204"
@@ -192,3 +209,48 @@ def test_metrics_and_decision_log_describe_decisions(observed: tuple[ThreadedGat
         "eval_us",
     } <= set(lines[0])
     assert all(line["policy_version"].startswith("sha256:") for line in lines)
+
+
+def _settled(deadline_ms: float, completion_ms: float, *, tenant: str = "orchid") -> Settled:
+    record = RequestRecord(
+        identity=Identity("r", tenant, "interactive", "full-v18", "1", "ModelInfer", Mode.ONLINE, "eu"),
+        shape=Shape(items=1, input_tokens=256, max_output_tokens=8, bucket="short"),
+        demand=Demand(prefill_ms=2.0, decode_ms=0.0),
+        budget=Budget(deadline_ms, 0.0, 12.0, 2.0, 15.0, 0.0),
+    )
+    decision = Decision(Verdict.ADMIT, "full-v18", "primary")
+    outcome = Outcome(True, "OK", completion_ms=completion_ms, observed_accelerator_ms=2.0)
+    return Settled(record, decision, outcome)
+
+
+def test_settled_metrics_are_labelled_once_and_only_when_fed() -> None:
+    """The labelled children are cached per (class, model, tenant, bucket), and a series a request
+    does not feed (a deadline miss) still appears only once one is counted."""
+    registry = CollectorRegistry()
+    telemetry = Telemetry(TelemetryConfig(), registry=registry)
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(
+            name, {"request_class": "interactive", "model": "full-v18", **labels}
+        )
+
+    telemetry.settled(_settled(200.0, 5.0))
+    telemetry.settled(_settled(200.0, 5.0, tenant="other"))  # the same series: tenant labels are off
+    assert registry.get_sample_value("orchid_validated_successes_total", {"model": "full-v18"}) == 2.0
+    assert sample("orchid_deadline_misses_total") is None
+    assert sample("orchid_completion_seconds_count") == 2.0
+    telemetry.settled(_settled(1.0, 5.0))
+    assert sample("orchid_deadline_misses_total") == 1.0
+    assert registry.get_sample_value("orchid_validated_successes_total", {"model": "full-v18"}) == 2.0
+    assert len(telemetry._settled_cache) == 2
+
+
+def test_decision_log_records_reports_what_record_would_write() -> None:
+    quiet = logging.getLogger("orchid.test.quiet-decisions")
+    quiet.setLevel(logging.WARNING)
+    result = PolicyResult(policy_version="sha256:x", allowed=True)
+    assert not DecisionLog(quiet).records(result)
+    assert DecisionLog(quiet).records(dataclasses.replace(result, fail_open=(FailOpen("r", "boom"),)))
+    quiet.setLevel(logging.INFO)
+    assert DecisionLog(quiet).records(result)
+    assert DecisionLog(io.StringIO()).records(result)

@@ -63,6 +63,15 @@ Rules (everything that decides who goes next lives here):
    is kept only while short work has asked for a device in the last SHORT_LANE_IDLE_S:
    long-only traffic uses every device.
 
+   A **soft lane** (``short_lane_soft`` further devices) is short work's too, except for a
+   long request that could not otherwise start in time: one whose wait for a device within
+   the soft cap would start it later than LONG_URGENT_LEAD of its own run before its latest
+   start takes a soft-lane device at once. Long work therefore holds the soft lane only when
+   it needs it, and short work finds two devices rather than one most of the time (the seed
+   mix puts about as much short work as long on a pool). **One long request per wake-up**:
+   two bound in the same instant would be co-batched by the backend's batcher (one padded
+   batch, about twice the time, both late), so the second waits for the next device to free.
+
 8. **Live memory** (``gateway.core.memory``). With a declared device memory
    (``DeviceSet.memory``: the device less the runtime reserve and the replicas of the models
    placed on it), work binds only if its live state (the record's ``peak_memory_bytes``) fits
@@ -93,7 +102,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +119,10 @@ LATE_RULE = "queue.latest_start"
 # short requests' worth of time at the seed's rates (140 short/s), so a lull between two short
 # arrivals does not hand the lane to a long request that would then hold it for ~470 ms.
 SHORT_LANE_IDLE_S = 1.0
+# Long work takes a soft-lane device once waiting for one of its own would start it later than
+# this share of its own run time before its latest start (rule 7): it binds only onto a device
+# free now, and must still catch one when a device it counted on goes to more urgent work.
+LONG_URGENT_LEAD = 0.1
 
 
 @dataclass(order=True)
@@ -149,13 +162,15 @@ class Slot:
             self.queue._release(self, now)
 
 
-@dataclass
 class _Device:
     """One device in the list schedule: when it frees, and the live state of the work on it."""
 
-    free_at: float
-    live_bytes: int = 0
-    ends: list[tuple[float, int]] = field(default_factory=list)  # (predicted end, live bytes)
+    __slots__ = ("ends", "free_at", "live_bytes")
+
+    def __init__(self, free_at: float) -> None:
+        self.free_at = free_at
+        self.live_bytes = 0
+        self.ends: list[tuple[float, int]] = []  # (predicted end, live bytes)
 
     def live_at(self, t: float) -> int:
         """Live bytes still held at ``t`` (work predicted to end by then has freed its state)."""
@@ -170,6 +185,9 @@ class DeviceSet:
         self.bound: dict[Slot, None] = {}
         self.queues: list[DispatchQueue] = []
         self.short_lane = short_lane  # devices long work never occupies (rule 7)
+        # Further devices long work takes only when it could not start in time on its own
+        # (rule 7's soft lane).
+        self.short_lane_soft = 0
         self.short_seen_at = -math.inf  # when short work last asked for a device
         self._changes: list[Waiter] = []  # granted or refused since the driver last looked
         self.memory = memory  # each device's memory (rule 8); None: live state is not bounded
@@ -204,15 +222,32 @@ class DeviceSet:
             return self.devices
         return max(1, self.devices - max(0, self.short_lane))
 
+    def long_soft_cap(self, now: float) -> int:
+        """How many devices long work holds while it can wait for one of them: ``long_cap`` less
+        the soft lane (at least one). Beyond it, up to ``long_cap``, only long work that would
+        otherwise miss its latest start (``long_urgent``)."""
+        if now - self.short_seen_at > SHORT_LANE_IDLE_S:
+            return self.devices  # no short work to keep a lane for
+        return max(1, self.long_cap(now) - max(0, self.short_lane_soft))
+
+    def long_urgent(
+        self, now: float, latest_start: float, cost_ms: float, ahead_ms: Sequence[float] = ()
+    ) -> bool:
+        """Would long work waiting only for the soft cap's devices start later than
+        ``LONG_URGENT_LEAD`` of its own cost before ``latest_start``? Then it may take a soft-lane
+        device (rule 7)."""
+        soft_start = self.long_start(now, ahead_ms, cap=self.long_soft_cap(now))
+        return soft_start > latest_start - LONG_URGENT_LEAD * cost_ms / 1000.0
+
     def long_bound(self) -> int:
         return sum(1 for slot in self.bound if slot.long)
 
-    def long_start(self, now: float, ahead_ms: Sequence[float] = ()) -> float:
+    def long_start(self, now: float, ahead_ms: Sequence[float] = (), *, cap: int | None = None) -> float:
         """When a new long request may start, by the short lane alone: list scheduling over the
-        ``long_cap(now)`` devices long work may hold, of the long work bound now and then the queued
-        long work ahead of it (``ahead_ms``). Work that overran its prediction ends now
-        (corrected at release)."""
-        cap = self.long_cap(now)
+        ``cap`` devices long work may hold (default ``long_cap(now)``), of the long work bound now
+        and then the queued long work ahead of it (``ahead_ms``). Work that overran its
+        prediction ends now (corrected at release)."""
+        cap = self.long_cap(now) if cap is None else cap
         free = [now] * cap
         ends = sorted(
             max(now, slot.predicted_start + slot.cost_ms / 1000.0) for slot in self.bound if slot.long
@@ -240,7 +275,7 @@ class DeviceSet:
         devices = [_Device(now) for _ in range(self.devices)]
         free = [(now, 0, index) for index in range(self.devices)]
         if fleet and self.remote_ends:
-            for remote_end in sorted(e for ends in self.remote_ends.values() for e in ends if e > now):
+            for remote_end in self._remote_ends_after(now):
                 device_free, _, index = heapq.heappop(free)
                 devices[index].free_at = max(device_free, remote_end)
                 heapq.heappush(free, (devices[index].free_at, 0, index))
@@ -259,10 +294,26 @@ class DeviceSet:
 
     def free_times(self, now: float, *, replan: bool = False, fleet: bool = False) -> list[float]:
         """A heap of the times each device is predicted to finish the work bound to it
-        (``schedule``; with ``fleet``, the other replicas' bound work too)."""
-        free = [device.free_at for device in self.schedule(now, replan=replan, fleet=fleet)]
-        heapq.heapify(free)
+        (``schedule``; with ``fleet``, the other replicas' bound work too).
+
+        The same list schedule as ``schedule`` with the devices reduced to their free times:
+        which of several equally free devices takes the next slot changes no free time, so
+        a heap of floats gives the same times (and the same ``replan``) without the devices'
+        live state. It runs for every prediction, binding and release."""
+        free = [now] * self.devices
+        if fleet and self.remote_ends:
+            for remote_end in self._remote_ends_after(now):
+                heapq.heapreplace(free, max(free[0], remote_end))
+        for slot in self.bound:  # as in ``schedule``
+            device_free = free[0]
+            if replan and slot.predicted_start > now:
+                slot.predicted_start = device_free
+            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
+            heapq.heapreplace(free, device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0)
         return free
+
+    def _remote_ends_after(self, now: float) -> list[float]:
+        return sorted(e for ends in self.remote_ends.values() for e in ends if e > now)
 
     def fits(self, now: float, live_bytes: int) -> bool:
         """Would work holding ``live_bytes`` of live state fit, bound now, on the device it
@@ -289,15 +340,26 @@ class DeviceSet:
         room = self.live_room_bytes
         return device_memory.device_limit(live_bytes, room) if live_bytes > room else None
 
-    def bind_start(self, now: float, latest_start: float, *, long: bool = False) -> float | None:
+    def long_may_bind(self, now: float, latest_start: float, cost_ms: float) -> bool:
+        """May long work with this latest start be bound now? Only onto a device free now, within
+        the soft cap, or up to the hard cap when waiting for the soft cap would make it late."""
+        if len(self.bound) >= self.devices:
+            return False
+        held = self.long_bound()
+        if held < self.long_soft_cap(now):
+            return True
+        return held < self.long_cap(now) and self.long_urgent(now, latest_start, cost_ms)
+
+    def bind_start(
+        self, now: float, latest_start: float, *, long: bool = False, cost_ms: float = 0.0
+    ) -> float | None:
         """When work bound now would start on a device, or None if it must not be bound yet:
         every device is busy and either it would start after ``latest_start`` or work bound
         earlier is still waiting in the backend's queue (the two would be co-batched). Long
         work binds only onto a device free now, and only while the short lane stays free: in
         the backend's queue it would take whichever device frees first, the lane's included."""
         if long:
-            free_now = len(self.bound) < self.devices and self.long_bound() < self.long_cap(now)
-            return now if free_now else None
+            return now if self.long_may_bind(now, latest_start, cost_ms) else None
         if len(self.bound) < self.devices:
             return now
         # One request at most waits in the backend's queue: by prediction (a bound slot not
@@ -391,8 +453,8 @@ class DispatchQueue:
         queued = any(queue.queued for queue in self.device_set.queues)
         ahead = self._ahead(latest_start, flow, weight, cost_ms) if queued else []
         # Queued long work beyond what the short lane lets start takes no device here (it
-        # waits for a long device: rule 7).
-        long_room = self.device_set.long_cap(now) - self.device_set.long_bound()
+        # waits for a long device: rule 7; mostly within the soft cap).
+        long_room = self.device_set.long_soft_cap(now) - self.device_set.long_bound()
         for _, cost, is_long in ahead:
             if is_long:
                 if long_room <= 0:
@@ -402,7 +464,11 @@ class DispatchQueue:
         start = free[0]
         if long:  # and not before a long device frees, whatever the short lane holds
             longs_ahead = [cost for _, cost, is_long in ahead if is_long]
-            start = max(start, self.device_set.long_start(now, longs_ahead))
+            devices = self.device_set
+            long_free = devices.long_start(now, longs_ahead, cap=devices.long_soft_cap(now))
+            if latest_start is not None and devices.long_urgent(now, latest_start, cost_ms, longs_ahead):
+                long_free = devices.long_start(now, longs_ahead)  # it may take the soft lane
+            start = max(start, long_free)
         return max(0.0, (start - now) * 1000.0)
 
     def _ahead(
@@ -469,7 +535,7 @@ class DispatchQueue:
         if not long:
             self.device_set.short_seen_at = now
         if self._free(request_class) > 0 and self.queued == 0:
-            start = self.device_set.bind_start(now, latest_start, long=long)
+            start = self.device_set.bind_start(now, latest_start, long=long, cost_ms=cost_ms)
             if start is not None and self.device_set.fits(now, live_bytes):
                 self._charge(flow_key, cost_ms, weight, class_weight)
                 return self._grant(cost_ms, now, start, long=long, live_bytes=live_bytes)
@@ -576,10 +642,13 @@ class DispatchQueue:
         else:
             self._last_tenant, self._consecutive = flow_key, 1
 
-    def _next_waiter(self, *, long_ok: bool = True, prefer_long: bool = False) -> Waiter | None:
+    def _next_waiter(
+        self, *, long_ok: Callable[[Waiter], bool] | None = None, prefer_long: bool = False
+    ) -> Waiter | None:
         """The waiter to wake: least-virtual-time class, then tenant, then earliest latest start;
-        without ``long_ok`` (no device long work may take now) a flow's earliest short waiter;
-        with ``prefer_long`` (a long request's device just freed) its earliest long waiter."""
+        of long waiters only those ``long_ok`` lets take a device now (None: all), else a flow's
+        earliest short waiter; with ``prefer_long`` (a long request's device just freed) its
+        earliest long waiter that may take it."""
         free_for_ordinary = self._free("") > 0
         classes = sorted(
             (f.vtime, name)
@@ -599,15 +668,17 @@ class DispatchQueue:
                 while heap and not heap[0].live:
                     heapq.heappop(heap)
                 if heap and prefer_long and not heap[0].long:
-                    waiting_long = [w for w in heap if w.live and w.long]
+                    waiting_long = [w for w in heap if w.live and w.long and (long_ok is None or long_ok(w))]
                     if waiting_long:
                         return min(waiting_long)
-                if heap and (long_ok or not heap[0].long):
+                if heap and (long_ok is None or not heap[0].long or long_ok(heap[0])):
                     return heap[0]
                 if heap:
-                    short = [w for w in heap if w.live and not w.long]
-                    if short:
-                        return min(short)
+                    eligible = [
+                        w for w in heap if w.live and (not w.long or (long_ok is not None and long_ok(w)))
+                    ]
+                    if eligible:
+                        return min(eligible)
         return None
 
     # ------------------------------------------------------------------ slots
@@ -650,14 +721,21 @@ class DispatchQueue:
         return free if request_class == CONTROL_CLASS else free - self.reserved_control
 
     def _wake_next(self, now: float, *, prefer_long: bool = False) -> None:
+        devices = self.device_set
+        # One long request per wake-up: two sent to the backend in the same instant would be
+        # co-batched by its batcher (one padded batch, about twice the time, both late); the
+        # second waits for the next device to free.
+        long_granted = False
+
+        def long_ok(waiter: Waiter) -> bool:
+            return not long_granted and devices.long_may_bind(now, waiter.latest_start, waiter.cost_ms)
+
         while self._free(CONTROL_CLASS) > 0:
-            devices = self.device_set
-            long_ok = len(devices.bound) < devices.devices and devices.long_bound() < devices.long_cap(now)
-            waiter = self._next_waiter(long_ok=long_ok, prefer_long=prefer_long and long_ok)
+            waiter = self._next_waiter(long_ok=long_ok, prefer_long=prefer_long)
             prefer_long = False  # only for the device that just freed
             if waiter is None:
                 return
-            start = devices.bind_start(now, waiter.latest_start, long=waiter.long)
+            start = devices.bind_start(now, waiter.latest_start, long=waiter.long, cost_ms=waiter.cost_ms)
             if start is None:
                 # Held: bound now, it would wait in the backend's queue past its latest start
                 # or be co-batched with work already waiting there. A device freeing wakes it.
@@ -675,4 +753,5 @@ class DispatchQueue:
             waiter.slot = self._grant(
                 waiter.cost_ms, now, start, long=waiter.long, live_bytes=waiter.live_bytes
             )
+            long_granted = long_granted or waiter.long
             devices._changes.append(waiter)

@@ -126,6 +126,16 @@ class DecisionLog:
         else:
             self._sink.write(line + "\n")
 
+    def records(self, result: PolicyResult) -> bool:
+        """Whether ``record`` would write a line for ``result`` (a logger below INFO drops
+        routine decisions; fail-open ones are always written): callers skip building its
+        arguments when not."""
+        return (
+            not isinstance(self._sink, logging.Logger)
+            or bool(result.fail_open)
+            or self._sink.isEnabledFor(logging.INFO)
+        )
+
     def record(
         self,
         *,
@@ -136,11 +146,7 @@ class DecisionLog:
         outcome: str | None = None,
     ) -> DecisionLogEntry | None:
         """Build and write one entry; returns it (``None`` when the sink would drop it)."""
-        if (
-            isinstance(self._sink, logging.Logger)
-            and not result.fail_open
-            and not self._sink.isEnabledFor(logging.INFO)
-        ):
+        if not self.records(result):
             return None  # nobody reads routine decisions at this level: don't build them
         entry = decision_entry(
             decision_id=decision_id, at_unix_s=at_unix_s, record=record, result=result, outcome=outcome
