@@ -33,7 +33,7 @@ class FleetBinding(Protocol):
     """The fleet's dispatch slots (``gateway.state.device_leases.FleetSlots``)."""
 
     async def bind(
-        self, pool: str, *, limit: int, predicted_ms: float, latest_start: float
+        self, pool: str, *, limit: int, predicted_ms: float, latest_start: float, long: bool = False
     ) -> str | None: ...
 
     def release(self, pool: str, lease: str | None) -> None: ...
@@ -169,7 +169,11 @@ class DispatchQueue(dispatch.DispatchQueue):
             predicted_ms = slot.cost_ms + max(0.0, slot.predicted_start - now) * 1000.0
             try:
                 lease = await self.fleet.bind(
-                    self.name, limit=self.slots, predicted_ms=predicted_ms, latest_start=latest_start
+                    self.name,
+                    limit=self.slots,
+                    predicted_ms=predicted_ms,
+                    latest_start=latest_start,
+                    long=slot.long,
                 )
             except BaseException:
                 slot.release(clock.now())  # never bound: the local slot goes to the next waiter

@@ -520,3 +520,25 @@ def test_one_long_request_per_wake_up() -> None:
     assert [w.slot is not None for w in waiting] == [True, False]
     assert isinstance(arrival, Waiter) and arrival.slot is not None  # the other free device
     assert queue.device_set.long_bound() == 3
+
+
+def test_another_replicas_long_work_counts_against_the_short_lane() -> None:
+    """Rule 7 across a fleet: long work the other replicas bound (``remote_long_ends``, from the
+    fleet's exchange) holds devices here too, so two replicas together keep the short lanes
+    one replica would keep."""
+    queue = CoreQueue("q", devices=4, slots=8, max_queued=10)
+    queue.device_set.short_lane, queue.device_set.short_lane_soft = 1, 1
+    t = 100.0
+    short = queue.request(t, latest_start=t + 1.0, cost_ms=28)
+    assert isinstance(short, CoreSlot)
+    short.release(t)
+    queue.device_set.remote_long_ends["q"] = (t + 0.2, t + 0.2)  # the other replica's two
+    assert queue.device_set.long_bound(t) == 2 and queue.device_set.long_bound() == 0
+    patient = queue.request(t, latest_start=t + 10.0, cost_ms=200, long=True)
+    assert isinstance(patient, Waiter) and patient.slot is None  # the fleet's soft cap is full
+    assert queue.predicted_wait_ms(t, latest_start=t + 10.0, cost_ms=200, long=True) == pytest.approx(200)
+    # Their predicted ends pass: the cap is free again.
+    assert queue.device_set.long_bound(t + 0.3) == 0
+    queue.device_set.remote_long_ends.clear()
+    assert queue.withdraw(patient, t + 0.01) is None
+    assert isinstance(queue.request(t + 0.01, latest_start=t + 10.0, cost_ms=200, long=True), CoreSlot)

@@ -196,6 +196,8 @@ class DeviceSet:
         # (this replica's clock), refreshed by the fleet's exchange. Predictions count it
         # (``predicted_wait_ms``); binding does not (the fleet's slot leases bound that).
         self.remote_ends: dict[str, tuple[float, ...]] = {}
+        # Of those, the long-bucket work's (rule 7 counts it against the short lane fleet-wide).
+        self.remote_long_ends: dict[str, tuple[float, ...]] = {}
 
     def place(self, model: str, resident_bytes: int) -> None:
         """A model whose replica is resident on every device of the set (a pool dispatches it
@@ -239,8 +241,16 @@ class DeviceSet:
         soft_start = self.long_start(now, ahead_ms, cap=self.long_soft_cap(now))
         return soft_start > latest_start - LONG_URGENT_LEAD * cost_ms / 1000.0
 
-    def long_bound(self) -> int:
-        return sum(1 for slot in self.bound if slot.long)
+    def long_bound(self, now: float | None = None) -> int:
+        """Long work bound to the devices: this replica's, and with ``now`` the other replicas'
+        still predicted to run (``remote_long_ends``)."""
+        local = sum(1 for slot in self.bound if slot.long)
+        if now is None or not self.remote_long_ends:
+            return local
+        return local + len(self._remote_long_ends_after(now))
+
+    def _remote_long_ends_after(self, now: float) -> list[float]:
+        return [e for ends in self.remote_long_ends.values() for e in ends if e > now]
 
     def long_start(self, now: float, ahead_ms: Sequence[float] = (), *, cap: int | None = None) -> float:
         """When a new long request may start, by the short lane alone: list scheduling over the
@@ -250,7 +260,8 @@ class DeviceSet:
         cap = self.long_cap(now) if cap is None else cap
         free = [now] * cap
         ends = sorted(
-            max(now, slot.predicted_start + slot.cost_ms / 1000.0) for slot in self.bound if slot.long
+            [max(now, slot.predicted_start + slot.cost_ms / 1000.0) for slot in self.bound if slot.long]
+            + self._remote_long_ends_after(now)
         )
         for end in ends[-cap:]:
             heapq.heapreplace(free, end)
@@ -345,7 +356,7 @@ class DeviceSet:
         the soft cap, or up to the hard cap when waiting for the soft cap would make it late."""
         if len(self.bound) >= self.devices:
             return False
-        held = self.long_bound()
+        held = self.long_bound(now)
         if held < self.long_soft_cap(now):
             return True
         return held < self.long_cap(now) and self.long_urgent(now, latest_start, cost_ms)
@@ -454,7 +465,7 @@ class DispatchQueue:
         ahead = self._ahead(latest_start, flow, weight, cost_ms) if queued else []
         # Queued long work beyond what the short lane lets start takes no device here (it
         # waits for a long device: rule 7; mostly within the soft cap).
-        long_room = self.device_set.long_soft_cap(now) - self.device_set.long_bound()
+        long_room = self.device_set.long_soft_cap(now) - self.device_set.long_bound(now)
         for _, cost, is_long in ahead:
             if is_long:
                 if long_room <= 0:

@@ -42,6 +42,11 @@ __all__ = ["LINGER_S", "FleetSlots", "slot_keys"]
 LINGER_S = 0.003
 
 
+# The suffix of a lease held by long-bucket work: the other replicas count it against the short
+# lane (``DeviceSet.remote_long_ends``).
+LONG_LEASE = ":L"
+
+
 def slot_keys(key_prefix: str, pool: str) -> list[str]:
     """A pool's slot leases (lease id -> expiry) and their predicted ends (lease id -> time),
     in one hash slot; the fleet's load exchange reads the ends too."""
@@ -56,6 +61,7 @@ class FleetSlots:
         self.fleet = fleet
         self._acquire = fleet.script(lua.SLOT_ACQUIRE)
         self._release = fleet.script(lua.SLOT_RELEASE)
+        self._reend = fleet.script(lua.SLOT_REEND)
         self._renew = fleet.script(lua.RENEW)
         self._ids = count(1)
         self._held: dict[str, set[str]] = {}  # pool -> lease ids this replica holds in Redis
@@ -71,9 +77,12 @@ class FleetSlots:
     def held(self, pool: str) -> int:
         return len(self._held.get(pool, ())) + self._local.get(pool, 0)
 
-    async def bind(self, pool: str, *, limit: int, predicted_ms: float, latest_start: float) -> str | None:
+    async def bind(
+        self, pool: str, *, limit: int, predicted_ms: float, latest_start: float, long: bool = False
+    ) -> str | None:
         """Take one of the fleet's ``limit`` slots of ``pool``; the lease to ``release`` later
-        (``None``: bound on the degraded local share)."""
+        (``None``: bound on the degraded local share). ``long``: long-bucket work, marked in
+        the lease id (``LONG_LEASE``) so every replica counts it against the short lane."""
         while True:
             if self.fleet.degraded:
                 if self.fleet.config.fail_mode == "closed":
@@ -86,12 +95,15 @@ class FleetSlots:
                     return None
                 wait_s = math.inf  # until this replica frees one of its share
             else:
-                spare = self._spare.get(pool)
-                if spare:  # a lease this replica just returned: bound again without a round trip
-                    lease, timer = spare.popitem()
-                    timer.cancel()
-                    return lease
-                lease = f"{self.fleet.replica_id}:{next(self._ids)}"
+                spare = self._spare.get(pool, {})
+                reuse = next((held for held in spare if held.endswith(LONG_LEASE) == long), None)
+                if reuse is not None:  # a lease of the kind this replica just returned: bound
+                    spare.pop(reuse).cancel()  # again without waiting for a round trip; its
+                    self.fleet.send_script(  # predicted end follows in the background
+                        self._reend, self.keys(pool), [reuse, repr(max(0.0, predicted_ms))]
+                    )
+                    return reuse
+                lease = f"{self.fleet.replica_id}:{next(self._ids)}{LONG_LEASE if long else ''}"
                 args = ["", repr(self.fleet.ttl_s), str(limit), lease, repr(max(0.0, predicted_ms))]
                 try:
                     answer = await self.fleet.run_script(self._acquire, self.keys(pool), args)

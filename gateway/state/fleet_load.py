@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Final
 from gateway import clock
 from gateway.core.dispatch import DispatchQueue
 from gateway.core.load import FlowLoad, PoolLoad
-from gateway.state.device_leases import slot_keys
+from gateway.state.device_leases import LONG_LEASE, slot_keys
 from gateway.state.redis_store import REDIS_FAILURES, RedisFleet
 
 if TYPE_CHECKING:
@@ -168,6 +168,7 @@ class FleetLoad:
         if stale:
             for queue in pools.values():
                 queue.device_set.remote_ends.pop(queue.name, None)
+                queue.device_set.remote_long_ends.pop(queue.name, None)
         return ok
 
     def _set_fleet_steps(self, loads: dict[str, PoolLoad], stale: bool) -> None:
@@ -194,9 +195,15 @@ class FleetLoad:
         """The other replicas' leases' predicted ends, per pool, onto the pool's devices."""
         offset = self.offset_s or 0.0
         mine = f"{self.fleet.replica_id}:".encode()
+        long_suffix = LONG_LEASE.encode()
         for (name, queue), ends in zip(pools.items(), answers, strict=True):
-            theirs = [end for lease, end in (ends or {}).items() if not bytes(lease).startswith(mine)]
-            queue.device_set.remote_ends[name] = tuple(float(end) - offset for end in theirs)
+            theirs = [(bytes(lease), end) for lease, end in (ends or {}).items()]
+            theirs = [(lease, end) for lease, end in theirs if not lease.startswith(mine)]
+            devices = queue.device_set
+            devices.remote_ends[name] = tuple(float(end) - offset for _, end in theirs)
+            devices.remote_long_ends[name] = tuple(
+                float(end) - offset for lease, end in theirs if lease.endswith(long_suffix)
+            )
 
     async def run(self, interval_s: float) -> None:
         """Exchange every ``interval_s`` until cancelled."""

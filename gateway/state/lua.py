@@ -354,6 +354,16 @@ if soonest ~= nil and soonest - now > wait then wait = soonest - now end
 return {0, string.format('%.17g', wait)}
 """
 
+SLOT_REEND: Final = r"""
+-- KEYS: leases, ends; ARGV: id, predicted_ms. A lingering lease bound again by its replica: its
+-- new predicted end, only while the lease is still held (a late call leaves no end behind).
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('HSET', KEYS[2], ARGV[1], string.format('%.17g', now + tonumber(ARGV[2]) / 1000))
+return 1
+"""
+
 SLOT_RELEASE: Final = r"""
 -- KEYS: leases, ends; ARGV: id
 redis.call('HDEL', KEYS[2], ARGV[1])
