@@ -98,10 +98,12 @@ class FleetSlots:
                 spare = self._spare.get(pool, {})
                 reuse = next((held for held in spare if held.endswith(LONG_LEASE) == long), None)
                 if reuse is not None:  # a lease of the kind this replica just returned: bound
-                    spare.pop(reuse).cancel()  # again without waiting for a round trip; its
-                    self.fleet.send_script(  # predicted end follows in the background
-                        self._reend, self.keys(pool), [reuse, repr(max(0.0, predicted_ms))]
-                    )
+                    spare.pop(reuse).cancel()  # again without waiting for a round trip
+                    if long:  # its new predicted end, in the background (a short request's
+                        # stale end costs the others' predictions one short request at most)
+                        self.fleet.send_script(
+                            self._reend, self.keys(pool), [reuse, repr(max(0.0, predicted_ms))]
+                        )
                     return reuse
                 lease = f"{self.fleet.replica_id}:{next(self._ids)}{LONG_LEASE if long else ''}"
                 args = ["", repr(self.fleet.ttl_s), str(limit), lease, repr(max(0.0, predicted_ms))]
