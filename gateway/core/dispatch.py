@@ -125,6 +125,11 @@ SHORT_LANE_IDLE_S = 1.0
 LONG_URGENT_LEAD = 0.1
 
 
+def _too_late(start: float, latest_start: float, cost_ms: float) -> bool:
+    """Would long work starting at ``start`` be urgent (rule 7's soft lane)?"""
+    return start > latest_start - LONG_URGENT_LEAD * cost_ms / 1000.0
+
+
 @dataclass(order=True)
 class Waiter:
     """A request waiting for a slot. Ends granted (``slot``), refused (``refused``) or
@@ -232,14 +237,11 @@ class DeviceSet:
             return self.devices  # no short work to keep a lane for
         return max(1, self.long_cap(now) - max(0, self.short_lane_soft))
 
-    def long_urgent(
-        self, now: float, latest_start: float, cost_ms: float, ahead_ms: Sequence[float] = ()
-    ) -> bool:
+    def long_urgent(self, now: float, latest_start: float, cost_ms: float) -> bool:
         """Would long work waiting only for the soft cap's devices start later than
         ``LONG_URGENT_LEAD`` of its own cost before ``latest_start``? Then it may take a soft-lane
         device (rule 7)."""
-        soft_start = self.long_start(now, ahead_ms, cap=self.long_soft_cap(now))
-        return soft_start > latest_start - LONG_URGENT_LEAD * cost_ms / 1000.0
+        return _too_late(self.long_start(now, cap=self.long_soft_cap(now)), latest_start, cost_ms)
 
     def long_bound(self, now: float | None = None) -> int:
         """Long work bound to the devices: this replica's, and with ``now`` the other replicas'
@@ -477,7 +479,7 @@ class DispatchQueue:
             longs_ahead = [cost for _, cost, is_long in ahead if is_long]
             devices = self.device_set
             long_free = devices.long_start(now, longs_ahead, cap=devices.long_soft_cap(now))
-            if latest_start is not None and devices.long_urgent(now, latest_start, cost_ms, longs_ahead):
+            if latest_start is not None and _too_late(long_free, latest_start, cost_ms):
                 long_free = devices.long_start(now, longs_ahead)  # it may take the soft lane
             start = max(start, long_free)
         return max(0.0, (start - now) * 1000.0)

@@ -34,7 +34,7 @@ from gateway.core.errors import DeadlineExpired, Unavailable
 from gateway.state import lua
 from gateway.state.redis_store import REDIS_FAILURES, RULE_STATE_UNAVAILABLE, RedisFleet, still_cancelled
 
-__all__ = ["LINGER_S", "FleetSlots", "slot_keys"]
+__all__ = ["LINGER_S", "LONG_LEASE", "FleetSlots", "slot_keys"]
 
 # A returned lease stays with its replica this long for the pool's next request (which then
 # binds without a round trip) before it goes back to the fleet. Back-to-back requests on a
