@@ -164,16 +164,23 @@ class LimitsConfig(_Strict):
         default=1, ge=0, description="slots per pool only control work may use"
     )
     short_lane_devices: int = Field(
-        default=1,
+        default=2,
         ge=0,
         description="devices per pool long-bucket work never occupies (0: none): short work "
         "always finds a device within one short request's time, not behind long ones",
     )
     short_lane_soft_devices: int = Field(
-        default=1,
+        default=0,
         ge=0,
         description="further devices per pool long-bucket work takes only when waiting for one "
         "of its own would make it miss its latest start (0: none)",
+    )
+    co_batch_max: int = Field(
+        default=2,
+        ge=1,
+        description="most short requests of one pool bound together into one backend batch "
+        "when every device is busy and the padded batch still meets each member's deadline "
+        "(1: never co-batch; also capped by the model's max_batch_size)",
     )
 
 

@@ -26,7 +26,7 @@ from gateway.backends.stats import PoolTiming, StatsSample, timing_between
 from gateway.config import GatewayConfig, RequestClassConfig, RouteConfig, RouteTable
 from gateway.core import admission, pricing, settlement
 from gateway.core import memory as device_memory
-from gateway.core.dispatch import LATE_RULE
+from gateway.core.dispatch import LATE_RULE, BatchShape, CoBatch
 from gateway.core.errors import (
     DeadlineExpired,
     DeadlineInfeasible,
@@ -285,10 +285,17 @@ class Gateway:
             )
             queue.device_set.short_lane = self.config.limits.short_lane_devices
             queue.device_set.short_lane_soft = self.config.limits.short_lane_soft_devices
+            # Co-batching (dispatch rule 6) binds work into a batch waiting in the backend's
+            # queue, which a replica of a fleet cannot see the others' work in: it stays off
+            # there. A stream runs alone (one request per execution).
+            if not spec.decoupled and self.fleet_slots is None:
+                queue.co_batch_max = max(1, min(self.config.limits.co_batch_max, spec.max_batch_size))
             queue.fleet = self.fleet_slots  # a fleet's shared dispatch slots (None: this process only)
             if profile is not None:
                 queue.device_set.place(spec.name, device_memory.resident_bytes(profile))
             self._queues[key] = queue
+        if queue.batch_profile is None:
+            queue.batch_profile = profile  # its batch cost, for co-batching (dispatch rule 6)
         return queue
 
     async def bind_pool(
@@ -860,6 +867,7 @@ class Gateway:
             started=started,
             finished=finished,
             backend_wait_s=max(0.0, slot.predicted_start - slot.started_at),
+            co_batch=slot.group,
         )
         self.listener.settled(settled)
         self.rollouts.settled(admitted, settled, response)
@@ -907,18 +915,32 @@ class Gateway:
         backend_wait_s: float | None = None,
         first_result: float | None = None,
         finished_answer: bool = True,
+        co_batch: CoBatch | None = None,
     ) -> Settled:
         """Charge observed work: backend time minus the time the request waited in Triton's
         own queue, and teach the estimator. That wait is ``backend_wait_s`` when the
         dispatch queue knows it (a request bound ahead waits until the device before it
         frees, which the queue observes at release); otherwise the pool's mean from
-        Triton's statistics.
+        Triton's statistics. The device time is shared with the pool's mean batch from those
+        statistics, unless the queue co-batches its own work and bound this request: then it
+        ran alone, or in the ``co_batch`` it was bound into, whose device time its members
+        share by their solo prices.
 
         The outcome is complete only for a finished answer (``finished_answer``: false for a
         stream's partial responses) whose output limit no rule or ladder step reduced (a
         reduced limit may have cut the answer)."""
         wall_ms = (finished - started) * 1000.0
         timing = self.pool_timing.get(admitted.queue.name)
+        # The pool's mean batch from Triton's statistics; but where the queue co-batches its own
+        # work (dispatch rule 6), that mean counts those batches, which are charged by their
+        # members below, and a request the queue bound alone (``backend_wait_s``) ran alone.
+        batch, solo_factor = (timing.batch if timing else 1.0), 1.0
+        if backend_wait_s is not None and admitted.queue.co_batch_max >= 2:
+            batch = 1.0
+        if co_batch is not None and co_batch.cost_ms > 0.0:
+            own_ms = admitted.record.demand.accelerator_ms
+            batch = co_batch.solo_ms / own_ms if own_ms > 0.0 else 1.0
+            solo_factor = co_batch.solo_ms / co_batch.cost_ms
         if backend_wait_s is not None:
             backend_queue_ms = backend_wait_s * 1000.0
         else:
@@ -934,7 +956,8 @@ class Gateway:
             queue_ms=queued_s * 1000.0,
             wall_ms=wall_ms,
             backend_queue_ms=backend_queue_ms,
-            batch=timing.batch if timing else 1.0,
+            batch=batch,
+            solo_factor=solo_factor,
             first_result_ms=wall_ms if first_result is None else (first_result - started) * 1000.0,
             output_tokens=output_tokens,
             learn=learn,
@@ -960,7 +983,23 @@ class Gateway:
             class_weight=request_class.weight if request_class else 1.0,
             long=admitted.record.shape.long,
             live_bytes=admitted.record.demand.peak_memory_bytes,
+            batch=self._batch_shape(admitted),
         )
+
+    def _batch_shape(self, admitted: Admitted) -> BatchShape | None:
+        """What the request brings to a co-batch (dispatch rule 6): its shape, and its price
+        over the pool's profile price (time scale, estimator correction). Long work never
+        co-batches; nor does a pool without a profile."""
+        shape = admitted.record.shape
+        profile = admitted.queue.batch_profile
+        if shape.long or profile is None or admitted.queue.co_batch_max < 2:
+            return None
+        output_tokens = admitted.decision.max_output_tokens or shape.max_output_tokens
+        list_price = profile.accelerator_ms(shape.input_tokens, output_tokens)
+        if list_price <= 0.0:
+            return None
+        scale = admitted.record.demand.accelerator_ms / list_price
+        return BatchShape(shape.input_tokens, output_tokens, scale)
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:
         """A request that failed or was cancelled: settle quota by what it held, or refund."""

@@ -85,10 +85,12 @@ class DispatchQueue(dispatch.DispatchQueue):
         class_weight: float = 1.0,
         long: bool = False,
         live_bytes: int = 0,
+        batch: dispatch.BatchShape | None = None,
     ) -> asyncio.Future[dispatch.Slot]:
         """Ask for a slot now; the future resolves to it (see the module docstring).
         ``latest_start`` is in event-loop seconds; ``live_bytes`` the live sequence state the
-        request will hold on its device. A full queue raises ResourceExhausted here."""
+        request will hold on its device; ``batch`` its shape when it may be co-batched with
+        compatible work (core rule 6). A full queue raises ResourceExhausted here."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dispatch.Slot] = loop.create_future()
         try:
@@ -102,6 +104,7 @@ class DispatchQueue(dispatch.DispatchQueue):
                 class_weight=class_weight,
                 long=long,
                 live_bytes=live_bytes,
+                batch=batch,
             )
         finally:
             _settle(self.device_set)  # waiters pushed out to make room
@@ -144,6 +147,7 @@ class DispatchQueue(dispatch.DispatchQueue):
         class_weight: float = 1.0,
         long: bool = False,
         live_bytes: int = 0,
+        batch: dispatch.BatchShape | None = None,
     ) -> Slot:
         """``submit``, then wait for the slot (a caller cancelled while waiting holds nothing)."""
         future = self.submit(
@@ -155,6 +159,7 @@ class DispatchQueue(dispatch.DispatchQueue):
             class_weight=class_weight,
             long=long,
             live_bytes=live_bytes,
+            batch=batch,
         )
         try:
             slot = await future

@@ -114,6 +114,51 @@ def test_settlement_charges_observed_work_and_teaches_the_estimator() -> None:
     assert settlement.observed_accelerator_ms(100.0, 20.0, 2.0) == pytest.approx(40.0)
 
 
+def test_a_co_batched_request_pays_its_share_and_teaches_its_solo_price() -> None:
+    """Dispatch rule 6 bound two teaching requests into one batch (82.4 ms predicted, 113.6 ms
+    alone). Each is charged its share of the batch's device time by solo price (half of the
+    82.4 ms it ran), and the estimator learns that share scaled back to what it would have held
+    alone (56.8 ms, as predicted): co-batching never teaches it that single requests got cheaper."""
+    quotas = QuotaLedger(
+        QuotaSettings(
+            tenants={"orchid": {"interactive": QuotaConfig(accelerator_ms_per_s=100.0, burst_ms=1000.0)}}
+        )
+    )
+    estimator = Estimator()
+    queue = DispatchQueue("full-v18", devices=1, slots=2, max_queued=10)
+    record, key = priced(queue, estimator, now=0.0)
+    reservation = quotas.reserve_record(record, now=0.0)
+    decision = Decision(
+        verdict=Verdict.ADMIT,
+        target_model="full-v18",
+        route_reason="primary",
+        approximation=Approximation.NONE,
+    )
+    outcomes = [
+        settlement.settle(
+            record,
+            decision,
+            reservation,
+            key,
+            quotas=quotas,
+            estimator=estimator,
+            backend_model="full-v18",
+            queue_ms=5.0,
+            wall_ms=82.4,
+            backend_queue_ms=0.0,
+            batch=113.6 / 56.8,
+            solo_factor=113.6 / 82.4,
+            first_result_ms=82.4,
+            output_tokens=64,
+            learn=True,
+            now=0.1 * i,
+        )
+        for i in range(1, 20)
+    ]
+    assert outcomes[0].charged_accelerator_ms == pytest.approx(41.2)
+    assert estimator.correction(key, "orchid", 2.0) == pytest.approx(1.0)
+
+
 def test_abandon_refunds_what_never_started_and_charges_what_ran() -> None:
     quotas = QuotaLedger(
         QuotaSettings(

@@ -7,10 +7,11 @@ import random
 
 import pytest
 
+from gateway.core.dispatch import JOIN_LEAD_S, BatchShape, Waiter
 from gateway.core.dispatch import DispatchQueue as CoreQueue
 from gateway.core.dispatch import Slot as CoreSlot
-from gateway.core.dispatch import Waiter
 from gateway.core.errors import DeadlineExpired, ResourceExhausted
+from gateway.core.profile import DemandProfile
 from gateway.scheduler import DeviceSet, DispatchQueue
 from orchid_tools.virtual_time import now, virtual_time
 
@@ -542,3 +543,99 @@ def test_another_replicas_long_work_counts_against_the_short_lane() -> None:
     queue.device_set.remote_long_ends.clear()
     assert queue.withdraw(patient, t + 0.01) is None
     assert isinstance(queue.request(t + 0.01, latest_start=t + 10.0, cost_ms=200, long=True), CoreSlot)
+
+
+# ------------------------------------------------------------------ rule 6: co-batching
+
+SEED_PROFILE = DemandProfile(fixed_ms=4.4, prefill_ms_per_token=0.1, decode_ms_per_token=0.41875)
+SHORT = BatchShape(input_tokens=256, output_tokens=64)  # 56.8 ms alone; two: 4.4 + 51.2 + 26.8 = 82.4
+
+
+def co_batching_queue(
+    devices: int = 2, co_batch_max: int = 2, device_set: DeviceSet | None = None
+) -> CoreQueue:
+    queue = CoreQueue("q", devices=devices, slots=3 * devices, max_queued=10, device_set=device_set)
+    queue.batch_profile, queue.co_batch_max = SEED_PROFILE, co_batch_max
+    return queue
+
+
+def short_request(queue: CoreQueue, t: float, *, latest_start: float = 1.0) -> CoreSlot | Waiter:
+    return queue.request(t, latest_start=t + latest_start, cost_ms=56.8, batch=SHORT)
+
+
+def granted(request: CoreSlot | Waiter) -> CoreSlot:
+    slot = request if isinstance(request, CoreSlot) else request.slot
+    assert slot is not None
+    return slot
+
+
+def test_compatible_short_work_joins_the_batch_waiting_in_the_backend() -> None:
+    """Rule 6: with every device busy with the pool's own work, a second short request is bound
+    into the one waiting in the backend's queue (the batcher takes both as one batch); the list
+    schedule holds the pair as one occupant for its padded batch cost, predictions count queued
+    short work in batches too, and no third joins a batch of ``co_batch_max``."""
+    queue = co_batching_queue()
+    devices = queue.device_set
+    t = 100.0
+    running = [granted(short_request(queue, t)) for _ in range(2)]  # both devices: end t + 0.0568
+    first = granted(short_request(queue, t))  # bound ahead, alone
+    assert first.predicted_start == pytest.approx(t + 0.0568) and first.group is None
+    second = granted(short_request(queue, t + 0.01))
+    assert second.group is first.group is not None
+    assert second.predicted_start == first.predicted_start
+    assert first.group.cost_ms == pytest.approx(82.4) and first.group.solo_ms == pytest.approx(113.6)
+    assert queue.co_batched == 1 and devices.occupants() == 3 and len(devices.bound) == 4
+    assert sorted(devices.free_times(t + 0.01)) == pytest.approx([t + 0.0568, t + 0.0568 + 0.0824])
+    third = short_request(queue, t + 0.01)  # the batch is full: it waits here
+    assert isinstance(third, Waiter) and third.slot is None
+    # Two more queued short requests would run as one batch: 82.4 ms, not 2 x 56.8.
+    fourth = short_request(queue, t + 0.01)
+    assert isinstance(fourth, Waiter)
+    assert queue.predicted_wait_ms(t + 0.01) == pytest.approx(46.8 + 82.4)
+    # The devices free: the batch starts on one, the third request binds onto the other.
+    for slot in running:
+        slot.release(t + 0.0568)
+    assert third.slot is not None and third.slot.predicted_start == pytest.approx(t + 0.0568)
+    assert fourth.slot is not None and fourth.slot.group is None  # bound ahead, alone
+    # One response of the batch is back: the batch is done, its other member holds nothing more.
+    first.release(t + 0.0568 + 0.0824)
+    assert second.run_ms == 0.0 and devices.occupants() == 3
+
+
+def test_no_batch_that_would_end_past_a_members_deadline() -> None:
+    """A request joins only if the padded batch still ends in time for every member: here the
+    waiting request's own deadline leaves no room for a partner's prefill."""
+    queue = co_batching_queue()
+    t = 100.0
+    for _ in range(2):
+        granted(short_request(queue, t))
+    # Latest start t + 0.06: it must end by t + 0.1168; the pair would end at t + 0.1392.
+    first = granted(short_request(queue, t, latest_start=0.06))
+    late = short_request(queue, t)
+    assert isinstance(late, Waiter) and late.slot is None and first.group is None
+    assert queue.co_batched == 0
+
+
+def test_no_batch_while_another_pool_holds_a_device_or_the_batch_is_about_to_start() -> None:
+    """The backend co-batches only what waits in its queue while every instance of the model is
+    busy: not while another pool's work holds one of the shared devices (an instance of this
+    model is then free and takes the waiting request alone), and not in the last moments before
+    the waiting work is predicted to start (the backend may have started it already)."""
+    shared = DeviceSet(2)
+    queue = co_batching_queue(device_set=shared)
+    other = CoreQueue("fallback", devices=2, slots=6, max_queued=10, device_set=shared)
+    t = 100.0
+    granted(short_request(queue, t))
+    held = granted(other.request(t, latest_start=t + 1.0, cost_ms=56.8))  # the other pool's
+    first = granted(short_request(queue, t))
+    alone = short_request(queue, t)
+    assert isinstance(alone, Waiter) and alone.slot is None and first.group is None
+    assert queue.withdraw(alone, t) is None
+    held.release(t + 0.0568)  # the first request starts on the freed device
+    queue2 = co_batching_queue()
+    for _ in range(2):
+        granted(short_request(queue2, t))
+    waiting = granted(short_request(queue2, t))
+    too_close = short_request(queue2, t + 0.0568 - JOIN_LEAD_S / 2)
+    assert isinstance(too_close, Waiter) and too_close.slot is None and waiting.group is None
+    assert queue2.co_batched == 0

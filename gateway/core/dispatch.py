@@ -54,6 +54,22 @@ Rules (everything that decides who goes next lives here):
    device frees: a short request is never stuck in Triton's queue behind a
    long one.
 
+   **Compatible co-batching.** The one exception to "one waiting in the
+   backend's queue": short work of the same pool and profile (``BatchShape``)
+   may *join* the work waiting there, up to ``co_batch_max`` requests, when the
+   backend's batcher will take them as one batch (the pool's own work holds
+   every device, so every instance of the model is busy and the next one to
+   free takes the whole queue) and the batch, padded to its longest member
+   (``profile.batch_accelerator_ms``), still ends within every member's
+   deadline. Prefill is per row but launch and decode steps are shared, so a
+   batch of two seed-shaped short requests costs 41.2 device-ms instead of
+   2 x 28.4 at time factor 0.5: the seed's "batch only compatible work inside
+   explicit latency and fairness bounds". The list schedule holds a batch as
+   one occupant of one device for its batch cost. Fair order is unchanged:
+   the queue still decides who goes next (rule 1); joining only decides
+   whether that waiter may bind now. Long work never co-batches (it never
+   binds ahead).
+
 7. **A short lane.** Long-bucket work (inputs over the route's ``long_input_tokens``) holds
    at most ``devices - short_lane`` devices of a device set at once (at least one), and is
    bound only onto a device free now, never ahead into the backend's queue (there it would
@@ -67,8 +83,11 @@ Rules (everything that decides who goes next lives here):
    long request that could not otherwise start in time: one whose wait for a device within
    the soft cap would start it later than LONG_URGENT_LEAD of its own run before its latest
    start takes a soft-lane device at once. Long work therefore holds the soft lane only when
-   it needs it, and short work finds two devices rather than one most of the time (the seed
-   mix puts about as much short work as long on a pool). **One long request per wake-up**:
+   it needs it. The shipped limits (``limits.short_lane_devices`` 2, soft 0) keep half of the
+   example's four devices for short work outright (the seed mix puts about as much short work
+   as long on a pool): a device a long request takes in a burst leaves several short ones to
+   the fallback, while one long request refused or diverted frees eight short ones' time, so
+   a hard half degrades the fewest answers. **One long request per wake-up**:
    two bound in the same instant would be co-batched by the backend's batcher (one padded
    batch, about twice the time, both late), so the second waits for the next device to free.
 
@@ -109,6 +128,7 @@ from typing import Any
 from gateway.core import memory as device_memory
 from gateway.core.errors import DeadlineExpired, GatewayError, ResourceExhausted
 from gateway.core.memory import DeviceMemory
+from gateway.core.profile import DemandProfile, batch_accelerator_ms
 
 CONTROL_CLASS = "control"
 # The refusal of a request whose latest start passed while it waited (the driver raises it).
@@ -123,11 +143,44 @@ SHORT_LANE_IDLE_S = 1.0
 # this share of its own run time before its latest start (rule 7): it binds only onto a device
 # free now, and must still catch one when a device it counted on goes to more urgent work.
 LONG_URGENT_LEAD = 0.1
+# Work joins a batch waiting in the backend's queue only while that batch is predicted to wait
+# at least this long more (rule 6): a device that frees has the backend start the waiting work
+# at once, before the response that tells the gateway so has arrived; joining in that window
+# would send a request the batcher no longer sees, to run alone later than predicted.
+JOIN_LEAD_S = 0.003
 
 
 def _too_late(start: float, latest_start: float, cost_ms: float) -> bool:
     """Would long work starting at ``start`` be urgent (rule 7's soft lane)?"""
     return start > latest_start - LONG_URGENT_LEAD * cost_ms / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What a short request brings to a batch: its shape and how its price scales the pool's
+    profile (time scale and estimator correction: its ``cost_ms`` over the profile's price).
+    Work co-batches only within one pool (one model, one profile): rule 6."""
+
+    input_tokens: int
+    output_tokens: int
+    scale: float = 1.0
+
+
+class CoBatch:
+    """Work bound together into the backend's queue, which its batcher runs as one batch on
+    one device (rule 6): the list schedule holds it as one occupant for ``cost_ms``.
+    ``members`` are the slots still bound; ``solo_ms`` is what all that joined would have cost
+    one by one (settlement splits the batch's device time by it)."""
+
+    __slots__ = ("cost_ms", "finished", "members", "solo_ms")
+
+    def __init__(self, members: list[Slot], cost_ms: float) -> None:
+        self.members = members
+        self.cost_ms = cost_ms
+        self.solo_ms = sum(member.cost_ms for member in members)
+        # A member was released: the batch is done (its responses leave together), whatever
+        # the list schedule still holds for the members whose release is still on its way.
+        self.finished = False
 
 
 @dataclass(order=True)
@@ -143,6 +196,7 @@ class Waiter:
     long: bool = field(compare=False, default=False)
     live_bytes: int = field(compare=False, default=0)  # live sequence state it will hold
     memory_held: bool = field(compare=False, default=False)  # last kept here for want of memory
+    batch: BatchShape | None = field(compare=False, default=None)  # may co-batch (rule 6)
     slot: Slot | None = field(compare=False, default=None)
     refused: GatewayError | None = field(compare=False, default=None)
     token: Any = field(compare=False, default=None)
@@ -159,6 +213,23 @@ class Slot:
     released: bool = False
     long: bool = False  # long-bucket work: never on the short lane
     live_bytes: int = 0  # live sequence state it holds on its device until released
+    batch: BatchShape | None = None  # its shape, if it may co-batch (rule 6)
+    end_by: float = math.inf  # when its execution must have ended (latest start + cost)
+    group: CoBatch | None = None  # the batch it was bound into with other work, if any
+
+    @property
+    def occupant(self) -> bool:
+        """Does it hold a device of its own in the list schedule (not a later member of a
+        batch, whose device time its batch's first member holds)?"""
+        return self.group is None or self.group.members[0] is self
+
+    @property
+    def run_ms(self) -> float:
+        """Device-ms it holds its device for: its batch's cost (none once the batch is done), or
+        its own."""
+        if self.group is None:
+            return self.cost_ms
+        return 0.0 if self.group.finished else self.group.cost_ms
 
     def release(self, now: float) -> None:
         """The request is done with its device (idempotent); waiters may be granted."""
@@ -293,15 +364,18 @@ class DeviceSet:
                 devices[index].free_at = max(device_free, remote_end)
                 heapq.heappush(free, (devices[index].free_at, 0, index))
         for slot in self.bound:
+            if not slot.occupant:
+                continue  # its batch's first member holds the device (rule 6)
             device_free, _, index = heapq.heappop(free)
             if replan and slot.predicted_start > now:
-                slot.predicted_start = device_free
+                _replan(slot, device_free)
             done_ms = max(0.0, now - slot.predicted_start) * 1000.0
-            end = device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0
+            end = device_free + max(0.0, slot.run_ms - done_ms) / 1000.0
+            held = slot.live_bytes if slot.group is None else sum(m.live_bytes for m in slot.group.members)
             device = devices[index]
             device.free_at = end
-            device.live_bytes += slot.live_bytes
-            device.ends.append((end, slot.live_bytes))
+            device.live_bytes += held
+            device.ends.append((end, held))
             heapq.heappush(free, (end, device.live_bytes, index))
         return devices
 
@@ -318,12 +392,18 @@ class DeviceSet:
             for remote_end in self._remote_ends_after(now):
                 heapq.heapreplace(free, max(free[0], remote_end))
         for slot in self.bound:  # as in ``schedule``
+            if not slot.occupant:
+                continue
             device_free = free[0]
             if replan and slot.predicted_start > now:
-                slot.predicted_start = device_free
+                _replan(slot, device_free)
             done_ms = max(0.0, now - slot.predicted_start) * 1000.0
-            heapq.heapreplace(free, device_free + max(0.0, slot.cost_ms - done_ms) / 1000.0)
+            heapq.heapreplace(free, device_free + max(0.0, slot.run_ms - done_ms) / 1000.0)
         return free
+
+    def occupants(self) -> int:
+        """How many devices' worth of work is bound: a batch bound together counts once."""
+        return sum(1 for slot in self.bound if slot.occupant)
 
     def _remote_ends_after(self, now: float) -> list[float]:
         return sorted(e for ends in self.remote_ends.values() for e in ends if e > now)
@@ -356,7 +436,7 @@ class DeviceSet:
     def long_may_bind(self, now: float, latest_start: float, cost_ms: float) -> bool:
         """May long work with this latest start be bound now? Only onto a device free now, within
         the soft cap, or up to the hard cap when waiting for the soft cap would make it late."""
-        if len(self.bound) >= self.devices:
+        if self.occupants() >= self.devices:
             return False
         held = self.long_bound(now)
         if held < self.long_soft_cap(now):
@@ -373,15 +453,67 @@ class DeviceSet:
         the backend's queue it would take whichever device frees first, the lane's included."""
         if long:
             return now if self.long_may_bind(now, latest_start, cost_ms) else None
-        if len(self.bound) < self.devices:
+        occupants = self.occupants()
+        if occupants < self.devices:
             return now
-        # One request at most waits in the backend's queue: by prediction (a bound slot not
-        # yet started) and in fact (more slots held than devices: work that overran its
-        # prediction still holds its device, whatever the list schedule says).
-        if len(self.bound) > self.devices or any(s.predicted_start > now for s in self.bound):
+        # One request (or one batch: ``join``) at most waits in the backend's queue: by
+        # prediction (a bound slot not yet started) and in fact (more held than devices: work
+        # that overran its prediction still holds its device, whatever the list schedule says).
+        if occupants > self.devices or any(s.predicted_start > now for s in self.bound):
             return None
         start = self.free_times(now)[0]
         return start if start <= latest_start else None
+
+    def join(
+        self, now: float, queue: DispatchQueue, batch: BatchShape | None, end_by: float
+    ) -> tuple[float, float, Slot] | None:
+        """Rule 6's compatible co-batching: may short work of ``queue`` with shape ``batch``,
+        whose execution must end by ``end_by``, be bound into the batch waiting in the
+        backend's queue? Then (its predicted start, the batch's new cost, the waiting slot it
+        joins); else None. Only when the work waiting there is all of the same pool and may
+        co-batch, has fewer than the pool's ``co_batch_max`` members, and the pool's own work
+        holds every device (every instance of the model busy: the next to free takes the whole
+        queue as one batch; in a fleet, with the other replicas' work of the pool), and the
+        batch, padded to its longest member, still ends within every member's deadline."""
+        profile = queue.batch_profile
+        if batch is None or profile is None or queue.co_batch_max < 2:
+            return None
+        waiting = [s for s in self.bound if s.predicted_start > now]
+        if not waiting:
+            return None
+        head = waiting[0]
+        members = head.group.members if head.group is not None else [head]
+        if len(members) != len(waiting) or len(members) >= queue.co_batch_max:
+            return None
+        if any(m.queue is not queue or m.batch is None or m.long for m in members):
+            return None
+        running = [s for s in self.bound if s.predicted_start <= now and s.occupant]
+        if any(s.queue is not queue for s in running):
+            return None
+        # In a fleet the other replicas' work of the pool holds devices too (``remote_ends``):
+        # together with this replica's it must hold every device, no more (work of theirs
+        # waiting in the backend's queue would join the batch) and no other pool's work.
+        remote = [end for end in self.remote_ends.get(queue.name, ()) if end > now]
+        if any(end > now for name, ends in self.remote_ends.items() if name != queue.name for end in ends):
+            return None
+        if len(running) + len(remote) != self.devices:
+            return None
+        shapes = [m.batch for m in members if m.batch is not None] + [batch]
+        cost_ms = max(shape.scale for shape in shapes) * batch_accelerator_ms(
+            profile, [(shape.input_tokens, shape.output_tokens) for shape in shapes]
+        )
+        start = min([max(now, s.predicted_start + s.run_ms / 1000.0) for s in running] + remote)
+        if start - now < JOIN_LEAD_S or head.predicted_start - now < JOIN_LEAD_S:
+            return None  # the backend may have started it already
+        if start + cost_ms / 1000.0 > min(end_by, *(m.end_by for m in members)):
+            return None
+        return start, cost_ms, head
+
+
+def _replan(slot: Slot, start: float) -> None:
+    """Work waiting in the backend's queue starts at ``start``: its batch's members with it."""
+    for member in slot.group.members if slot.group is not None else (slot,):
+        member.predicted_start = start
 
 
 @dataclass
@@ -425,6 +557,12 @@ class DispatchQueue:
         self.held_back = 0  # times a waiter was kept here rather than bound behind busy devices
         self.memory_held = 0  # times a waiter was kept here because its live state did not fit
         self.pushed_out = 0  # waiters refused to make room for a flow with less queued work
+        # Rule 6's compatible co-batching: the pool's profile (its batch cost) and the most
+        # requests bound together into one backend batch (1: never; at most the model's
+        # max_batch_size). ``co_batched`` counts the requests that joined a waiting batch.
+        self.batch_profile: DemandProfile | None = None
+        self.co_batch_max = 1
+        self.co_batched = 0
 
     @property
     def inflight(self) -> int:
@@ -468,7 +606,7 @@ class DispatchQueue:
         # Queued long work beyond what the short lane lets start takes no device here (it
         # waits for a long device: rule 7; mostly within the soft cap).
         long_room = self.device_set.long_soft_cap(now) - self.device_set.long_bound(now)
-        for _, cost, is_long in ahead:
+        for _, cost, is_long in self._co_batched(ahead):
             if is_long:
                 if long_room <= 0:
                     continue
@@ -476,7 +614,7 @@ class DispatchQueue:
             heapq.heappush(free, heapq.heappop(free) + cost / 1000.0)
         start = free[0]
         if long:  # and not before a long device frees, whatever the short lane holds
-            longs_ahead = [cost for _, cost, is_long in ahead if is_long]
+            longs_ahead = [cost for _, cost, is_long, _ in ahead if is_long]
             devices = self.device_set
             long_free = devices.long_start(now, longs_ahead, cap=devices.long_soft_cap(now))
             if latest_start is not None and _too_late(long_free, latest_start, cost_ms):
@@ -484,13 +622,42 @@ class DispatchQueue:
             start = max(start, long_free)
         return max(0.0, (start - now) * 1000.0)
 
+    def _co_batched(
+        self, ahead: list[tuple[float, float, bool, BatchShape | None]]
+    ) -> list[tuple[float, float, bool]]:
+        """The work ahead as the devices will take it: this pool's short work that may co-batch
+        in batches of up to ``co_batch_max`` (rule 6), each at its padded batch cost, in the
+        place of its first member; the rest one by one."""
+        profile = self.batch_profile
+        if profile is None or self.co_batch_max < 2:
+            return [(start, cost, is_long) for start, cost, is_long, _ in ahead]
+        out: list[tuple[float, float, bool]] = []
+        open_at = -1  # index in ``out`` of the batch being filled
+        shapes: list[BatchShape] = []
+        for start, cost, is_long, batch in ahead:
+            if batch is None:
+                out.append((start, cost, is_long))
+                continue
+            if open_at < 0 or len(shapes) >= self.co_batch_max:
+                open_at, shapes = len(out), []
+                out.append((start, cost, False))
+            shapes.append(batch)
+            batch_ms = max(shape.scale for shape in shapes) * batch_accelerator_ms(
+                profile, [(shape.input_tokens, shape.output_tokens) for shape in shapes]
+            )
+            out[open_at] = (out[open_at][0], batch_ms, False)
+        return out
+
     def _ahead(
         self, latest_start: float | None, flow: tuple[str, str] | None, weight: float, cost_ms: float
-    ) -> list[tuple[float, float, bool]]:
+    ) -> list[tuple[float, float, bool, BatchShape | None]]:
+        """The queued work that goes before a new arrival (see ``predicted_wait_ms``), by latest
+        start: (latest start, cost, long, its batch shape if it may co-batch in this pool)."""
+
         def earlier(w: Waiter) -> bool:
             return w.live and (latest_start is None or w.latest_start <= latest_start)
 
-        ahead: list[tuple[float, float, bool]] = []
+        ahead: list[tuple[float, float, bool, BatchShape | None]] = []
         fair: list[tuple[_Flow, list[Waiter]]] = []
         for queue in self.device_set.queues:
             for key, f in queue._flows.items():
@@ -499,7 +666,12 @@ class DispatchQueue:
                 if flow is not None and queue is self and key[0] == flow[0] and key != flow:
                     fair.append((f, sorted(w for w in f.heap if w.live)))
                 else:
-                    ahead.extend((w.latest_start, w.cost_ms, w.long) for w in f.heap if earlier(w))
+                    this_pool = queue is self
+                    ahead.extend(
+                        (w.latest_start, w.cost_ms, w.long, w.batch if this_pool else None)
+                        for w in f.heap
+                        if earlier(w)
+                    )
         if fair and flow is not None:
             own = self._flows.get(flow)
             siblings = {k: f for k, f in self._flows.items() if k[0] == flow[0]}
@@ -515,9 +687,9 @@ class DispatchQueue:
                 for w in waiters:
                     if allowance <= 0.0:
                         break
-                    ahead.append((w.latest_start, w.cost_ms, w.long))
+                    ahead.append((w.latest_start, w.cost_ms, w.long, w.batch))
                     allowance -= w.cost_ms
-        ahead.sort()
+        ahead.sort(key=lambda entry: entry[:3])
         return ahead
 
     def request(
@@ -532,6 +704,7 @@ class DispatchQueue:
         class_weight: float = 1.0,
         long: bool = False,
         live_bytes: int = 0,
+        batch: BatchShape | None = None,
     ) -> Slot | Waiter:
         """Ask for a slot: granted at once (``Slot``), or a ``Waiter`` in its flow, granted
         later (see ``DeviceSet.take_changes``). ``latest_start`` (the deadline minus the
@@ -540,7 +713,8 @@ class DispatchQueue:
         shares. A full queue raises ResourceExhausted, unless a flow holding more than its
         share of the queue makes room (its least urgent waiter is refused: rule 5).
         ``live_bytes``: the live sequence state it will hold on its device (rule 8); more
-        than an idle device holds raises InvalidArgument."""
+        than an idle device holds raises InvalidArgument. ``batch``: its shape, when it may be
+        co-batched with compatible short work of the pool (rule 6)."""
         flow_key = (request_class, tenant)
         too_big = self.device_set.device_limit(live_bytes)
         if too_big is not None:
@@ -548,17 +722,32 @@ class DispatchQueue:
         if not long:
             self.device_set.short_seen_at = now
         if self._free(request_class) > 0 and self.queued == 0:
+            end_by = latest_start + cost_ms / 1000.0
             start = self.device_set.bind_start(now, latest_start, long=long, cost_ms=cost_ms)
+            join = None if start is not None or long else self.device_set.join(now, self, batch, end_by)
+            if join is not None:
+                start = join[0]
             if start is not None and self.device_set.fits(now, live_bytes):
                 self._charge(flow_key, cost_ms, weight, class_weight)
-                return self._grant(cost_ms, now, start, long=long, live_bytes=live_bytes)
+                return self._grant(
+                    cost_ms,
+                    now,
+                    start,
+                    long=long,
+                    live_bytes=live_bytes,
+                    batch=batch,
+                    end_by=end_by,
+                    join=join,
+                )
         if self.queued >= self.max_queued and not self._push_out(now, flow_key, cost_ms, weight):
             raise ResourceExhausted(
                 "the model's queue is full",
                 rule="queue.full",
                 retry_after_ms=max(1, int(self.predicted_wait_ms(now))),
             )
-        waiter = Waiter(latest_start, next(self._seq), cost_ms, flow_key, long=long, live_bytes=live_bytes)
+        waiter = Waiter(
+            latest_start, next(self._seq), cost_ms, flow_key, long=long, live_bytes=live_bytes, batch=batch
+        )
         self._enqueue(waiter, weight, class_weight)
         self._wake_next(now)  # a slot may be free with only ineligible waiters ahead
         return waiter
@@ -697,9 +886,31 @@ class DispatchQueue:
     # ------------------------------------------------------------------ slots
 
     def _grant(
-        self, cost_ms: float, now: float, start: float, *, long: bool = False, live_bytes: int = 0
+        self,
+        cost_ms: float,
+        now: float,
+        start: float,
+        *,
+        long: bool = False,
+        live_bytes: int = 0,
+        batch: BatchShape | None = None,
+        end_by: float = math.inf,
+        join: tuple[float, float, Slot] | None = None,
     ) -> Slot:
         slot = self._make_slot(cost_ms, now, start, long=long, live_bytes=live_bytes)
+        slot.batch = batch
+        slot.end_by = end_by
+        if join is not None:  # bound into the batch waiting in the backend's queue (rule 6)
+            _, batch_ms, head = join
+            group = head.group
+            if group is None:
+                group = head.group = CoBatch([head], head.cost_ms)
+            group.members.append(slot)
+            group.cost_ms = batch_ms
+            group.solo_ms += cost_ms
+            slot.group = group
+            _replan(head, start)
+            self.co_batched += 1
         self._inflight.add(slot)
         self.device_set.bound[slot] = None
         return slot
@@ -708,6 +919,10 @@ class DispatchQueue:
         self._inflight.discard(slot)
         devices = self.device_set
         devices.bound.pop(slot, None)
+        if slot.group is not None and slot in slot.group.members:
+            slot.group.members.remove(slot)
+            if slot.predicted_start <= now:  # it ran: so did its whole batch
+                slot.group.finished = True
         devices.free_times(now, replan=True)
         # A device freed by long work goes to waiting long work first (rule 7: short work has
         # its lane; without this, shorts with nearer latest starts would take every device a
@@ -749,6 +964,10 @@ class DispatchQueue:
             if waiter is None:
                 return
             start = devices.bind_start(now, waiter.latest_start, long=waiter.long, cost_ms=waiter.cost_ms)
+            end_by = waiter.latest_start + waiter.cost_ms / 1000.0
+            join = None if start is not None or waiter.long else devices.join(now, self, waiter.batch, end_by)
+            if join is not None:
+                start = join[0]
             if start is None:
                 # Held: bound now, it would wait in the backend's queue past its latest start
                 # or be co-batched with work already waiting there. A device freeing wakes it.
@@ -764,7 +983,14 @@ class DispatchQueue:
             flow = self._flows[waiter.flow]
             self._charge(waiter.flow, waiter.cost_ms, flow.weight, self._classes[waiter.flow[0]].weight)
             waiter.slot = self._grant(
-                waiter.cost_ms, now, start, long=waiter.long, live_bytes=waiter.live_bytes
+                waiter.cost_ms,
+                now,
+                start,
+                long=waiter.long,
+                live_bytes=waiter.live_bytes,
+                batch=waiter.batch,
+                end_by=end_by,
+                join=join,
             )
             long_granted = long_granted or waiter.long
             devices._changes.append(waiter)

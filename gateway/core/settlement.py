@@ -4,8 +4,12 @@ After a request ran, ``settle`` turns what was observed (wall time on the backen
 part of it spent waiting in the backend's own queue, the batch it shared) into the
 accelerator-ms it held, settles its quota reservation with that charge (and the
 live-token-ms derived from it), teaches the estimator the ratio of observed to predicted
-work, and returns the request's ``Outcome``. ``abandon`` settles a request that failed
-or was cancelled: by what it held if it started, a full refund if it never did.
+work, and returns the request's ``Outcome``. A request the gateway co-batched with others
+(dispatch rule 6) is charged its share of the batch's device time, in proportion to the
+members' solo prices; the estimator learns what it would have held alone (its share scaled
+back by the batch's saving), so co-batching never teaches it that single requests got cheaper.
+``abandon`` settles a request that failed or was cancelled: by what it held if it started,
+a full refund if it never did.
 """
 
 from __future__ import annotations
@@ -37,8 +41,11 @@ def settle(
     output_tokens: int,
     learn: bool,
     now: float,
+    solo_factor: float = 1.0,
 ) -> Outcome:
-    """Charge observed work and (with ``learn``: a final answer) teach the estimator."""
+    """Charge observed work and (with ``learn``: a final answer) teach the estimator.
+    ``solo_factor``: what the request would have held alone per ms of its share of a
+    co-batch (the members' solo prices over the batch's predicted cost; 1 when not co-batched)."""
     observed_ms = observed_accelerator_ms(wall_ms, backend_queue_ms, batch)
     demand = record.demand
     live_token_ms = charged_live_token_ms(demand, observed_ms)
@@ -48,7 +55,11 @@ def settle(
             demand.accelerator_ms / demand.correction if demand.correction > 0 else demand.accelerator_ms
         )
         estimator.observe(
-            correction_key, record.identity.tenant, base_ms=base_ms, observed_ms=observed_ms, now=now
+            correction_key,
+            record.identity.tenant,
+            base_ms=base_ms,
+            observed_ms=observed_ms * solo_factor,
+            now=now,
         )
     return Outcome(
         admitted=True,
