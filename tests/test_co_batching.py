@@ -110,23 +110,23 @@ def co_batched(gateway: ThreadedGateway) -> int:
     return int(gateway.call_soon(read))
 
 
+@pytest.mark.parametrize(
+    ("co_batch_max", "expected_executions", "joined"),
+    [(2, 5, 1), (1, 6, 0)],
+    ids=["co-batching", "co_batch_max-1"],
+)
 def test_two_short_requests_behind_busy_devices_run_as_one_triton_batch(
-    triton_real_time: LocalTriton, started: list[ThreadedGateway]
+    triton_real_time: LocalTriton,
+    started: list[ThreadedGateway],
+    co_batch_max: int,
+    expected_executions: int,
+    joined: int,
 ) -> None:
-    gateway = ThreadedGateway(real_time(gateway_config(triton_real_time.address), co_batch_max=2))
+    """Six inferences: in five executions with co-batching (the two short requests in one
+    Triton batch), in six without it (each short request alone)."""
+    gateway = ThreadedGateway(real_time(gateway_config(triton_real_time.address), co_batch_max=co_batch_max))
     gateway.start()
     started.append(gateway)
     inferences, execs, _ = run_scenario(gateway, triton_real_time)
-    assert co_batched(gateway) == 1
-    assert (inferences, execs) == (6, 5), "Triton did not run the two short requests as one batch"
-
-
-def test_without_co_batching_each_short_request_runs_alone(
-    triton_real_time: LocalTriton, started: list[ThreadedGateway]
-) -> None:
-    gateway = ThreadedGateway(real_time(gateway_config(triton_real_time.address), co_batch_max=1))
-    gateway.start()
-    started.append(gateway)
-    inferences, execs, _ = run_scenario(gateway, triton_real_time)
-    assert co_batched(gateway) == 0
-    assert (inferences, execs) == (6, 6)
+    assert co_batched(gateway) == joined
+    assert (inferences, execs) == (6, expected_executions)

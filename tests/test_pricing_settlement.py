@@ -52,6 +52,15 @@ def priced(
     )
 
 
+def orchid_quotas() -> QuotaLedger:
+    """Tenant orchid's interactive class: 100 accelerator-ms/s, a 1,000 ms burst."""
+    return QuotaLedger(
+        QuotaSettings(
+            tenants={"orchid": {"interactive": QuotaConfig(accelerator_ms_per_s=100.0, burst_ms=1000.0)}}
+        )
+    )
+
+
 def test_the_teaching_request_is_priced_at_56_8_ms_with_its_reserves() -> None:
     queue = DispatchQueue("full-v18", devices=1, slots=2, max_queued=10)
     record, key = priced(queue, Estimator(), now=0.045, received_at=0.0)
@@ -71,11 +80,7 @@ def test_the_predicted_queue_wait_is_the_work_bound_ahead() -> None:
 
 
 def test_settlement_charges_observed_work_and_teaches_the_estimator() -> None:
-    quotas = QuotaLedger(
-        QuotaSettings(
-            tenants={"orchid": {"interactive": QuotaConfig(accelerator_ms_per_s=100.0, burst_ms=1000.0)}}
-        )
-    )
+    quotas = orchid_quotas()
     estimator = Estimator()
     queue = DispatchQueue("full-v18", devices=1, slots=2, max_queued=10)
     record, key = priced(queue, estimator, now=0.0)
@@ -119,11 +124,7 @@ def test_a_co_batched_request_pays_its_share_and_teaches_its_solo_price() -> Non
     alone). Each is charged its share of the batch's device time by solo price (half of the
     82.4 ms it ran), and the estimator learns that share scaled back to what it would have held
     alone (56.8 ms, as predicted): co-batching never teaches it that single requests got cheaper."""
-    quotas = QuotaLedger(
-        QuotaSettings(
-            tenants={"orchid": {"interactive": QuotaConfig(accelerator_ms_per_s=100.0, burst_ms=1000.0)}}
-        )
-    )
+    quotas = orchid_quotas()
     estimator = Estimator()
     queue = DispatchQueue("full-v18", devices=1, slots=2, max_queued=10)
     record, key = priced(queue, estimator, now=0.0)
