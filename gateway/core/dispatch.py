@@ -473,8 +473,8 @@ class DeviceSet:
         joins); else None. Only when the work waiting there is all of the same pool and may
         co-batch, has fewer than the pool's ``co_batch_max`` members, and the pool's own work
         holds every device (every instance of the model busy: the next to free takes the whole
-        queue as one batch; in a fleet, with the other replicas' work of the pool), and the
-        batch, padded to its longest member, still ends within every member's deadline."""
+        queue as one batch) with no other replica's work on the devices, and the batch, padded
+        to its longest member, still ends within every member's deadline."""
         profile = queue.batch_profile
         if batch is None or profile is None or queue.co_batch_max < 2:
             return None
@@ -490,19 +490,15 @@ class DeviceSet:
         running = [s for s in self.bound if s.predicted_start <= now and s.occupant]
         if any(s.queue is not queue for s in running):
             return None
-        # In a fleet the other replicas' work of the pool holds devices too (``remote_ends``):
-        # together with this replica's it must hold every device, no more (work of theirs
-        # waiting in the backend's queue would join the batch) and no other pool's work.
-        remote = [end for end in self.remote_ends.get(queue.name, ()) if end > now]
-        if any(end > now for name, ends in self.remote_ends.items() if name != queue.name for end in ends):
-            return None
-        if len(running) + len(remote) != self.devices:
+        # Never beside other replicas' work (a fleet, ``remote_ends``): this replica cannot see
+        # what of theirs waits in the backend's queue, which the batcher would add to the batch.
+        if len(running) != self.devices or self._remote_ends_after(now):
             return None
         shapes = [m.batch for m in members if m.batch is not None] + [batch]
         cost_ms = max(shape.scale for shape in shapes) * batch_accelerator_ms(
             profile, [(shape.input_tokens, shape.output_tokens) for shape in shapes]
         )
-        start = min([max(now, s.predicted_start + s.run_ms / 1000.0) for s in running] + remote)
+        start = min(max(now, s.predicted_start + s.run_ms / 1000.0) for s in running)
         if start - now < JOIN_LEAD_S or head.predicted_start - now < JOIN_LEAD_S:
             return None  # the backend may have started it already
         if start + cost_ms / 1000.0 > min(end_by, *(m.end_by for m in members)):
