@@ -300,7 +300,10 @@ def test_first_result_is_the_first_token_for_streams_and_the_response_for_unary(
     gateway: ThreadedGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The record's outcome separates time to first result from completion (the seed's
-    streaming objectives): a 48-token stream's first token comes well before its last."""
+    streaming objectives): a 48-token stream's first token comes before its last, where a
+    unary call's first result is its completion. (No ratio between the two: at the tests'
+    time factor the 48 decode steps take ~1 ms each, and a first token delayed by the
+    machine's load once came at a quarter of the stream's time.)"""
     core = gateway.server.gateway
     assert core is not None
     outcomes: list[Any] = []
@@ -325,7 +328,7 @@ def test_first_result_is_the_first_token_for_streams_and_the_response_for_unary(
         time.sleep(0.05)
     by_model = {s.decision.target_model: s.outcome for s in outcomes}
     stream, unary = by_model["full-v18-stream"], by_model["full-v18"]
-    assert 0 < stream.first_result_ms < stream.completion_ms / 4
+    assert 0 < stream.first_result_ms < stream.completion_ms
     assert unary.first_result_ms == unary.completion_ms > 0
     registry = gateway.server.telemetry.metrics.registry
     labels = {"request_class": "interactive", "model": "full-v18-stream"}
