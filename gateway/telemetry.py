@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.config import TelemetryConfig
 from gateway.core.record import Decision, RequestRecord, Verdict
@@ -235,9 +235,18 @@ GATEWAY_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+# Counters the collector reads from the pools' dispatch queues at scrape time.
+CO_BATCHED = "orchid_pool_co_batched_requests"
+CO_BATCHED_HELP = (
+    "Requests the pool's dispatch queue bound into a batch already waiting in the backend's queue "
+    "(co-batching, limits.co_batch_max)"
+)
+
+
 class GatewayCollector:
-    """Pool and backend gauges, read from the bound ``Gateway`` when scraped (no sampling loop:
-    the values are the ones the ladder and the status page read)."""
+    """Pool and backend gauges (and the pools' co-batching counter), read from the bound
+    ``Gateway`` when scraped (no sampling loop: the values are the ones the ladder and the
+    status page read)."""
 
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
@@ -245,15 +254,19 @@ class GatewayCollector:
     def describe(self) -> Iterator[Metric]:
         for name, (doc, labels) in GATEWAY_GAUGES.items():
             yield GaugeMetricFamily(name, doc, labels=list(labels))
+        yield CounterMetricFamily(CO_BATCHED, CO_BATCHED_HELP, labels=["pool"])
 
     def collect(self) -> Iterator[Metric]:
         families = {
             name: GaugeMetricFamily(name, doc, labels=list(labels))
             for name, (doc, labels) in GATEWAY_GAUGES.items()
         }
+        co_batched = CounterMetricFamily(CO_BATCHED, CO_BATCHED_HELP, labels=["pool"])
         gateway = self.gateway
         if gateway is not None:
             queues = {queue.name: queue for queue in list(gateway._queues.values())}
+            for pool, dispatch in queues.items():
+                co_batched.add_metric([pool], float(dispatch.co_batched))
             for name, load in list(gateway.loads.items()):
                 evidence = load.evidence
                 queue = queues.get(name)
@@ -284,6 +297,7 @@ class GatewayCollector:
                         [backend, model], 1.0 if client.is_warm(model) else 0.0
                     )
         yield from families.values()
+        yield co_batched
 
 
 class Telemetry(GatewayListener):

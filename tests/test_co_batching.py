@@ -5,8 +5,11 @@ test's own at time factor 1 (~850 ms each). Two short requests then arrive: the 
 ahead into Triton's queue, the second joins it, and when the first long request ends Triton's
 dynamic batcher runs the two as one batch: Triton's own statistics show six inferences in five
 executions. Both answers are the emulator's exact output for their input. With co-batching
-off (``limits.co_batch_max: 1``) the same arrivals run in six executions: the second short
-request waits in the gateway until a device frees.
+off (``limits.co_batch_max: 1``) the gateway binds the second short request only once the
+first has started, and counts no co-batch. (Triton itself may still batch the two then: a
+device's response can reach the gateway, which binds the second, before Triton's batcher has
+taken the first from its queue; so the execution count is asserted only with co-batching on,
+where the pair waits together for about 800 ms.)
 """
 
 from __future__ import annotations
@@ -112,21 +115,27 @@ def co_batched(gateway: ThreadedGateway) -> int:
 
 @pytest.mark.parametrize(
     ("co_batch_max", "expected_executions", "joined"),
-    [(2, 5, 1), (1, 6, 0)],
+    [(2, 5, 1), (1, None, 0)],
     ids=["co-batching", "co_batch_max-1"],
 )
 def test_two_short_requests_behind_busy_devices_run_as_one_triton_batch(
     triton_real_time: LocalTriton,
     started: list[ThreadedGateway],
     co_batch_max: int,
-    expected_executions: int,
+    expected_executions: int | None,
     joined: int,
 ) -> None:
-    """Six inferences: in five executions with co-batching (the two short requests in one
-    Triton batch), in six without it (each short request alone)."""
+    """Six inferences in five executions with co-batching (the two short requests in one
+    Triton batch); without it the gateway co-batches nothing."""
     gateway = ThreadedGateway(real_time(gateway_config(triton_real_time.address), co_batch_max=co_batch_max))
     gateway.start()
     started.append(gateway)
     inferences, execs, _ = run_scenario(gateway, triton_real_time)
     assert co_batched(gateway) == joined
-    assert (inferences, execs) == (6, expected_executions)
+    assert inferences == 6
+    if expected_executions is not None:
+        assert execs == expected_executions, "Triton did not run the two short requests as one batch"
+    # Operators see it on /metrics.
+    registry = gateway.server.telemetry.metrics.registry
+    counted = registry.get_sample_value("orchid_pool_co_batched_requests_total", {"pool": "local/full-v18"})
+    assert counted == joined
