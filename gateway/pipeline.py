@@ -291,11 +291,10 @@ class Gateway:
             if not spec.decoupled and self.fleet_slots is None:
                 queue.co_batch_max = max(1, min(self.config.limits.co_batch_max, spec.max_batch_size))
             queue.fleet = self.fleet_slots  # a fleet's shared dispatch slots (None: this process only)
+            queue.batch_profile = profile  # its batch cost, for co-batching (dispatch rule 6)
             if profile is not None:
                 queue.device_set.place(spec.name, device_memory.resident_bytes(profile))
             self._queues[key] = queue
-        if queue.batch_profile is None:
-            queue.batch_profile = profile  # its batch cost, for co-batching (dispatch rule 6)
         return queue
 
     async def bind_pool(

@@ -494,16 +494,21 @@ class DeviceSet:
         # what of theirs waits in the backend's queue, which the batcher would add to the batch.
         if len(running) != self.devices or self._remote_ends_after(now):
             return None
-        shapes = [m.batch for m in members if m.batch is not None] + [batch]
-        cost_ms = max(shape.scale for shape in shapes) * batch_accelerator_ms(
-            profile, [(shape.input_tokens, shape.output_tokens) for shape in shapes]
-        )
+        cost_ms = _batch_cost_ms(profile, [m.batch for m in members if m.batch is not None] + [batch])
         start = min(max(now, s.predicted_start + s.run_ms / 1000.0) for s in running)
         if start - now < JOIN_LEAD_S or head.predicted_start - now < JOIN_LEAD_S:
             return None  # the backend may have started it already
         if start + cost_ms / 1000.0 > min(end_by, *(m.end_by for m in members)):
             return None
         return start, cost_ms, head
+
+
+def _batch_cost_ms(profile: DemandProfile, shapes: Sequence[BatchShape]) -> float:
+    """Device-ms of ``shapes`` run as one padded batch of the pool's profile (rule 6), at the
+    largest of their scales (time scale, estimator correction)."""
+    return max(shape.scale for shape in shapes) * batch_accelerator_ms(
+        profile, [(shape.input_tokens, shape.output_tokens) for shape in shapes]
+    )
 
 
 def _replan(slot: Slot, start: float) -> None:
@@ -638,10 +643,7 @@ class DispatchQueue:
                 open_at, shapes = len(out), []
                 out.append((start, cost, False))
             shapes.append(batch)
-            batch_ms = max(shape.scale for shape in shapes) * batch_accelerator_ms(
-                profile, [(shape.input_tokens, shape.output_tokens) for shape in shapes]
-            )
-            out[open_at] = (out[open_at][0], batch_ms, False)
+            out[open_at] = (out[open_at][0], _batch_cost_ms(profile, shapes), False)
         return out
 
     def _ahead(
