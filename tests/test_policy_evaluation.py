@@ -282,6 +282,43 @@ def test_explain_agrees_with_evaluate_on_the_whole_corpus(engine: str) -> None:
         assert evaluated, case.name
 
 
+def test_the_stable_part_of_the_plan_is_memoised_exactly() -> None:
+    """The shipped set splits into a memoised plan (rules that read only stable facts:
+    tenant, route, identity, backends) and a plan run for every request. A memo entry is
+    reused only for the same stable inputs: changing any of them, or only a volatile one,
+    gives what one-at-a-time evaluation (``explain``, never planned) gives."""
+    snapshot = load_policies(POLICIES)
+    plans = snapshot._plans
+    assert [plan.cached for plan in plans] == [True, False]
+    main_rules = [rule for rule in snapshot.rules if rule.stage.value != "routing"]
+    decided = sorted(index for plan in plans for index in plan.conditions)
+    assert decided == list(range(len(main_rules)))  # every main rule in exactly one plan
+    cached = {main_rules[i].id for i in plans[0].conditions}
+    assert {"privacy-cell-allowed", "class-allowed", "fallback-not-warm"} <= cached
+    assert "deadline-behind-queue" not in cached and "quota-accelerator-ms" not in cached
+    assert plans[0].routing and not plans[1].routing
+    variants: list[dict[str, object]] = [
+        {},
+        {"tenant": {"allowed_classes": ["batch"]}},  # stable input changed: class-allowed denies
+        {"budget": {"elapsed_ms": 150.0}},  # volatile only: same memo entry, deadline denies
+        {"request": {"privacy_cell": "us-general"}},
+        {"route": {"fallback_warm": False}},  # the fallback is no longer eligible
+        {"request": {"risk_class": "high"}},
+        {"backends": [{"name": "b1", "labels": {"cell": "us-general"}}]},  # routing excludes b1
+        {"backends": [{"name": "b1", "labels": {"cell": "eu-restricted"}}]},
+        {"tenant": {"available_accelerator_ms": 1.0}},  # volatile: quota denies
+    ]
+    outcomes = set()
+    for round_ in range(2):  # the second round is answered from the memo where it can be
+        for given in variants:
+            record, context = inputs(**given)
+            fast = snapshot.evaluate(record, context)
+            assert comparable(fast) == comparable(snapshot.explain(record, context).result), (round_, given)
+            outcomes.add((fast.allowed, fast.rule, fast.fallback_eligible, fast.excluded_backends))
+    assert len(outcomes) >= 6  # the variants really decide differently
+    assert 0 < snapshot.memoised < len(variants)  # volatile-only variants shared an entry
+
+
 def test_fast_path_and_rule_by_rule_agree_when_a_rule_errs() -> None:
     snapshot = policy(
         """\

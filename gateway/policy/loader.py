@@ -653,31 +653,112 @@ def compile_policies(
         rules=ordered,
         variables=compiled_variables,
         files=tuple(sorted(raw)),
-        plan=_plan(cel, ordered, compiled_variables),
+        plans=_plans(cel, ordered, compiled_variables),
     )
 
 
-def _plan(engine: Engine, rules: list[Rule], variables: list[Variable]) -> Plan | None:
-    """The one-expression fast path over already-checked texts (see ``snapshot.Plan``)."""
+def _plans(engine: Engine, rules: list[Rule], variables: list[Variable]) -> tuple[Plan, ...]:
+    """The fast path over already-checked texts (see ``snapshot.Plan``): at most two plans.
+
+    The cached plan holds the conditions (and the variables) that read only inputs that are
+    stable from one request to the next (``schema.volatile``), and the routing rules when all
+    of them do; the other plan holds the rest, evaluated for every request. Empty: no plan
+    (the engine prefers one expression at a time, or a variable reads another)."""
     if not engine.prefers_plan or any(v.uses for v in variables):
-        return None
+        return ()
+    main = [r for r in rules if r.stage is not Stage.ROUTING]
+    routing = [r for r in rules if r.stage is Stage.ROUTING]
+    stable_variables = {v.name for v in variables if not any(schema.volatile(p) for p in v.reads)}
+
+    def stable(rule: Rule) -> bool:
+        # ``uses`` covers every expression of the rule, not only its condition: conservative.
+        return not any(schema.volatile(p) for p in rule.condition_reads) and all(
+            name in stable_variables for name in rule.uses
+        )
+
+    fixed = [i for i, rule in enumerate(main) if stable(rule)]
+    moving = [i for i, rule in enumerate(main) if not stable(rule)]
+    routing_fixed = all(stable(rule) for rule in routing)
+    volatile_variables = [v for v in variables if v.name not in stable_variables]
+    plans: list[Plan] = []
+    cached = bool(fixed) or (bool(routing) and routing_fixed)
+    if cached:
+        plan = _compile_plan(
+            engine,
+            [main[i] for i in fixed],
+            routing if routing_fixed else [],
+            [v for v in variables if v.name in stable_variables],
+            conditions=tuple(fixed),
+            cached=True,
+        )
+        if plan is None:  # pragma: no cover - every element compiled alone
+            return ()
+        plans.append(plan)
+    if moving or not routing_fixed or volatile_variables or not plans:
+        used = {name for i in moving for name in main[i].uses} | {
+            name for rule in (routing if not routing_fixed else []) for name in rule.uses
+        }
+        own = [v for v in variables if not cached or v.name not in stable_variables or v.name in used]
+        plan = _compile_plan(
+            engine,
+            [main[i] for i in moving],
+            routing if not routing_fixed else [],
+            own,
+            conditions=tuple(moving),
+            cached=False,
+        )
+        if plan is None:  # pragma: no cover - every element compiled alone
+            return ()
+        plans.append(plan)
+    return tuple(plans)
+
+
+def _compile_plan(
+    engine: Engine,
+    rules: list[Rule],
+    routing: list[Rule],
+    variables: list[Variable],
+    *,
+    conditions: tuple[int, ...],
+    cached: bool,
+) -> Plan | None:
+    """One plan: ``rules``' conditions (at ``conditions`` among the main rules), ``routing``'s
+    per candidate backend (none: an empty list), and ``variables``, as one CEL expression."""
 
     def item(text: str) -> str:
         # The newline keeps a trailing ``//`` comment from swallowing the closing parenthesis.
         return f"({text}\n)"
 
-    conditions = ", ".join(item(r.condition_text) for r in rules if r.stage is not Stage.ROUTING)
-    routing = ", ".join(item(r.condition_text) for r in rules if r.stage is Stage.ROUTING)
+    listed = ", ".join(item(r.condition_text) for r in rules)
     values = ", ".join(f"{v.name!r}: {item(v.text)}" for v in variables)
-    body = f"[variables, [{conditions}], {BACKENDS_VARIABLE}.map(backend, [{routing}])]"
+    per_backend = "[]"
+    if routing:
+        routing_listed = ", ".join(item(r.condition_text) for r in routing)
+        per_backend = f"{BACKENDS_VARIABLE}.map(backend, [{routing_listed}])"
+    body = f"[variables, [{listed}], {per_backend}]"
     text = f"[{{{values}}}].map(variables, {body})[0]"
     backend_fields = tuple(
-        sorted({path for r in rules for path in r.reads if schema.FIELDS_BY_PATH[path].per_backend})
+        sorted({path for r in routing for path in r.reads if schema.FIELDS_BY_PATH[path].per_backend})
     )
+    reads = {
+        path
+        for r in (*rules, *routing)
+        for path in r.condition_reads
+        if not schema.FIELDS_BY_PATH[path].per_backend
+    }
+    reads.update(path for v in variables for path in v.reads)
     declarations = {f.path: f.cel_type for f in schema.FIELDS if not f.per_backend}
     declarations[BACKENDS_VARIABLE] = "list(map(string, dyn))"
     try:
         expression = engine.compile(text, declarations)
     except CompileProblem:  # pragma: no cover - every element compiled alone; keep the slow path
         return None
-    return Plan(expression, tuple(v.name for v in variables), backend_fields)
+    return Plan(
+        expression,
+        tuple(v.name for v in variables),
+        backend_fields,
+        conditions=conditions,
+        routing=bool(routing),
+        reads=tuple(sorted(reads)),
+        cached=cached,
+    )

@@ -532,6 +532,20 @@ FIELDS: tuple[Field, ...] = (
 
 FIELDS_BY_PATH: Mapping[str, Field] = {f.path: f for f in FIELDS}
 
+# What changes from one request to the next for the same tenant, route, class and configuration:
+# the request's id, shape, demand and budget, the pool's load, the tenant's live balance. A
+# condition that reads none of these (nor a variable that does) decides alike for every such
+# request, so evaluation memoises it on the values it reads (``snapshot.Plan.cached``); the
+# memo is exact whatever this set says, which only decides what is worth memoising.
+VOLATILE_NAMESPACES: frozenset[str] = frozenset({"shape", "demand", "budget", "load"})
+VOLATILE_FIELDS: frozenset[str] = frozenset({"request.request_id", "tenant.available_accelerator_ms"})
+
+
+def volatile(path: str) -> bool:
+    """Whether ``path`` usually differs between two requests of one tenant, route and class."""
+    return path in VOLATILE_FIELDS or path.split(".", 1)[0] in VOLATILE_NAMESPACES
+
+
 # Top-level names authors may start a reference with. ``variables`` holds the
 # named expressions declared in policy files.
 NAMESPACES: tuple[str, ...] = ("request", "shape", "demand", "budget", "tenant", "route", "load", "backend")

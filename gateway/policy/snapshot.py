@@ -10,10 +10,12 @@ Theory of operation (the stage table is in ``model``):
 
 1. Read only the schema fields conditions and variables use, as plain values
    (fields only messages, retry-afters and limits use are read when needed).
-2. Fast path (cel-expr): evaluate the ``Plan`` - every variable and condition
-   in one CEL evaluation - and act on the rules that fired. If the plan errs,
-   or when explaining, go one expression at a time, as below; the outcome is
-   the same, only the error attribution needs the slow path.
+2. Fast path (cel-expr): evaluate the ``Plan``s - every variable and condition
+   in at most two CEL evaluations, one of them memoised on the stable inputs
+   it reads (tenant, route, identity: the same for every request of one
+   tenant, route and class) - and act on the rules that fired. If a plan
+   errs, or when explaining, go one expression at a time, as below; the
+   outcome is the same, only the error attribution needs the slow path.
 3. Variables once, in dependency order. A variable that errs poisons every
    rule that reads it (that rule errs).
 4. privacy -> admission -> quota, rules in file order. The first enforce deny
@@ -187,28 +189,64 @@ BACKENDS_VARIABLE = "candidate_backends"
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The whole policy set as one CEL expression: one activation, one evaluation per request.
+    """Part of the policy set as one CEL expression: one activation, one evaluation.
 
-    The loader builds it from the already-checked rule texts::
+    The loader builds at most two from the already-checked rule texts::
 
         [{"v1": (e1), ...}].map(variables,
           [variables, [(c1), (c2), ...],
            candidate_backends.map(backend, [(r1), ...])])[0]
 
-    - the variables as a map, the non-routing conditions in evaluation order,
-      and per candidate backend the routing conditions. The one-element
-      ``map`` binds ``variables`` (standard CEL, no extension needed), so both
-      engines run the same plan. CEL is pure, so each element equals that
-      expression evaluated alone; if anything errs the whole plan errs, and
-      evaluation falls back to one expression at a time, which attributes the
-      error to its rule. ``explain`` always goes one at a time. Only built when
-      no variable reads another variable and the engine ``prefers_plan``
-      (cel-expr: yes; cel-python: no, the plan costs it twice as much).
+    - its variables as a map, its non-routing conditions (``conditions``: their places among
+      the main rules, in evaluation order) and, when ``routing``, per candidate backend the
+      routing conditions (otherwise ``[]``). The one-element ``map`` binds ``variables``
+      (standard CEL, no extension needed), so both engines run the same plan. CEL is pure, so
+      each element equals that expression evaluated alone; if anything errs the plan errs,
+      and evaluation falls back to one expression at a time, which attributes the error to its
+      rule. ``explain`` always goes one at a time. Only built when no variable reads another
+      variable and the engine ``prefers_plan`` (cel-expr: yes; cel-python: no, the plan costs
+      it twice as much).
+
+    ``cached``: the plan reads only inputs that are stable between requests
+    (``schema.volatile``: tenant and route configuration, identity, warmth, evidence), so
+    its result is memoised on the values it reads (``reads``, and each candidate backend's
+    ``backend_fields`` when ``routing``). The memo is exact: the same inputs give the same
+    result. The other plan runs for every request with just the inputs it reads.
     """
 
     expression: CompiledExpression
     variable_names: tuple[str, ...]
     backend_fields: tuple[str, ...]  # schema paths of backend.* the routing rules read
+    conditions: tuple[int, ...] = ()  # the main rules (evaluation order) its conditions decide
+    routing: bool = False  # it evaluates the routing rules per candidate backend
+    reads: tuple[str, ...] = ()  # the request-scoped schema paths it reads
+    cached: bool = False  # memoised on ``reads`` (and the backends): see above
+
+    scalar_reads: tuple[str, ...] = field(init=False)  # ``reads`` whose values are hashable as they are
+    other_reads: tuple[str, ...] = field(init=False)  # lists and maps: made hashable for the key
+
+    def __post_init__(self) -> None:
+        plain = tuple(p for p in self.reads if not schema.FIELDS_BY_PATH[p].cel_type.startswith(_CONTAINERS))
+        object.__setattr__(self, "scalar_reads", plain)
+        object.__setattr__(self, "other_reads", tuple(p for p in self.reads if p not in plain))
+
+
+_CONTAINERS = ("list(", "map(")
+
+# The memo of a snapshot's cached plan holds at most this many results (tenant x route x class x
+# the few stable facts that change, such as warmth and evidence); it starts over when full.
+_MEMO_LIMIT = 4096
+
+_Planned = tuple[dict[str, Any], list[bool], list[list[bool]]]
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a hashable memo key part (lists and maps of plain values)."""
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
 
 
 class _Bindings:
@@ -260,8 +298,9 @@ class PolicySnapshot:
         "_label",
         "_late_readers",
         "_main_rules",
-        "_plan",
+        "_memo",
         "_plan_backend_readers",
+        "_plans",
         "_readers",
         "_routing_keys",
         "_rule_keys",
@@ -281,7 +320,7 @@ class PolicySnapshot:
         rules: Sequence[Rule],
         variables: Sequence[Variable],
         files: Sequence[str],
-        plan: Plan | None = None,
+        plans: Sequence[Plan] = (),
     ) -> None:
         self._version = version
         self._label = label
@@ -289,7 +328,8 @@ class PolicySnapshot:
         self._rules = tuple(rules)
         self._variables = tuple(variables)
         self._files = tuple(files)
-        self._plan = plan
+        self._plans = tuple(plans)
+        self._memo: dict[tuple[Any, ...], _Planned] = {}
         self._by_id = {rule.id: rule for rule in self._rules}
         self._stages: dict[Stage, tuple[Rule, ...]] = {
             stage: tuple(rule for rule in self._rules if rule.stage is stage) for stage in Stage
@@ -374,8 +414,18 @@ class PolicySnapshot:
 
     @property
     def planned(self) -> bool:
-        """Whether evaluation has the one-expression fast path (see ``Plan``)."""
-        return self._plan is not None
+        """Whether evaluation has the plan fast path (see ``Plan``)."""
+        return bool(self._plans)
+
+    @property
+    def memoised(self) -> int:
+        """Results the cached plan holds (one per distinct set of stable inputs seen)."""
+        return len(self._memo)
+
+    def clear_memo(self) -> None:
+        """Forget the cached plan's results: the next requests pay for it again (what a first
+        request of a tenant, route and class costs; ``bench/policy_eval.py`` measures it)."""
+        self._memo.clear()
 
     def rule(self, rule_id: str) -> Rule:
         return self._by_id[rule_id]
@@ -399,36 +449,72 @@ class PolicySnapshot:
         result = self._run(record, context, trace, timer)
         return Explanation(result, tuple(trace.variables), tuple(trace.rules))
 
-    def _run_plan(
-        self, plan: Plan, inputs: dict[str, Any], context: PolicyContext
+    def _run_plans(
+        self, inputs: dict[str, Any], context: PolicyContext
     ) -> tuple[list[bool], list[list[bool]]] | None:
-        """Evaluate the plan; on success store the variables in ``inputs``. ``None``: go one at a time."""
-        readers = self._plan_backend_readers
-        inputs[BACKENDS_VARIABLE] = [{key: read(b) for key, read in readers} for b in context.backends]
+        """Evaluate the plans (the cached one from its memo when it has these inputs); on success
+        store the variables in ``inputs``. ``None``: go one at a time."""
+        conditions = [False] * len(self._main_rules)
+        routing: list[list[bool]] = [[] for _ in context.backends]
+        for plan in self._plans:
+            planned: _Planned | None
+            if plan.cached:
+                # Every backend fact, not only what the routing rules read: exact all the same.
+                key = (
+                    tuple([inputs[path] for path in plan.scalar_reads]),
+                    tuple([_frozen(inputs[path]) for path in plan.other_reads]),
+                    tuple([(b.name, b.model, tuple(b.labels.items())) for b in context.backends])
+                    if plan.routing
+                    else (),
+                )
+                planned = self._memo.get(key)
+                if planned is None:
+                    planned = self._evaluate_plan(plan, inputs, context)
+                    if planned is None:
+                        return None
+                    if len(self._memo) >= _MEMO_LIMIT:
+                        self._memo.clear()
+                    self._memo[key] = planned
+            else:
+                planned = self._evaluate_plan(plan, inputs, context)
+                if planned is None:
+                    return None
+            values, hits, per_backend = planned
+            for index, hit in zip(plan.conditions, hits, strict=True):
+                conditions[index] = hit
+            if plan.routing:
+                routing = per_backend
+            for name in plan.variable_names:
+                inputs[f"variables.{name}"] = values[name]
+        return conditions, routing
+
+    def _evaluate_plan(self, plan: Plan, inputs: dict[str, Any], context: PolicyContext) -> _Planned | None:
+        """One plan's variables, conditions and routing conditions; ``None`` if it erred or
+        returned something malformed (a dyn-typed condition could yield anything)."""
+        data = {path: inputs[path] for path in plan.reads}
+        if plan.routing:
+            readers = self._plan_backend_readers
+            data[BACKENDS_VARIABLE] = [{key: read(b) for key, read in readers} for b in context.backends]
         try:
-            out = plan.expression.evaluate_inputs(inputs)
+            out = plan.expression.evaluate_inputs(data)
         except EvaluationError:
             return None
-        finally:
-            del inputs[BACKENDS_VARIABLE]
         if not isinstance(out, list) or len(out) != 3:
             return None
         values, conditions, routing = out
-        if not isinstance(values, dict) or not _bools(
-            conditions, len(self._rules) - len(self._stages[Stage.ROUTING])
-        ):
+        if not isinstance(values, dict) or not _bools(conditions, len(plan.conditions)):
             return None
+        if any(name not in values for name in plan.variable_names):
+            return None
+        if not plan.routing:
+            return (values, conditions, []) if routing == [] else None
         if not isinstance(routing, list) or len(routing) != len(context.backends):
             return None
         width = len(self._stages[Stage.ROUTING])
         for per_backend in routing:
             if not _bools(per_backend, width):
                 return None
-        for name in plan.variable_names:
-            if name not in values:
-                return None
-            inputs[f"variables.{name}"] = values[name]
-        return conditions, routing
+        return values, conditions, routing
 
     def _run(
         self,
@@ -443,8 +529,8 @@ class PolicySnapshot:
         conditions: list[bool] | None = None
         routing_conditions: list[list[bool]] | None = None
         variable_errors: dict[str, str] = {}
-        if trace is None and self._plan is not None:
-            planned = self._run_plan(self._plan, inputs, context)
+        if trace is None and self._plans:
+            planned = self._run_plans(inputs, context)
             if planned is not None:
                 conditions, routing_conditions = planned
         if conditions is None:
