@@ -55,6 +55,10 @@ How
     the script calls the target for real at the same concurrency and prints the
     status codes (and, for OK, the answering model), e.g. a gateway fallback.
 
+Diagnostic: ``--ablate policy,telemetry,provenance`` (or ``decisions``) starts the gateway
+through ``bench/ablate.py`` with those parts of its request path taken out, to measure what
+they cost in the live process; the gateway row is then not a gateway.
+
 Run (defaults sized for a 2-core machine, well under two minutes)::
 
     python bench/overhead.py                  # 3 rounds x (500 warm-up + 4000) per target, -c 8 -m 1
@@ -634,6 +638,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--gateway-log-level", default="WARNING", help="orchid-gateway serve --log-level")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, h2load logs)")
+    parser.add_argument(
+        "--ablate",
+        default="",
+        help="diagnostic: start the gateway through bench/ablate.py with these parts of its request "
+        "path taken out (comma-separated: policy, telemetry, provenance, decisions); not a gateway",
+    )
     args = parser.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = set(args.targets) - set(TARGETS)
@@ -714,9 +724,13 @@ def bench(
             time_scale = args.time_factor if args.time_factor > 0 else MIN_TIME_SCALE
         write_gateway_config(config_path, ports["gateway"], triton.address, time_scale or None)
         print(f"gateway backend time_scale: {time_scale or 'unset (1.0)'}", flush=True)
+        command = [gateway_command()]
+        if args.ablate:  # a diagnostic: what the ablated parts cost in the live process
+            command = [sys.executable, str(REPO / "bench" / "ablate.py"), "--ablate", args.ablate]
+            print(f"gateway ABLATED (diagnostic, not a gateway): without {args.ablate}", flush=True)
         proxies["gateway"] = Child(
             "gateway",
-            [gateway_command(), "serve", "--config", str(config_path), "--log-level", args.gateway_log_level],
+            [*command, "serve", "--config", str(config_path), "--log-level", args.gateway_log_level],
             work / "gateway.log",
             "orchid-gateway ready on",
         )
@@ -798,6 +812,8 @@ def bench(
         "(other users of the machine); above ~0.2 the throughput figures are contaminated"
     )
     print(render(rows))
+    if args.ablate:
+        print(f"(the gateway row is ABLATED, a diagnostic: without {args.ablate}; see bench/ablate.py)")
     return 1 if any(r.failed for r in rows) else 0
 
 
