@@ -30,6 +30,9 @@ IDENTITY = Identity(
 )
 TEACHING = Shape(items=1, input_tokens=256, max_output_tokens=64, bucket="short")
 RESERVES = pricing.Reserves(deadline_ms=200.0, upstream_ms=12.0, fail_ms=15.0)
+ADMITTED = Decision(
+    verdict=Verdict.ADMIT, target_model="full-v18", route_reason="primary", approximation=Approximation.NONE
+)
 
 
 def priced(
@@ -86,17 +89,11 @@ def test_settlement_charges_observed_work_and_teaches_the_estimator() -> None:
     record, key = priced(queue, estimator, now=0.0)
     reservation = quotas.reserve_record(record, now=0.0)
     assert quotas.available("orchid", "interactive", now=0.0).available_accelerator_ms == pytest.approx(943.2)
-    decision = Decision(
-        verdict=Verdict.ADMIT,
-        target_model="full-v18",
-        route_reason="primary",
-        approximation=Approximation.NONE,
-    )
     # 130 ms on the backend, of which 16 ms waiting in its own queue, alone in its batch:
     # 114 ms held, twice the 56.8 ms predicted.
     outcome = settlement.settle(
         record,
-        decision,
+        ADMITTED,
         reservation,
         key,
         quotas=quotas,
@@ -129,16 +126,10 @@ def test_a_co_batched_request_pays_its_share_and_teaches_its_solo_price() -> Non
     queue = DispatchQueue("full-v18", devices=1, slots=2, max_queued=10)
     record, key = priced(queue, estimator, now=0.0)
     reservation = quotas.reserve_record(record, now=0.0)
-    decision = Decision(
-        verdict=Verdict.ADMIT,
-        target_model="full-v18",
-        route_reason="primary",
-        approximation=Approximation.NONE,
-    )
     outcomes = [
         settlement.settle(
             record,
-            decision,
+            ADMITTED,
             reservation,
             key,
             quotas=quotas,

@@ -737,9 +737,6 @@ def _compile_plan(
         per_backend = f"{BACKENDS_VARIABLE}.map(backend, [{routing_listed}])"
     body = f"[variables, [{listed}], {per_backend}]"
     text = f"[{{{values}}}].map(variables, {body})[0]"
-    backend_fields = tuple(
-        sorted({path for r in routing for path in r.reads if schema.FIELDS_BY_PATH[path].per_backend})
-    )
     reads = {
         path
         for r in (*rules, *routing)
@@ -756,7 +753,6 @@ def _compile_plan(
     return Plan(
         expression,
         tuple(v.name for v in variables),
-        backend_fields,
         conditions=conditions,
         routing=bool(routing),
         reads=tuple(sorted(reads)),

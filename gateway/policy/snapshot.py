@@ -209,14 +209,13 @@ class Plan:
 
     ``cached``: the plan reads only inputs that are stable between requests
     (``schema.volatile``: tenant and route configuration, identity, warmth, evidence), so
-    its result is memoised on the values it reads (``reads``, and each candidate backend's
-    ``backend_fields`` when ``routing``). The memo is exact: the same inputs give the same
-    result. The other plan runs for every request with just the inputs it reads.
+    its result is memoised on the values it reads (``reads``, and when ``routing`` each
+    candidate backend's name, model and labels). The memo is exact: the same inputs give the
+    same result. The other plan runs for every request with just the inputs it reads.
     """
 
     expression: CompiledExpression
     variable_names: tuple[str, ...]
-    backend_fields: tuple[str, ...]  # schema paths of backend.* the routing rules read
     conditions: tuple[int, ...] = ()  # the main rules (evaluation order) its conditions decide
     routing: bool = False  # it evaluates the routing rules per candidate backend
     reads: tuple[str, ...] = ()  # the request-scoped schema paths it reads
