@@ -9,7 +9,9 @@ off (``limits.co_batch_max: 1``) the gateway binds the second short request only
 first has started, and counts no co-batch. (Triton itself may still batch the two then: a
 device's response can reach the gateway, which binds the second, before Triton's batcher has
 taken the first from its queue; so the execution count is asserted only with co-batching on,
-where the pair waits together for about 800 ms.)
+where the pair waits together for about 800 ms.) The four long requests differ in length by a
+token each, so that Triton cannot batch two of them together when they reach its queue at once
+(on a busy machine it did: six inferences in four executions).
 """
 
 from __future__ import annotations
@@ -87,9 +89,11 @@ def run_scenario(gateway: ThreadedGateway, triton: LocalTriton) -> tuple[int, in
     shorts = [rng.integers(0, 1000, SHORT_INPUT, dtype=np.int32) for _ in range(2)]
     before = executions(triton.address)
     with ThreadPoolExecutor(max_workers=6) as pool:
+        # Four different lengths: Triton batches only equal shapes (INPUT_IDS is not ragged), so
+        # however the four reach its queue each long request is an execution of its own.
         longs = [
-            pool.submit(infer, gateway.address, np.arange(LONG_INPUT, dtype=np.int32) % 997, headers)
-            for _ in range(4)
+            pool.submit(infer, gateway.address, np.arange(LONG_INPUT - i, dtype=np.int32) % 997, headers)
+            for i in range(4)
         ]
         deadline = time.monotonic() + BOUND_WITHIN_S
         while bound_longs(gateway) < 4:  # all four hold a device before the short ones arrive
