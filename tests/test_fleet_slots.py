@@ -1,13 +1,17 @@
 """The fleet's dispatch slot leases in a real Redis (``gateway.state.device_leases``): a long
 request's lease says so, for the other replicas' short lane, and a lingering lease bound again
-carries its new predicted end."""
+carries its new predicted end; a degraded spell (``fail_mode: local``) never lets a replica
+bind more than its share, counting what it bound before and during the spell."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
 from gateway import clock
 from gateway.config import StateConfig
+from gateway.core.errors import DeadlineExpired
 from gateway.state.device_leases import LONG_LEASE, FleetSlots, slot_keys
 from gateway.state.redis_store import RedisFleet
 from tests.redis_server import RedisServer, redis_server
@@ -48,3 +52,57 @@ async def test_long_leases_are_marked_and_a_reused_lease_keeps_its_kind(redis_se
     for lease in (again, short_lease, other_short):
         slots.release("p", lease)
     await fleet.client.aclose()
+
+
+async def _fleet(redis_server: RedisServer, prefix: str, name: str) -> RedisFleet:
+    fleet = RedisFleet(
+        StateConfig(backend="redis", url=redis_server.url, key_prefix=prefix, call_timeout_ms=200),
+        replica_id=f"{prefix}{name}",
+    )
+    assert await fleet.beat()
+    return fleet
+
+
+async def test_a_degraded_replica_binds_its_share_counting_the_work_it_bound_before(
+    redis_server: RedisServer,
+) -> None:
+    """Two replicas, a pool of 4 slots: replica a holds two leases when Redis stops answering
+    it. Its degraded share is 4 / 2 = 2, and the two requests still in flight on leases fill
+    it: a third waits (here until its latest start). Back in the fleet, the request it bound
+    locally meanwhile still counts against the pool's 4."""
+    prefix = f"degraded{random.randrange(1 << 30)}:"
+    other = await _fleet(redis_server, prefix, "b")
+    fleet = await _fleet(redis_server, prefix, "a")
+    assert fleet.size == 2
+    slots = FleetSlots(fleet)
+
+    def soon() -> float:
+        return clock.now() + 0.05
+
+    first = await slots.bind("p", limit=4, predicted_ms=20.0, latest_start=soon())
+    second = await slots.bind("p", limit=4, predicted_ms=20.0, latest_start=soon())
+    assert first is not None and second is not None
+    fleet.failed(TimeoutError("Redis stopped answering"))  # what a failed call does
+    assert fleet.degraded
+    with pytest.raises(DeadlineExpired):  # its share (2) is taken by the two in flight
+        await slots.bind("p", limit=4, predicted_ms=20.0, latest_start=soon())
+    slots.release("p", first)  # degraded: the lease expires in Redis
+    assert await slots.bind("p", limit=4, predicted_ms=20.0, latest_start=soon()) is None  # local
+    with pytest.raises(DeadlineExpired):
+        await slots.bind("p", limit=4, predicted_ms=20.0, latest_start=soon())
+    assert slots.in_flight("p") == 2
+
+    # Back in the fleet. Redis counts `second` (in flight) and `first` (until it expires); the
+    # local one holds no lease, so replica a may take one more of the 4, not two.
+    assert await fleet.beat()
+    assert not fleet.degraded
+    third = await slots.bind("p", limit=4, predicted_ms=20.0, latest_start=soon())
+    assert third is not None
+    with pytest.raises(DeadlineExpired):
+        await slots.bind("p", limit=4, predicted_ms=20.0, latest_start=soon())
+    assert slots.in_flight("p") == 3
+    for lease in (second, None, third):
+        slots.release("p", lease)
+    assert slots.in_flight("p") == 0
+    for each in (fleet, other):
+        await each.stop()

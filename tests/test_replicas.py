@@ -467,7 +467,10 @@ def test_replicas_never_bind_more_than_the_pools_slots(
     requests than its devices x slots (4 devices x 1 in flight each) with the fleet's leases;
     without them (each replica binding its own 4) more."""
     tenants = tenants_with_quota(tmp_path, {"weight": 1})
-    state = _state(redis_server, "slots") if backend == "redis" else None
+    # Redis calls get 500 ms (not 200): on a starved machine a replica whose call times out
+    # goes degraded on its own, and a partial spell is allowed past the bound by design
+    # (``fail_mode: local``, gateway/state/device_leases.py; tests/test_fleet_slots.py).
+    state = _state(redis_server, "slots", call_timeout_ms=500) if backend == "redis" else None
     _start(replicas, lambda: fleet_config(triton.address, tenants, state, max_inflight_per_device=1), 2)
     at_triton = _AtTriton()
     for running in replicas:
@@ -484,7 +487,8 @@ def test_replicas_never_bind_more_than_the_pools_slots(
     )
     assert statuses.get("OK", 0) > 0
     if backend == "redis":
-        assert peak <= 4 * 1
+        errors = [r.server.gateway.fleet_slots.fleet.errors for r in replicas]  # type: ignore[union-attr]
+        assert peak <= 4 * 1, f"Redis calls failed per replica (degraded spells): {errors}"
         assert sum(waits) > 0  # the fleet's slots did bind: some request waited for one
     else:
         assert peak > 4 * 1

@@ -17,7 +17,13 @@ replica's last renewal. A returned lease lingers ``LINGER_S`` (3 ms) on its repl
 pool's next request there binds on it without a round trip; otherwise it goes back.
 
 Redis unreachable: ``fail_mode: local`` binds at most ``slots / N`` (at least 1) of a pool
-from this replica (N from the last membership); ``closed`` refuses with ``UNAVAILABLE``.
+from this replica (N from the last membership), counting the requests it still has in flight
+on leases taken before; ``closed`` refuses with ``UNAVAILABLE``. Back in the fleet, a
+replica asks Redis for ``slots`` less its requests still in flight on the local share (they
+hold no lease). The fleet's bound holds across a degraded spell when every replica loses
+Redis together (Redis down); when only some do (a partition), the others still bind up to
+the slots Redis counts, and the fleet may exceed the bound by the degraded replicas' shares
+until their leases expire: ``fail_mode: closed`` is the choice that never exceeds it.
 Not done here: the dispatch queue's predicted wait still counts only this replica's bound
 work (the fleet's would need the core's list schedule to take remote work).
 """
@@ -77,6 +83,12 @@ class FleetSlots:
     def held(self, pool: str) -> int:
         return len(self._held.get(pool, ())) + self._local.get(pool, 0)
 
+    def in_flight(self, pool: str) -> int:
+        """This replica's requests of ``pool`` bound now: on leases (lingering spares are
+        bound to nothing) and on the degraded local share."""
+        leased = len(self._held.get(pool, ())) - len(self._spare.get(pool, {}))
+        return leased + self._local.get(pool, 0)
+
     async def bind(
         self, pool: str, *, limit: int, predicted_ms: float, latest_start: float, long: bool = False
     ) -> str | None:
@@ -90,7 +102,9 @@ class FleetSlots:
                         "the fleet's shared dispatch slots are unreachable (fail_mode closed)",
                         rule=RULE_STATE_UNAVAILABLE,
                     )
-                if self._local.get(pool, 0) < max(1, limit // self.fleet.size):
+                # The share counts the requests still in flight on leases taken before Redis
+                # went away: they are bound at Triton as much as the local ones.
+                if self.in_flight(pool) < max(1, limit // self.fleet.size):
                     self._local[pool] = self._local.get(pool, 0) + 1
                     return None
                 wait_s = math.inf  # until this replica frees one of its share
@@ -106,7 +120,10 @@ class FleetSlots:
                         )
                     return reuse
                 lease = f"{self.fleet.replica_id}:{next(self._ids)}{LONG_LEASE if long else ''}"
-                args = ["", repr(self.fleet.ttl_s), str(limit), lease, repr(max(0.0, predicted_ms))]
+                # Requests still in flight on the degraded local share hold no lease in Redis:
+                # back in the fleet, this replica leaves their slots free until they end.
+                fleet_limit = limit - self._local.get(pool, 0)
+                args = ["", repr(self.fleet.ttl_s), str(fleet_limit), lease, repr(max(0.0, predicted_ms))]
                 try:
                     answer = await self.fleet.run_script(self._acquire, self.keys(pool), args)
                 except REDIS_FAILURES as failure:  # degraded now: decided again on the local share
