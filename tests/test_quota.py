@@ -195,6 +195,20 @@ def test_release_refunds_everything_and_frees_the_slot() -> None:
     ledger.reserve("acme", "interactive", demand_ms=1.0, now=0.0)
 
 
+def test_requests_open_elsewhere_count_against_the_concurrency_limit() -> None:
+    """A degraded replica's share: its requests still open in the fleet's ledger count, and the
+    refusal's retry-after is the soonest of all predicted ends (theirs whole: started when, is
+    not known here)."""
+    ledger = single(accelerator_ms_per_s=100.0, burst_ms=200.0, max_concurrent=3)
+    here = ledger.reserve("acme", "interactive", demand_ms=40.0, now=0.0, open_elsewhere=(30.0,))
+    with pytest.raises(ResourceExhausted) as excinfo:
+        ledger.reserve("acme", "interactive", demand_ms=5.0, now=0.0, open_elsewhere=(30.0, 25.0))
+    assert refused(excinfo) == ("quota.concurrency", 25)
+    assert "3 requests of class 'interactive' are open (limit 3)" in str(excinfo.value)
+    ledger.reserve("acme", "interactive", demand_ms=5.0, now=0.0, open_elsewhere=(30.0,))
+    assert ledger.settle(here, charged_ms=40.0, now=0.01) is not None
+
+
 def test_closing_is_idempotent() -> None:
     ledger = single(accelerator_ms_per_s=100.0, burst_ms=200.0)
     reservation = ledger.reserve("acme", "interactive", demand_ms=100.0, now=0.0)

@@ -345,3 +345,34 @@ def test_the_default_is_one_process() -> None:
     from tests.conftest import EXAMPLE_CONFIG
 
     assert load_gateway_config(EXAMPLE_CONFIG).state.backend == "memory"
+
+
+@pytest.mark.parametrize("quota_slice", [0.0, 0.25], ids=["alone", "on-slices"])
+async def test_a_degraded_share_counts_the_requests_still_open_in_redis(
+    redis_server: RedisServer, quota_slice: float
+) -> None:
+    """Tenant s may have 8 requests open. A replica (the fleet's only one: its degraded share
+    is all 8) holds 5 on reservations in Redis, alone or on slices, when Redis stops
+    answering: on its local share it admits 3 more, not 8, and one more when one of the
+    5 closes."""
+    store = await _store(
+        redis_server, f"deg{random.randrange(1 << 30)}:", quota_slice=quota_slice, settings=SLICED
+    )
+    in_redis = [
+        await store.reserve("s", "interactive", demand_ms=1.0, now=0.0, redis_now=10.0) for _ in range(5)
+    ]
+    assert (store.remote_reservations, store.slices_claimed) == ((5, 0) if quota_slice == 0.0 else (3, 3))
+    store.fleet.failed(TimeoutError("Redis stopped answering"))  # what a failed call does
+    assert store.degraded
+    local = [await store.reserve("s", "interactive", demand_ms=1.0, now=0.0) for _ in range(3)]
+    with pytest.raises(ResourceExhausted) as refused:
+        await store.reserve("s", "interactive", demand_ms=1.0, now=0.0)
+    assert refused.value.rule == "quota.concurrency"
+    assert "8 requests of class 'interactive' are open (limit 8)" in str(refused.value)
+    assert store.settle(in_redis.pop(), charged_ms=1.0, now=0.0) is not None
+    local.append(await store.reserve("s", "interactive", demand_ms=1.0, now=0.0))
+    with pytest.raises(ResourceExhausted):
+        await store.reserve("s", "interactive", demand_ms=1.0, now=0.0)
+    for reservation in in_redis + local:
+        assert store.settle(reservation, charged_ms=1.0, now=0.0) is not None
+    await store.fleet.client.aclose()

@@ -90,6 +90,7 @@ Live-token-ms are tenant-level only (no borrowing): held sequence memory cannot 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Final, Literal, Protocol
@@ -609,8 +610,13 @@ class QuotaLedger:
         input_tokens: int = 0,
         output_tokens: int = 0,
         now: float,
+        open_elsewhere: Sequence[float] = (),
     ) -> Reservation:
-        """Reserve the predicted demand, or raise ``ResourceExhausted`` / ``PermissionDenied``."""
+        """Reserve the predicted demand, or raise ``ResourceExhausted`` / ``PermissionDenied``.
+
+        ``open_elsewhere``: the predicted demands (ms) of this account's requests open outside
+        this ledger, which the concurrency rule counts with its own (a fleet replica's degraded
+        share: its reservations still open in Redis)."""
         _check_amount("demand_ms", demand_ms)
         _check_amount("live_token_ms", live_token_ms)
         _check_amount("input_tokens", input_tokens)
@@ -634,7 +640,7 @@ class QuotaLedger:
             account.live_token.refill(now)
 
         refusals: list[_Refusal] = []
-        if (refusal := self._concurrency_refusal(account, now)) is not None:
+        if (refusal := self._concurrency_refusal(account, now, open_elsewhere)) is not None:
             refusals.append(refusal)
         if (refusal := self._queued_work_refusal(account, demand_ms)) is not None:
             refusals.append(refusal)
@@ -924,13 +930,17 @@ class QuotaLedger:
             account, RULE_LIVE_TOKEN_MS, bucket.wait_ms(need), need=need, level=bucket.level_ms
         )
 
-    def _concurrency_refusal(self, account: _Account, now: float) -> _Refusal | None:
+    def _concurrency_refusal(
+        self, account: _Account, now: float, open_elsewhere: Sequence[float] = ()
+    ) -> _Refusal | None:
         limit = account.config.max_concurrent
-        if limit is None or len(account.open_ids) < limit:
+        open_count = len(account.open_ids) + len(open_elsewhere)
+        if limit is None or open_count < limit:
             return None
         # Predicted end of the soonest-ending open request. Queued ones need at least a full
         # execution; one running past its prediction is expected to need up to one more.
-        soonest = math.inf
+        # Those open elsewhere: their whole prediction (their start is not known here).
+        soonest = min(open_elsewhere, default=math.inf)
         for reservation_id in account.open_ids:
             entry = self._open[reservation_id]
             demand = entry.reservation.demand_ms
@@ -941,7 +951,7 @@ class QuotaLedger:
                     remaining = demand
             soonest = min(soonest, remaining)
         wait = max(1, math.ceil(soonest)) if math.isfinite(soonest) else 1
-        return self._refusal(account, RULE_CONCURRENCY, wait, open_count=len(account.open_ids))
+        return self._refusal(account, RULE_CONCURRENCY, wait, open_count=open_count)
 
     def _queued_work_refusal(self, account: _Account, demand_ms: float) -> _Refusal | None:
         limit = account.config.max_queued_ms

@@ -23,8 +23,9 @@ Rules of the edge:
   costs a request at most that, never a hang.
 * A failed call puts the replica in *degraded* mode (log line, ``orchid_state_degraded``
   gauge): ``fail_mode: local`` reserves on a local ``QuotaLedger`` holding 1/N of every
-  quota (N: the membership last read, this replica included), so N replicas together
-  grant at most the fleet's quota; ``fail_mode: closed`` refuses with ``UNAVAILABLE``
+  quota (N: the membership last read, this replica included; its requests still open on
+  reservations in Redis count against the share's concurrency limit), so N replicas
+  together grant at most the fleet's quota; ``fail_mode: closed`` refuses with ``UNAVAILABLE``
   (rule ``state.unavailable``). While degraded no request waits on Redis; the heartbeat
   loop probes it, and when a heartbeat succeeds the replica resynchronises: it reads the
   membership again and reserves in Redis from the next request (reservations opened
@@ -918,8 +919,25 @@ class RedisQuotaStore:
                 retry_after_ms=math.ceil(self.fleet.ttl_s * 1000 / 3),
             )
         return self._local_ledger().reserve(
-            tenant, request_class, demand_ms=demand_ms, live_token_ms=live_token_ms, now=now
+            tenant,
+            request_class,
+            demand_ms=demand_ms,
+            live_token_ms=live_token_ms,
+            now=now,
+            open_elsewhere=self._open_in_redis(tenant, request_class),
         )
+
+    def _open_in_redis(self, tenant: str, request_class: str) -> tuple[float, ...]:
+        """The predicted demands of the account's requests this replica still has open on
+        reservations in Redis (alone or on a slice), which its degraded share counts against
+        the concurrency limit: they hold the tenant's concurrency until they close."""
+        account = self._terms.terms(tenant, request_class)
+
+        def same(terms: AccountTerms) -> bool:
+            return terms.tenant == account.tenant and terms.request_class == request_class
+
+        alone = [r.demand_ms for r, terms in self._open.values() if same(terms)]
+        return (*alone, *(r.demand_ms for r, piece in self._on_slice.values() if same(piece.terms)))
 
     def _settle_keys_args(
         self,
