@@ -332,9 +332,12 @@ def test_good_candidate_warms_canaries_its_cohort_and_is_promoted_then_the_old_d
     assert report["safe_to_remove_after_s"] is not None and report["unload_s"] is not None
     assert repository_states(stack.triton.address)["full-v18"] == "UNAVAILABLE"
     assert repository_states(stack.triton.address)["full-v19"] == "READY"
-    # Two conclusive passing intervals of the canary step, then promotion.
+    # Promotion at the canary step's second conclusive passing interval. (On a starved machine
+    # one interval's p95 ratio may exceed its max with ~14 samples a side: the latency
+    # guardrail tolerates one such interval, failures: 2, and the step then takes one more.)
     conclusive = [i for i in rollout.intervals if i.conclusive]
-    assert len(conclusive) == 2 and not any(i.failed for i in conclusive)
+    passing = [i for i in conclusive if not i.failed]
+    assert len(passing) == 2 and conclusive[-1] is passing[-1], [i.failed for i in conclusive]
     # The status page's JSON shows it.
     board = gateway.server.status_board
     rollouts = gateway.call_soon(lambda: board.snapshot()["rollouts"])
