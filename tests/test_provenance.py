@@ -79,7 +79,7 @@ def _stream(gateway: ThreadedGateway, n_out: int) -> list[Any]:
         got = []
         while True:
             result, error = replies.get(timeout=20)
-            assert error is None, error
+            assert error is None, f"{error.status()}: {error.message()}"
             response = result.get_response()
             got.append(response)
             if response.parameters["triton_final_response"].bool_param:
