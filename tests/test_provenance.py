@@ -63,8 +63,12 @@ def _stream(gateway: ThreadedGateway, n_out: int) -> list[Any]:
     """Every reply of one streamed request, the empty final response included."""
     client = grpcclient.InferenceServerClient(gateway.address)
     replies: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    # The stream's own deadline (20 s, as long as the test waits for a reply) rather than the
+    # interactive class's default 200 ms: what is tested is provenance, whatever the machine's speed.
     client.start_stream(
-        callback=lambda result, error: replies.put((result, error)), headers=bearer(ORCHID_KEY)
+        callback=lambda result, error: replies.put((result, error)),
+        stream_timeout=20.0,
+        headers=bearer(ORCHID_KEY),
     )
     tensor = grpcclient.InferInput("INPUT_IDS", [16], "INT32")
     tensor.set_data_from_numpy(np.arange(16, dtype=np.int32))
