@@ -931,7 +931,7 @@ class QuotaLedger:
         )
 
     def _concurrency_refusal(
-        self, account: _Account, now: float, open_elsewhere: Sequence[float] = ()
+        self, account: _Account, now: float, open_elsewhere: Sequence[float]
     ) -> _Refusal | None:
         limit = account.config.max_concurrent
         open_count = len(account.open_ids) + len(open_elsewhere)

@@ -80,9 +80,6 @@ class FleetSlots:
     def keys(self, pool: str) -> list[str]:
         return slot_keys(self.fleet.config.key_prefix, pool)
 
-    def held(self, pool: str) -> int:
-        return len(self._held.get(pool, ())) + self._local.get(pool, 0)
-
     def in_flight(self, pool: str) -> int:
         """This replica's requests of ``pool`` bound now: on leases (lingering spares are
         bound to nothing) and on the degraded local share."""

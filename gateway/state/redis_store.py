@@ -936,8 +936,9 @@ class RedisQuotaStore:
         def same(terms: AccountTerms) -> bool:
             return terms.tenant == account.tenant and terms.request_class == request_class
 
-        alone = [r.demand_ms for r, terms in self._open.values() if same(terms)]
-        return (*alone, *(r.demand_ms for r, piece in self._on_slice.values() if same(piece.terms)))
+        return tuple(r.demand_ms for r, terms in self._open.values() if same(terms)) + tuple(
+            r.demand_ms for r, piece in self._on_slice.values() if same(piece.terms)
+        )
 
     def _settle_keys_args(
         self,
