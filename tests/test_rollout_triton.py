@@ -333,7 +333,7 @@ def test_good_candidate_warms_canaries_its_cohort_and_is_promoted_then_the_old_d
     assert repository_states(stack.triton.address)["full-v18"] == "UNAVAILABLE"
     assert repository_states(stack.triton.address)["full-v19"] == "READY"
     # Promotion at the canary step's second conclusive passing interval. (On a starved machine
-    # one interval's p95 ratio may exceed its max with ~14 samples a side: the latency
+    # one interval's p95 ratio may exceed its max with 14-18 samples a side: the latency
     # guardrail tolerates one such interval, failures: 2, and the step then takes one more.)
     conclusive = [i for i in rollout.intervals if i.conclusive]
     passing = [i for i in conclusive if not i.failed]
