@@ -101,7 +101,10 @@ def test_a_flood_on_every_replica_gets_the_quota_once(
     tenants = tenants_with_quota(
         tmp_path, {"accelerator_ms_per_s": RATE_MS_PER_S, "borrow_fraction": 0.0, "max_concurrent": 64}
     )
-    state = _state(redis_server, f"overshoot{n}")
+    # Redis calls get 500 ms (not 200), as in the slot-bound flood below: a replica whose call
+    # times out on a busy machine goes degraded, and its local share starts full (at most one
+    # burst more, docs/operators.md), which is not the bound measured here.
+    state = _state(redis_server, f"overshoot{n}", call_timeout_ms=500)
     _start(replicas, lambda: fleet_config(triton.address, tenants, state), n)
     _warm(replicas)
     stores = [r.server.shared_quotas for r in replicas]
@@ -140,7 +143,8 @@ def test_a_flood_on_every_replica_gets_the_quota_once(
         f"{slices} of them quota slices"
     )
     assert slices > 0  # the bound held with replicas admitting on their slices
-    assert admitted_ms <= bound_ms
+    errors = [q.fleet.errors for q in stores if q is not None]
+    assert admitted_ms <= bound_ms, f"Redis calls failed per replica (degraded spells): {errors}"
     # The flood did saturate the quota (so the bound is met by the ledger, not by a lull).
     assert admitted_ms >= 0.8 * RATE_MS_PER_S * FLOOD_S
     # Every replica admitted some: one fleet ledger, not one replica serving everyone.
