@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.core.errors import ConfigError
 from gateway.core.memory import SEED_DEVICE_MEMORY_GIB, SEED_RUNTIME_RESERVE_GIB, DeviceMemory, resident_bytes
+from gateway.core.outputs import OutputCheck
 from gateway.core.overload import LadderConfig
 from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaSettings
@@ -502,6 +503,16 @@ class RouteConfig(_Strict):
     shadow: ShadowConfig | None = None
     backends: tuple[str, ...] = Field(default=(), description="backend names serving it; empty = all")
     risk_class: str = Field(default="standard", description="minimum risk class of its requests")
+    # The route's output contract (``gateway.core.outputs``, the same checks a rollout
+    # declares): every answer is checked before it is returned, an invalid one refused with
+    # INTERNAL (rule ``output.contract``); empty: not checked.
+    outputs: dict[str, OutputCheck] = Field(default_factory=dict, description="output name -> its checks")
+
+    @model_validator(mode="after")
+    def _output_contract(self) -> RouteConfig:
+        if self.outputs and self.streaming:
+            raise ValueError("outputs: a streaming route's answers are not checked yet (unary routes only)")
+        return self
 
     def for_tenant(self, model: str, tenant: TenantConfig) -> RouteConfig | None:
         """This route as ``tenant`` runs it. A dedicated tenant runs only on the backend model

@@ -31,6 +31,7 @@ from gateway.core.errors import (
     DeadlineExpired,
     DeadlineInfeasible,
     GatewayError,
+    Internal,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -41,6 +42,7 @@ from gateway.core.estimate import CorrectionKey, Estimator
 from gateway.core.evidence import Evidence, RouteEvidence
 from gateway.core.load import PoolLoad
 from gateway.core.memory import DeviceMemory
+from gateway.core.outputs import OUTPUT_CONTRACT_RULE
 from gateway.core.overload import effects as overload_effects
 from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaView, Reservation
@@ -54,8 +56,10 @@ from gateway.core.record import (
     Verdict,
 )
 from gateway.core.risk import resolve_risk_class
+from gateway.core.rollout import HEDGE_REASON
 from gateway.evidence import DENIED_DEGRADATION, EvidenceStore
 from gateway.messages import attach_provenance, parse_infer_request
+from gateway.outputs import INVALID_OUTPUTS, check_outputs
 from gateway.policy.context import build_policy_context, quality_floor
 from gateway.policy.model import ISOLATION_RULE
 from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
@@ -159,6 +163,8 @@ class Admitted:
     received_at: float
     admitted_at: float
     evidence: Evidence | None = None  # the quality evidence a degraded answer rests on
+    # A canary's hedge: the candidate must answer by then, leaving the current version time.
+    canary_deadline_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,7 +404,15 @@ class Gateway:
             allow_fallback=hints.allow_fallback and tenant.config.allow_fallback,
             operation_id=hints.operation_id,
         )
-        # A rollout may serve this request from its candidate (a canary, or promoted).
+
+        # A rollout may serve this request from its candidate (a canary, or promoted). A
+        # canary's hedge budget compares its price on both versions (``price_on``).
+        def price_on(on: RouteConfig, on_handle: BackendHandle, on_queue: DispatchQueue) -> RequestRecord:
+            step = self.pool_load(on_queue, request_class, on).step
+            return self._price(
+                identity, on, shape, on_handle, on_queue, call, deadline_ms, request_class, step, now
+            ).record
+
         diverted = await self.rollouts.divert(
             logical,
             route,
@@ -409,6 +423,8 @@ class Gateway:
             cell=cell,
             mode=mode,
             canary=canary and late is None,
+            current_pool=(handle, queue),
+            price=price_on,
         )
         if diverted is not None:
             route, handle, queue = diverted.route, diverted.handle, diverted.queue
@@ -529,6 +545,8 @@ class Gateway:
         )
         if diverted is not None and diverted.reason and decision.verdict is Verdict.ADMIT:
             decision = dataclasses.replace(decision, route_reason=diverted.reason)
+        elif not canary and late is None and decision.verdict is Verdict.ADMIT:
+            decision = dataclasses.replace(decision, route_reason=HEDGE_REASON)  # a canary re-answered
         self.listener.decided(primary.record, decision, primary.policy)
         self._count_evidence_denials(logical, route, verdicts, effects.fallback_for_eligible, reduce_output)
         if decision.verdict is Verdict.REJECT:
@@ -616,6 +634,11 @@ class Gateway:
             received_at=call.received_at,
             admitted_at=clock.now(),
             evidence=used_evidence,
+            canary_deadline_at=now + diverted.budget_ms / 1000.0
+            if diverted is not None
+            and diverted.budget_ms is not None
+            and chosen.route.backend_model == diverted.route.backend_model
+            else None,
         )
 
     @staticmethod
@@ -843,22 +866,36 @@ class Gateway:
         started = clock.now()
         self._dispatched(admitted, dwell_ms=(started - call.received_at) * 1000.0, now=started)
         self.shadows.maybe_mirror(admitted, tenant)
+        self.rollouts.dispatched(admitted, started)
         try:
-            timeout_s = admitted.deadline_at - started
+            deadline_at = admitted.deadline_at
+            if admitted.canary_deadline_at is not None:  # a canary's hedge budget
+                deadline_at = min(deadline_at, admitted.canary_deadline_at)
+            timeout_s = deadline_at - started
             if timeout_s <= 0:
                 raise DeadlineExpired("the deadline passed before the request could start")
             response = await admitted.backend.infer(
                 admitted.backend_request, timeout_s=timeout_s, logical=admitted.record.identity.model
             )
         except BaseException as error:  # it ran, at least partly: charge what it held
-            self.abandon(admitted, started=started, now=clock.now())
-            if not self.rollouts.candidate_failed(admitted, error):
+            failed_at = clock.now()
+            if not self.rollouts.candidate_failed(admitted, error, started=started, now=failed_at):
+                self.abandon(admitted, started=started, now=failed_at)
                 raise
-            response = None  # a rollout candidate failed: the current version answers instead
+            # A rollout candidate failed or ran out of its budget: the current version answers
+            # instead, and the candidate's attempt is the rollout's cost, not the tenant's.
+            self.abandon(admitted, started=None, now=failed_at)
+            response = None
         finally:
             slot.release()
+        if response is not None and not self.rollouts.candidate_answered(
+            admitted, response, started=started, now=clock.now()
+        ):
+            self.abandon(admitted, started=None, now=clock.now())  # an invalid canary answer
+            response = None
         if response is None:
             return await self.infer_request(request, tenant, call, mode=mode, canary=False)
+        self._check_outputs(admitted, response, started=started)
         finished = clock.now()
         settled = self.settle(
             admitted,
@@ -873,6 +910,35 @@ class Gateway:
         response.model_name = admitted.record.identity.model
         attach_provenance(response, settled)
         return response
+
+    def _check_outputs(
+        self, admitted: Admitted, response: service_pb2.ModelInferResponse, *, started: float
+    ) -> None:
+        """The route's output contract (``outputs``): an answer outside it never leaves. It is
+        refused with INTERNAL (rule ``output.contract``) and counted; the tenant is not
+        charged for it."""
+        route = admitted.route
+        if not route.outputs:
+            return
+        record = admitted.record
+        problems = check_outputs(
+            response,
+            route.outputs,
+            items=record.shape.items,
+            input_tokens=record.shape.input_tokens,
+            output_tokens=admitted.decision.max_output_tokens or record.shape.max_output_tokens,
+            batched=route.shape.items_dim is not None,
+        )
+        if not problems:
+            return
+        self.abandon(admitted, started=None, now=clock.now())
+        INVALID_OUTPUTS.labels(record.identity.model, record.identity.model_version, "refused").inc()
+        log.warning("model %s: answer outside its output contract: %s", record.identity.model, problems[0])
+        raise Internal(
+            f"model {record.identity.model!r} answered outside its output contract: {problems[0]}"
+            + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""),
+            rule=OUTPUT_CONTRACT_RULE,
+        )
 
     async def _rescue(
         self,

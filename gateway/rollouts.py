@@ -54,21 +54,26 @@ from gateway.core.record import Mode, RequestRecord, Shape, Verdict
 from gateway.core.rollout import (
     ACTIVE,
     CANARY_REASON,
-    OutputCheck,
     Phase,
     RequestFacts,
     Rollout,
     RolloutSpec,
     Sample,
+    hedge_budget_ms,
 )
 from gateway.evidence import population
+from gateway.outputs import INVALID_OUTPUTS, check_outputs
 from gateway.policy.metrics import get_or_create
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, parse_yaml
 
 if TYPE_CHECKING:
     from gateway.auth import Tenant
+    from gateway.core.record import RequestRecord as PricedRecord
     from gateway.pipeline import Admitted, BackendHandle, Gateway, Settled
     from gateway.scheduler import DispatchQueue
+
+    # Prices this request on a route, in a pool: the request path's own pricing.
+    Pricer = Callable[[RouteConfig, BackendHandle, DispatchQueue], PricedRecord]
 
 log = logging.getLogger("orchid.rollout")
 
@@ -100,6 +105,23 @@ STEP: Gauge = get_or_create(
     lambda: Gauge(
         "orchid_rollout_step",
         "Step of the rollout (0 loading or warming; -1 rolled back or aborted; steps + 1 complete)",
+        ["rollout"],
+    ),
+)
+HEDGED: Counter = get_or_create(
+    "orchid_rollout_hedged",
+    lambda: Counter(
+        "orchid_rollout_hedged",
+        "Canaries answered again by the current version, by why (timeout, error, invalid_output)",
+        ["rollout", "why"],
+    ),
+)
+HEDGE_DEVICE: Counter = get_or_create(
+    "orchid_rollout_hedge_device_seconds",
+    lambda: Counter(
+        "orchid_rollout_hedge_device_seconds",
+        "Device time held by candidate attempts that were answered again (the rollout's cost, "
+        "refunded to the tenant)",
         ["rollout"],
     ),
 )
@@ -155,6 +177,13 @@ def parse_rollout(
     for name in spec.warmup.outputs:
         if name != "*" and not name:
             raise _at(document, ("warmup", "outputs"), "an output needs a name")
+    if not spec.warmup.outputs and not route.outputs:
+        raise _at(
+            document,
+            ("warmup",),
+            f"declare the outputs a valid answer has (warmup.outputs), or an outputs contract on "
+            f"route {spec.route!r}: a candidate is checked against them before and while it serves",
+        )
     for index, shape in enumerate(spec.warmup.shapes):
         long = shape.input_tokens > route.shape.long_input_tokens
         if long != (shape.bucket == "long"):
@@ -248,63 +277,6 @@ def check_two_versions(gateway: Gateway, spec: RolloutSpec, backends: Sequence[s
             )
 
 
-# --------------------------------------------------------------------------- outputs
-
-
-_DTYPES = {
-    "INT8": np.int8,
-    "INT16": np.int16,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "UINT8": np.uint8,
-    "FP16": np.float16,
-    "FP32": np.float32,
-    "FP64": np.float64,
-    "BOOL": np.bool_,
-}
-
-
-def check_outputs(
-    response: service_pb2.ModelInferResponse,
-    checks: dict[str, OutputCheck],
-    *,
-    items: int,
-    input_tokens: int,
-    output_tokens: int,
-    batched: bool,
-) -> list[str]:
-    """What is wrong with ``response``'s outputs against the declared checks ([] = valid)."""
-    problems: list[str] = []
-    outputs = {o.name: (i, o) for i, o in enumerate(response.outputs)}
-    symbols = {"items": items, "input_tokens": input_tokens, "output_tokens": output_tokens}
-    for name, check in checks.items():
-        if name not in outputs:
-            problems.append(f"output {name} missing")
-            continue
-        index, output = outputs[name]
-        if output.datatype != check.datatype:
-            problems.append(f"output {name} is {output.datatype}, expected {check.datatype}")
-            continue
-        want = [symbols[d] if isinstance(d, str) else d for d in check.shape]
-        if not batched and want and check.shape[0] == "items":
-            want = want[1:]
-        shape = [int(d) for d in output.shape]
-        if shape != want:
-            problems.append(f"output {name} has shape {shape}, expected {want}")
-            continue
-        dtype = _DTYPES.get(check.datatype)
-        if dtype is None or index >= len(response.raw_output_contents):
-            continue
-        values = np.frombuffer(response.raw_output_contents[index], dtype=dtype)
-        if values.size != int(np.prod(want)):
-            problems.append(f"output {name} holds {values.size} values for shape {want}")
-        elif values.size and check.min_value is not None and float(values.min()) < check.min_value:
-            problems.append(f"output {name} has a value below {check.min_value:g}")
-        elif values.size and check.max_value is not None and float(values.max()) > check.max_value:
-            problems.append(f"output {name} has a value above {check.max_value:g}")
-    return problems
-
-
 # --------------------------------------------------------------------------- runtime
 
 
@@ -317,6 +289,7 @@ class Diverted:
     queue: DispatchQueue
     label: str  # provenance version label
     reason: str  # route reason ("canary"), or "" to keep admission's (promoted)
+    budget_ms: float | None = None  # a canary's: how long the candidate may take from pricing
 
 
 class RolloutRun:
@@ -334,7 +307,11 @@ class RolloutRun:
                 "shadow": None,
             }
         )
+        # The one output contract a candidate answer must meet: the route's, with the
+        # rollout's declared outputs added (warm-up, canaries and shadows alike).
+        self.output_checks = {**route.outputs, **spec.warmup.outputs}
         self.task: asyncio.Task[None] | None = None
+        self.canaries: dict[str, float] = {}  # request id -> dispatch time, until its outcome
         self.shadow_inflight = 0
         self.mirrors: set[asyncio.Task[None]] = set()
 
@@ -434,7 +411,7 @@ class RolloutController:
                 await asyncio.sleep(TICK_S)
                 self._sample_memory(run)
                 run.rollout.quality_drop = self.quality_drop(run.spec)
-                rollout.tick(clock.now())
+                rollout.tick(clock.now(), min(run.canaries.values(), default=None))
                 STEP.labels(spec.name).set(rollout.step + 1)
             if rollout.phase is Phase.PROMOTED:
                 self.promoted[spec.route] = run
@@ -540,7 +517,7 @@ class RolloutController:
                         ]
                     found = check_outputs(
                         response,
-                        spec.warmup.outputs,
+                        run.output_checks,
                         items=shape.items,
                         input_tokens=shape.input_tokens,
                         output_tokens=shape.output_tokens,
@@ -638,11 +615,17 @@ class RolloutController:
         cell: str,
         mode: Mode,
         canary: bool,
+        current_pool: tuple[BackendHandle, DispatchQueue] | None = None,
+        price: Pricer | None = None,
     ) -> Diverted | None:
         """Which version serves this request, if not the route's current one. A canary only when
         the request is privacy-eligible (not a dedicated tenant's, the candidate warm in its
-        cell), in a declared cohort and chosen by the step's weight, and the candidate has an
-        idle device (it never waits behind, or makes the caller wait for, the rollout)."""
+        cell), in a declared cohort and chosen by the step's weight, the candidate has an
+        idle device (it never waits behind, or makes the caller wait for, the rollout), and
+        the hedge fits: ``price`` prices the request on the current version in
+        ``current_pool`` and on the candidate, and the candidate's predicted execution must
+        fit the budget that still leaves the current version time to answer
+        (``core.rollout.hedge_budget_ms``); the canary runs under that budget."""
         run = self.promoted.get(logical) or self.active.get(logical)
         if run is None:
             return None
@@ -665,12 +648,21 @@ class RolloutController:
             return None
         if not handle.client.is_warm(run.spec.candidate.backend_model):
             return None
-        if not rollout.serving:
-            if queue.inflight >= queue.devices or queue.queued:
-                return None  # no idle device: the current version serves it
-            rollout.diverted += 1
-        label = run.spec.candidate.name
-        return Diverted(run.candidate_route, handle, queue, label, "" if rollout.serving else CANARY_REASON)
+        if rollout.serving:
+            return Diverted(run.candidate_route, handle, queue, run.spec.candidate.name, "")
+        if queue.inflight >= queue.devices or queue.queued:
+            return None  # no idle device: the current version serves it
+        budget_ms: float | None = None
+        if price is not None and current_pool is not None:
+            current = price(route, *current_pool)
+            candidate = price(run.candidate_route, handle, queue)
+            budget_ms = hedge_budget_ms(
+                current.budget.slack_ms, candidate.budget.reserve_exec_ms, run.spec.hedge.reserve_ms
+            )
+            if budget_ms is None:
+                return None  # the current version could not answer after a late candidate
+        rollout.diverted += 1
+        return Diverted(run.candidate_route, handle, queue, run.spec.candidate.name, CANARY_REASON, budget_ms)
 
     def promoted_route(self, logical: str, route: RouteConfig) -> RouteConfig:
         """The route as it runs now: a promoted rollout's candidate in place of its current
@@ -684,7 +676,8 @@ class RolloutController:
         return self.active.get(record.identity.model)
 
     def settled(self, admitted: Admitted, settled: Settled, response: service_pb2.ModelInferResponse) -> None:
-        """A finished request: a sample for its version if the step compares its cohort."""
+        """A finished request: a sample for its version if the step compares its cohort (a
+        canary's answer reaches here only once ``candidate_answered`` found it valid)."""
         run = self._run_for(admitted.record)
         if run is None or admitted.decision.verdict is not Verdict.ADMIT:
             return
@@ -697,26 +690,13 @@ class RolloutController:
             admitted.route.backend_model != run.spec.current.backend_model or not run.rollout.in_cohort(facts)
         ):
             return
-        invalid = False
-        if candidate:
-            spec = run.spec
-            invalid = bool(
-                check_outputs(
-                    response,
-                    spec.warmup.outputs,
-                    items=record.shape.items,
-                    input_tokens=record.shape.input_tokens,
-                    output_tokens=admitted.decision.max_output_tokens or record.shape.max_output_tokens,
-                    batched=admitted.route.shape.items_dim is not None,
-                )
-            )
         # Latency from dispatch (the gateway's queue is not the version's doing; a canary is only
         # diverted to an idle candidate), the deadline end to end.
         sample = Sample(
             first_result_ms=outcome.first_result_ms,
             completion_ms=outcome.completion_ms,
             missed_deadline=outcome.queue_ms + outcome.completion_ms > record.budget.deadline_ms,
-            invalid_output=invalid,
+            bucket=record.shape.bucket,
         )
         self._observe(run, candidate, sample)
 
@@ -725,10 +705,12 @@ class RolloutController:
         outcome = (
             "error"
             if sample.error
-            else "fell_back"
-            if sample.fell_back
+            else "timed_out"
+            if sample.timed_out
             else "invalid_output"
             if sample.invalid_output
+            else "fell_back"
+            if sample.fell_back
             else "late"
             if sample.missed_deadline
             else "ok"
@@ -739,21 +721,57 @@ class RolloutController:
             LATENCY.labels(run.name, version, "completion").observe(sample.completion_ms / 1000.0)
         run.rollout.observe(candidate, sample)
 
-    def candidate_failed(self, admitted: Admitted, error: BaseException) -> bool:
-        """A canary's backend call failed. True: the request is to be answered by the current
-        version instead (the caller never sees the candidate's failure). An allocation failure
-        rolls back at once; any other failure is an error sample for the guardrails."""
+    def _canary_run(self, admitted: Admitted) -> RolloutRun | None:
+        """The running rollout whose candidate this admitted request is a canary of."""
         run = self._run_for(admitted.record)
         if (
             run is None
-            or not isinstance(error, GatewayError)
             or admitted.route.backend_model != run.spec.candidate.backend_model
-            or error.status in ("CANCELLED", "DEADLINE_EXCEEDED")
+            or run.rollout.serving
         ):
+            return None
+        return run
+
+    def dispatched(self, admitted: Admitted, started: float) -> None:
+        """A canary is on its way to the candidate: the step waits for its outcome."""
+        run = self._canary_run(admitted)
+        if run is not None:
+            run.canaries[admitted.record.identity.request_id] = started
+
+    def _hedge(self, run: RolloutRun, why: str, device_ms: float) -> None:
+        run.rollout.hedge(why, device_ms)
+        HEDGED.labels(run.name, why).inc()
+        HEDGE_DEVICE.labels(run.name).inc(max(0.0, device_ms) / 1000.0)
+
+    def candidate_failed(
+        self, admitted: Admitted, error: BaseException, *, started: float, now: float
+    ) -> bool:
+        """A canary's backend call failed or ran out of its budget. True: the request is to be
+        answered by the current version instead (the caller never sees the candidate's
+        failure; the caller's own deadline still leaves it time, by the hedge's budget).
+
+        A timeout or a cancellation (the candidate's budget passed) is a failing sample
+        (``timed_out``) like an error, in the request's shape bucket; an allocation failure
+        rolls back at once. A caller that went away (not a ``GatewayError``) is no outcome."""
+        run = self._canary_run(admitted)
+        if run is None:
             return False
-        now = clock.now()
-        elapsed_ms = (now - admitted.received_at) * 1000.0
-        self._observe(run, True, Sample(elapsed_ms, elapsed_ms, error=True, fell_back=True))
+        run.canaries.pop(admitted.record.identity.request_id, None)
+        if not isinstance(error, GatewayError):
+            return False
+        timed_out = error.status in ("CANCELLED", "DEADLINE_EXCEEDED")
+        held_ms = (now - started) * 1000.0
+        sample = Sample(
+            held_ms,
+            held_ms,
+            missed_deadline=timed_out,
+            error=not timed_out,
+            timed_out=timed_out,
+            fell_back=True,
+            bucket=admitted.record.shape.bucket,
+        )
+        self._observe(run, True, sample)
+        self._hedge(run, "timeout" if timed_out else "error", held_ms)
         # The backend's own words (the caller's message is sanitized; the cause keeps them).
         details = getattr(error.__cause__, "details", None)
         detail = str(details() if callable(details) else error.message)
@@ -761,7 +779,41 @@ class RolloutController:
             run.rollout.roll_back(
                 now, f"allocation failure on {run.spec.candidate.backend_model}: {detail[:200]}"
             )
-        return True
+        return now < admitted.deadline_at
+
+    def candidate_answered(
+        self, admitted: Admitted, response: service_pb2.ModelInferResponse, *, started: float, now: float
+    ) -> bool:
+        """A canary's answer, checked against the rollout's declared outputs (and the route's
+        contract) before it may leave. False: it is invalid, a failing sample, and the
+        request is to be answered by the current version; the caller never sees it."""
+        run = self._canary_run(admitted)
+        if run is None:
+            return True
+        run.canaries.pop(admitted.record.identity.request_id, None)
+        record = admitted.record
+        problems = check_outputs(
+            response,
+            run.output_checks,
+            items=record.shape.items,
+            input_tokens=record.shape.input_tokens,
+            output_tokens=admitted.decision.max_output_tokens or record.shape.max_output_tokens,
+            batched=admitted.route.shape.items_dim is not None,
+        )
+        if not problems:
+            return True
+        held_ms = (now - started) * 1000.0
+        self._observe(
+            run,
+            True,
+            Sample(held_ms, held_ms, invalid_output=True, fell_back=True, bucket=record.shape.bucket),
+        )
+        self._hedge(run, "invalid_output", held_ms)
+        INVALID_OUTPUTS.labels(record.identity.model, run.spec.candidate.name, "hedged").inc()
+        log.info(
+            "rollout %s: invalid canary answer re-answered by the current version: %s", run.name, problems[0]
+        )
+        return now < admitted.deadline_at
 
     def mirror(self, admitted: Admitted, tenant: Tenant) -> bool:
         """The shadow step: mirror a matching, privacy-eligible request to the warm candidate,
@@ -816,9 +868,14 @@ class RolloutController:
         started = clock.now()
         try:
             response = await client.infer(request, timeout_s=timeout_s, logical=record.identity.model)  # type: ignore[attr-defined]
-        except GatewayError:
+        except GatewayError as exc:
             ms = (clock.now() - started) * 1000.0
-            self._observe(run, True, Sample(ms, ms, error=True))
+            timed_out = exc.status in ("CANCELLED", "DEADLINE_EXCEEDED")
+            self._observe(
+                run,
+                True,
+                Sample(ms, ms, error=not timed_out, timed_out=timed_out, bucket=record.shape.bucket),
+            )
             return
         finally:
             run.shadow_inflight -= 1
@@ -826,7 +883,7 @@ class RolloutController:
         invalid = bool(
             check_outputs(
                 response,
-                run.spec.warmup.outputs,
+                run.output_checks,
                 items=record.shape.items,
                 input_tokens=record.shape.input_tokens,
                 output_tokens=record.shape.max_output_tokens,
@@ -835,8 +892,18 @@ class RolloutController:
         )
         # The mirror starts when the caller's request is dispatched: its backend time compares
         # with the current version's dispatch-to-completion samples.
+        if invalid:
+            INVALID_OUTPUTS.labels(record.identity.model, run.spec.candidate.name, "discarded").inc()
         self._observe(
-            run, True, Sample(ms, ms, missed_deadline=ms > record.budget.deadline_ms, invalid_output=invalid)
+            run,
+            True,
+            Sample(
+                ms,
+                ms,
+                missed_deadline=ms > record.budget.deadline_ms,
+                invalid_output=invalid,
+                bucket=record.shape.bucket,
+            ),
         )
 
     # ------------------------------------------------------------------ status

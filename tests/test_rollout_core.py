@@ -26,10 +26,12 @@ from gateway.core.rollout import (
     Sample,
     Selector,
     guardrail_value,
+    hedge_budget_ms,
     p95,
 )
 from gateway.evidence import EvidenceStore
-from gateway.rollouts import RolloutController, check_outputs, check_two_versions, load_rollouts
+from gateway.outputs import check_outputs
+from gateway.rollouts import RolloutController, check_two_versions, load_rollouts
 from gateway.server import repository_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -287,6 +289,112 @@ def test_guardrail_values() -> None:
     assert guardrail_value("fallback_rate", cand, cur, 0.0) == 0.5
     assert guardrail_value("memory_high_water", cand, cur, 0.7) == 0.7
     assert p95([float(i) for i in range(1, 101)]) == 95.0
+
+
+def test_timed_out_canaries_are_failing_samples_in_their_bucket() -> None:
+    """A candidate that is on time for short inputs and runs out of its budget on long ones
+    (the canary was answered again by the current version) is rolled back at the step whose
+    cohort has long inputs, on the interval the timeouts are counted in."""
+    rollout = started(example_data())
+    t = to_step(rollout, 2, now=2.0)  # step 3: interactive and batch, short and long
+    assert rollout.phase is Phase.CANARY
+    feed(rollout, candidate_ms=10.0, current_ms=10.0, n=12)
+    for _ in range(2):
+        rollout.observe(False, Sample(40.0, 40.0, bucket="long"))
+        rollout.observe(True, Sample(150.0, 150.0, timed_out=True, fell_back=True, bucket="long"))
+    rollout.tick(t + 1.0)
+    assert rollout.phase is Phase.ROLLED_BACK and rollout.step == 2
+    assert rollout.reason.startswith("guardrail error_rate_delta = 0.143 > 0.01 in 1 consecutive")
+    assert "2 failed, 2 of them timed out" in rollout.reason
+
+
+def test_timeouts_count_as_late_and_in_latency_but_not_as_errors_of_latency() -> None:
+    cand = [Sample(10.0, 10.0), Sample(90.0, 90.0, timed_out=True, fell_back=True)]
+    cur = [Sample(10.0, 10.0), Sample(10.0, 10.0)]
+    assert guardrail_value("error_rate_delta", cand, cur, 0.0) == 0.5
+    assert guardrail_value("deadline_miss_rate_delta", cand, cur, 0.0) == 0.5
+    assert guardrail_value("completion_p95_ratio", cand, cur, 0.0) == 9.0  # its budget, a lower bound
+
+
+def test_a_regression_confined_to_one_bucket_shows_in_that_bucket() -> None:
+    """95 short canaries as fast as the current version and 5 long ones 4x slower: the
+    whole interval's p95 ratio is 1.0, the long bucket's 4.0. The bucket's value counts."""
+    data = example_data()
+    data["guardrails"] = [{"metric": "completion_p95_ratio", "max": 1.5, "failures": 1}]
+    rollout = started(data)
+    t = to_step(rollout, 2, now=2.0)
+    for _ in range(95):
+        rollout.observe(True, Sample(10.0, 10.0, bucket="short"))
+        rollout.observe(False, Sample(10.0, 10.0, bucket="short"))
+    for _ in range(5):
+        rollout.observe(True, Sample(40.0, 40.0, bucket="long"))
+        rollout.observe(False, Sample(10.0, 10.0, bucket="long"))
+    rollout.tick(t + 1.0)
+    interval = rollout.intervals[-1]
+    assert interval.by_bucket["short"]["completion_p95_ratio"] == 1.0
+    assert interval.by_bucket["long"]["completion_p95_ratio"] == 4.0
+    assert interval.values["completion_p95_ratio"] == 4.0 and interval.worst_bucket == {
+        "completion_p95_ratio": "long"
+    }
+    assert rollout.phase is Phase.ROLLED_BACK
+    assert "in the long bucket (candidate p95 40.0 ms vs current 10.0 ms, 5/5 samples)" in rollout.reason
+    bucketed = rollout.report()["intervals"]
+    assert isinstance(bucketed, list) and bucketed[-1]["by_bucket"]["long"] == {"completion_p95_ratio": 4.0}
+
+
+def test_a_bucket_with_too_few_samples_is_not_judged_alone() -> None:
+    data = example_data()
+    data["guardrails"] = [{"metric": "completion_p95_ratio", "max": 1.5, "failures": 1}]
+    rollout = started(data)
+    t = to_step(rollout, 2, now=2.0)
+    for _ in range(20):
+        rollout.observe(True, Sample(10.0, 10.0, bucket="short"))
+        rollout.observe(False, Sample(10.0, 10.0, bucket="short"))
+    rollout.observe(True, Sample(40.0, 40.0, bucket="long"))  # 1 < min_samples 5
+    rollout.tick(t + 1.0)
+    assert rollout.intervals[-1].by_bucket == {"short": {"completion_p95_ratio": 1.0}}
+    assert rollout.phase is Phase.CANARY
+
+
+def test_a_step_waits_for_its_pending_canaries_before_advancing() -> None:
+    """Intervals that pass while a canary dispatched inside them has no outcome yet do not
+    move the step on: the slow canary is judged first. A failure still rolls back at once."""
+    rollout = started(example_data())
+    t = to_step(rollout, 1, now=2.0)  # step 2: canary, 2 intervals
+    dispatched = t + 0.5
+    for _ in range(3):
+        feed(rollout, candidate_ms=10.0, current_ms=10.0)
+        t += 1.0
+        rollout.tick(t, oldest_pending=dispatched)
+    assert rollout.step == 1 and rollout.phase is Phase.CANARY
+    rollout.observe(True, Sample(900.0, 900.0, timed_out=True, fell_back=True, bucket="short"))
+    feed(rollout, candidate_ms=10.0, current_ms=10.0)
+    t += 1.0
+    rollout.tick(t, oldest_pending=None)
+    assert rollout.phase is Phase.ROLLED_BACK and "error_rate_delta" in rollout.reason
+    # Without a pending canary the same passing intervals advance.
+    other = started(example_data())
+    u = to_step(other, 1, now=2.0)
+    for _ in range(2):
+        feed(other, candidate_ms=10.0, current_ms=10.0)
+        u += 1.0
+        other.tick(u, oldest_pending=u + 5.0)  # dispatched after the interval: not waited for
+    assert other.step == 2
+
+
+def test_hedge_budget_leaves_the_current_version_its_time() -> None:
+    # The current version's slack as priced now, less the stated margin, if the candidate's
+    # own predicted execution fits it; else the request is not a canary at all.
+    assert hedge_budget_ms(150.0, 40.0, 25.0) == 125.0
+    assert hedge_budget_ms(150.0, 130.0, 25.0) is None
+    assert hedge_budget_ms(20.0, 1.0, 25.0) is None
+    rollout = started(example_data())
+    rollout.hedge("timeout", 120.0)
+    rollout.hedge("invalid_output", 8.0)
+    rollout.hedge("timeout", 100.0)
+    report = rollout.report()
+    assert report["hedged"] == {"timeout": 2, "invalid_output": 1} and report["hedge_device_ms"] == 228.0
+    assert spec_from(example_data()).hedge.reserve_ms == 25.0
 
 
 def test_operator_controls_and_their_refusals() -> None:

@@ -37,9 +37,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gateway.core.outputs import OutputCheck as OutputCheck  # the one output contract
 from gateway.core.record import LONG_BUCKET, SHORT_BUCKET
 
 CANARY_REASON = "canary"
+# The route reason of an answer the current version gave after the candidate chosen for it
+# timed out inside its budget, failed, or answered outside the declared outputs.
+HEDGE_REASON = "canary_hedge"
 
 Bucket = Literal["short", "long"]
 Metric = Literal[
@@ -90,25 +94,11 @@ class WarmupShape(_Strict):
     repeat: int = Field(default=1, ge=1, description="how many times it is sent")
 
 
-class OutputCheck(_Strict):
-    """What a valid output looks like: datatype, shape (ints, or ``items``/``output_tokens``/
-    ``input_tokens`` of the warm-up shape) and optionally the range of its values."""
-
-    datatype: str = Field(min_length=1)
-    shape: tuple[int | Literal["items", "input_tokens", "output_tokens"], ...]
-    min_value: float | None = None
-    max_value: float | None = None
-
-    @model_validator(mode="after")
-    def _range(self) -> OutputCheck:
-        if self.min_value is not None and self.max_value is not None and self.min_value > self.max_value:
-            raise ValueError("min_value must not exceed max_value")
-        return self
-
-
 class Warmup(_Strict):
     shapes: tuple[WarmupShape, ...] = Field(min_length=1)
-    outputs: dict[str, OutputCheck] = Field(min_length=1, description="output name -> its checks")
+    # Checked with the route's own ``outputs`` contract (these add to it, or override an
+    # output it names): a rollout of a route that declares none must declare some.
+    outputs: dict[str, OutputCheck] = Field(default_factory=dict, description="output name -> its checks")
     timeout_s: float = Field(default=30.0, gt=0, description="bound of each warm-up request")
 
     @model_validator(mode="after")
@@ -191,6 +181,15 @@ class MemoryCheck(_Strict):
     min_live_tokens: int = Field(default=0, ge=0)
 
 
+class Hedge(_Strict):
+    """A canary's budget leaves the current version time to answer (``hedge_budget_ms``):
+    the candidate gets the time by which the current version, re-admitted, would still meet
+    the caller's deadline with its own reserves, less ``reserve_ms``: the re-admission and
+    the answer's way back, and the variance of the current version's own prediction."""
+
+    reserve_ms: float = Field(default=25.0, ge=0, description="margin left beside the current version")
+
+
 class RolloutSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     route: str = Field(description="the logical model whose version changes")
@@ -202,6 +201,7 @@ class RolloutSpec(_Strict):
     guardrails: tuple[Guardrail, ...] = Field(min_length=1)
     drain: Drain = Drain()
     memory: MemoryCheck = MemoryCheck()
+    hedge: Hedge = Hedge()
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutSpec:
@@ -232,7 +232,13 @@ class RequestFacts:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One finished request of one version (the candidate: canary or shadow)."""
+    """One finished request of one version (the candidate: canary or shadow).
+
+    A candidate that timed out (its budget, or the caller's deadline, passed) or was
+    cancelled past its budget is a failing sample like an error: ``timed_out``, its latency
+    the time it was given (a lower bound, and it counts in the latency percentiles). It is
+    counted in its cohort's shape ``bucket``, so a regression confined to one bucket shows
+    there (``Rollout._close`` judges every bucket with enough samples as well as the whole)."""
 
     first_result_ms: float
     completion_ms: float
@@ -240,6 +246,16 @@ class Sample:
     error: bool = False
     invalid_output: bool = False
     fell_back: bool = False  # chosen for the candidate, answered by the current version
+    timed_out: bool = False
+    bucket: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.error or self.timed_out
+
+    @property
+    def late(self) -> bool:
+        return self.missed_deadline or self.timed_out
 
 
 class Phase(StrEnum):
@@ -265,6 +281,18 @@ def p95(values: Sequence[float]) -> float:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+def hedge_budget_ms(current_slack_ms: float, candidate_exec_ms: float, reserve_ms: float) -> float | None:
+    """How long a canary may run (ms from now) and still leave the current version time to
+    answer: the current version's slack as priced now (deadline less elapsed, its upstream,
+    execution and variance reserves and its predicted queue wait) less ``reserve_ms``.
+    ``None`` when the candidate's own predicted execution does not fit inside that budget:
+    the request is not sent to the candidate at all."""
+    budget = current_slack_ms - reserve_ms
+    if budget <= 0.0 or candidate_exec_ms > budget:
+        return None
+    return budget
+
+
 def _rate(samples: Sequence[Sample], attribute: str) -> float:
     return sum(1 for s in samples if getattr(s, attribute)) / len(samples) if samples else 0.0
 
@@ -278,6 +306,8 @@ def guardrail_value(
 ) -> float:
     """The metric over one interval's samples (the caller checks there are enough).
     ``memory_high_water`` and ``quality_drop`` are the runtime's latest readings."""
+    # Latency percentiles leave out errors (no latency to speak of) but keep timeouts: a
+    # timed-out sample's latency is the time it was given, a lower bound of its own.
     if metric == "first_result_p95_ratio":
         base = p95([s.first_result_ms for s in current if not s.error])
         return p95([s.first_result_ms for s in candidate if not s.error]) / max(base, 1e-9)
@@ -285,9 +315,9 @@ def guardrail_value(
         base = p95([s.completion_ms for s in current if not s.error])
         return p95([s.completion_ms for s in candidate if not s.error]) / max(base, 1e-9)
     if metric == "deadline_miss_rate_delta":
-        return _rate(candidate, "missed_deadline") - _rate(current, "missed_deadline")
+        return _rate(candidate, "late") - _rate(current, "late")
     if metric == "error_rate_delta":
-        return _rate(candidate, "error") - _rate(current, "error")
+        return _rate(candidate, "failed") - _rate(current, "failed")
     if metric == "fallback_rate":
         return _rate(candidate, "fell_back")
     if metric == "invalid_output_rate":
@@ -306,9 +336,12 @@ class IntervalResult:
     step: int
     candidate_samples: int
     current_samples: int
-    values: dict[str, float]  # metric -> value (conclusive intervals only)
+    values: dict[str, float]  # metric -> value (conclusive intervals only): the worst of
+    # the whole interval's and each conclusive bucket's
     failed: tuple[str, ...]  # metrics over their max
     conclusive: bool
+    by_bucket: dict[str, dict[str, float]] = field(default_factory=dict)  # bucket -> metric -> value
+    worst_bucket: dict[str, str] = field(default_factory=dict)  # metric -> bucket that set its value
 
 
 class Selector:
@@ -358,6 +391,14 @@ class Rollout:
     _selector: Selector | None = None
     diverted: int = 0
     shadowed: int = 0
+    # The hedge (``hedge_budget_ms``): canaries answered again by the current version, why
+    # (timeout, error, invalid_output), and the device time their candidate attempts held.
+    # That time is the rollout's cost, never the tenant's (the runtime refunds its quota).
+    hedged: dict[str, int] = field(default_factory=dict)
+    hedge_device_ms: float = 0.0
+    # When the oldest canary still without an outcome was dispatched (the runtime's reading
+    # at each ``tick``): a step does not advance on intervals whose canaries are unsettled.
+    _oldest_pending: float | None = None
 
     # ------------------------------------------------------------------ transitions
 
@@ -483,12 +524,22 @@ class Rollout:
             return
         (self._candidate if candidate else self._current).append(sample)
 
+    def hedge(self, why: str, device_ms: float) -> None:
+        """A canary answered again by the current version; ``device_ms`` the candidate held."""
+        self.hedged[why] = self.hedged.get(why, 0) + 1
+        self.hedge_device_ms += max(0.0, device_ms)
+
     def observe_memory(self, fraction: float) -> None:
         self.memory_high_water = max(self.memory_high_water, fraction)
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, oldest_pending: float | None = None) -> None:
         """Close every analysis interval that ended by ``now``; roll back or advance. A
-        transition is stamped ``now``: the moment routing changes, not the interval's end."""
+        transition is stamped ``now``: the moment routing changes, not the interval's end.
+        ``oldest_pending``: when the oldest canary still in flight was dispatched. A step
+        advances only once every canary dispatched before the end of its last passing
+        interval has an outcome (a slow canary is judged before the step moves on, never
+        after); a failure rolls back at once, whatever is pending."""
+        self._oldest_pending = oldest_pending
         interval = self.spec.analysis.interval_s
         while self.phase in (Phase.SHADOW, Phase.CANARY) and now >= self._interval_start + interval:
             end = self._interval_start + interval
@@ -498,6 +549,36 @@ class Rollout:
                 self._interval_start = end
                 self._candidate, self._current = [], []
 
+    def _judge(
+        self, cand: Sequence[Sample], cur: Sequence[Sample]
+    ) -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, str]]:
+        """Every guardrail's value over the whole interval, and over each shape bucket with
+        enough samples (both versions' for a paired metric); a metric's value is the worst."""
+        spec = self.spec
+        least = spec.analysis.min_samples
+        values: dict[str, float] = {}
+        worst: dict[str, str] = {}
+        for guard in spec.guardrails:
+            values[guard.metric] = guardrail_value(
+                guard.metric, cand, cur, self.memory_high_water, self.quality_drop
+            )
+        by_bucket: dict[str, dict[str, float]] = {}
+        for bucket in sorted({s.bucket for s in cand if s.bucket}):
+            cand_b = [s for s in cand if s.bucket == bucket]
+            cur_b = [s for s in cur if s.bucket == bucket]
+            if len(cand_b) < least:
+                continue
+            for guard in spec.guardrails:
+                if guard.metric in ("memory_high_water", "quality_score_drop"):
+                    continue  # readings of the version, not of its answers
+                if guard.metric in PAIRED_METRICS and len(cur_b) < least:
+                    continue
+                value = guardrail_value(guard.metric, cand_b, cur_b, 0.0)
+                by_bucket.setdefault(bucket, {})[guard.metric] = value
+                if value > values[guard.metric]:
+                    values[guard.metric], worst[guard.metric] = value, bucket
+        return values, by_bucket, worst
+
     def _close(self, end: float, now: float) -> None:
         spec = self.spec
         cand, cur = self._candidate, self._current
@@ -506,25 +587,43 @@ class Rollout:
         if paired_needed and len(cur) < spec.analysis.min_samples:
             enough = False
         values: dict[str, float] = {}
+        by_bucket: dict[str, dict[str, float]] = {}
+        worst: dict[str, str] = {}
         failed: list[str] = []
         if enough:
+            values, by_bucket, worst = self._judge(cand, cur)
             for guard in spec.guardrails:
-                value = guardrail_value(guard.metric, cand, cur, self.memory_high_water, self.quality_drop)
-                values[guard.metric] = value
-                if value > guard.max:
+                if values[guard.metric] > guard.max:
                     failed.append(guard.metric)
                     self._failing[guard.metric] = self._failing.get(guard.metric, 0) + 1
                 else:
                     self._failing[guard.metric] = 0
         self.intervals.append(
             IntervalResult(
-                self._interval_start, end, self.step, len(cand), len(cur), values, tuple(failed), enough
+                self._interval_start,
+                end,
+                self.step,
+                len(cand),
+                len(cur),
+                values,
+                tuple(failed),
+                enough,
+                by_bucket,
+                worst,
             )
         )
         for guard in spec.guardrails:
             if self._failing.get(guard.metric, 0) >= guard.failures:
                 value = values[guard.metric]
-                detail = _detail(guard.metric, cand, cur)
+                bucket = worst.get(guard.metric)
+                if bucket is not None:
+                    detail = f" in the {bucket} bucket" + _detail(
+                        guard.metric,
+                        [s for s in cand if s.bucket == bucket],
+                        [s for s in cur if s.bucket == bucket],
+                    )
+                else:
+                    detail = _detail(guard.metric, cand, cur)
                 self.roll_back(
                     now,
                     f"guardrail {guard.metric} = {value:.3f} > {guard.max:g} in {guard.failures} "
@@ -533,8 +632,9 @@ class Rollout:
                 return
         if enough and not failed:
             self._passed += 1
-            if self._passed >= spec.steps[self.step].intervals:
-                self._enter_step(now, self.step + 1)
+        pending = self._oldest_pending is not None and self._oldest_pending < end
+        if self._passed >= spec.steps[self.step].intervals and not pending:
+            self._enter_step(now, self.step + 1)
 
     # ------------------------------------------------------------------ report
 
@@ -577,6 +677,8 @@ class Rollout:
             "memory_high_water": round(self.memory_high_water, 4),
             "diverted": self.diverted,
             "shadowed": self.shadowed,
+            "hedged": dict(self.hedged),
+            "hedge_device_ms": round(self.hedge_device_ms, 3),
             "intervals": [
                 {
                     "at_s": round(i.ended_at - since, 3),
@@ -585,6 +687,7 @@ class Rollout:
                     "current_samples": i.current_samples,
                     "conclusive": i.conclusive,
                     "values": {k: round(v, 4) for k, v in i.values.items()},
+                    "by_bucket": {b: {k: round(v, 4) for k, v in m.items()} for b, m in i.by_bucket.items()},
                     "failed": list(i.failed),
                 }
                 for i in self.intervals
@@ -621,4 +724,9 @@ def _detail(metric: str, cand: Sequence[Sample], cur: Sequence[Sample]) -> str:
             f" (candidate p95 {p95([s.first_result_ms for s in cand]):.1f} ms vs current "
             f"{p95([s.first_result_ms for s in cur]):.1f} ms, {len(cand)}/{len(cur)} samples)"
         )
-    return f" ({len(cand)} candidate / {len(cur)} current samples)"
+    failed = sum(1 for s in cand if s.failed)
+    timed_out = sum(1 for s in cand if s.timed_out)
+    return (
+        f" ({len(cand)} candidate / {len(cur)} current samples; candidate: {failed} failed, "
+        f"{timed_out} of them timed out)"
+    )

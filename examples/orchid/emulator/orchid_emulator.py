@@ -21,6 +21,15 @@ Environment:
     ORCHID_TIME_FACTOR   multiplies every sleep (tests use ~0.05; default 1.0); a model's
                          optional config parameter ``time_factor_scale`` multiplies it again
                          for that model alone (a slower candidate version, for rollout tests)
+
+Bad candidate versions (optional model config parameters, for rehearsing rollouts):
+    slow_long_input_tokens, slow_long_scale
+                         a batch whose longest input is over ``slow_long_input_tokens`` runs
+                         ``slow_long_scale`` times slower (correct, but slow only on long inputs)
+    invalid_output_after, invalid_output_every
+                         after its first ``invalid_output_after`` executions, every
+                         ``invalid_output_every``-th execution answers out-of-range tokens
+                         (``VOCAB`` and above: a drifting version whose answers are invalid)
     ORCHID_FAULT_DIR     optional: forced allocation failures, for rehearsing a version
                          change. A file ``<model>.fail_load`` there makes loading that model
                          fail with ``CUDA out of memory`` (Triton reports the load failed); a
@@ -267,8 +276,17 @@ class _Emulator:
         self.memory = DeviceMemory.from_model_config(config)
         self.faults = Faults(str(config.get("name", args.get("model_name", ""))))
         self.faults.check_load()
-        scale = config.get("parameters", {}).get("time_factor_scale", {}).get("string_value", "1")
-        self.time_factor = time_factor() * float(scale)
+        params = config.get("parameters", {})
+
+        def param(key: str, default: str) -> str:
+            return str(params.get(key, {}).get("string_value", default))
+
+        self.time_factor = time_factor() * float(param("time_factor_scale", "1"))
+        self.slow_long_input_tokens = int(param("slow_long_input_tokens", "0"))
+        self.slow_long_scale = float(param("slow_long_scale", "1"))
+        self.invalid_output_after = int(param("invalid_output_after", "0"))
+        self.invalid_output_every = int(param("invalid_output_every", "0"))
+        self.executed = 0
         self.devices = SharedDevices.from_env(str(args.get("model_instance_name", "")))
 
     def _device(self) -> AbstractContextManager[None]:
@@ -312,11 +330,17 @@ class BatchEmulator(_Emulator):
                 work = []
         if work:
             longest_in = max(ids.shape[-1] for _, _, ids, _ in work)
+            slow = 1.0
+            if self.slow_long_input_tokens and longest_in > self.slow_long_input_tokens:
+                slow = self.slow_long_scale
+            self.executed += 1
+            every = self.invalid_output_every
+            invalid = bool(every) and self.executed > self.invalid_output_after and self.executed % every == 0
             prefill_ms = p.fixed_ms + p.prefill_ms_per_token * len(work) * longest_in
-            self._sleep(prefill_ms)
+            self._sleep(prefill_ms * slow)
             # Decode steps run in lockstep for the batch; a request leaves the
             # batch when its tokens are done or its caller cancelled.
-            step_s = p.decode_ms_per_token * self.time_factor / 1000.0
+            step_s = p.decode_ms_per_token * self.time_factor * slow / 1000.0
             start = time.monotonic()
             ends = {i: start + n_out * step_s for i, _, _, n_out in work}
             while ends:
@@ -333,6 +357,8 @@ class BatchEmulator(_Emulator):
                     )
                     continue
                 out = output_tokens(ids, n_out)
+                if invalid:
+                    out = out + VOCAB  # outside the vocabulary: an invalid answer
                 if ids.ndim == 2:  # batched model: [batch, tokens]
                     out = np.tile(out, (ids.shape[0], 1))
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT_IDS", out)])
