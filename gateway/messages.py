@@ -96,12 +96,16 @@ def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
         "orchid.complete": outcome.complete,
         "orchid.policy_version": decision.policy_version,
         "orchid.rules": ",".join(decision.rules),
-        "orchid.ladder_step": record.ladder_step,
+        # The step that decided (the requested model's pool); a fallback answer also says its
+        # own pool's step: the fallback's pool at 0 says nothing about the primary's.
+        "orchid.ladder_step": decision.ladder_step,
         "orchid.predicted_accelerator_ms": round(record.demand.accelerator_ms, 3),
         "orchid.charged_accelerator_ms": round(outcome.charged_accelerator_ms, 3),
         "orchid.request_id": record.identity.request_id,
         "orchid.risk_class": record.identity.risk_class,
     }
+    if decision.approximation is Approximation.FALLBACK:
+        out["orchid.fallback_ladder_step"] = record.ladder_step
     evidence = settled.evidence
     if evidence is not None:
         out["orchid.evidence_population"] = evidence.key.population

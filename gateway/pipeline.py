@@ -44,6 +44,7 @@ from gateway.core.load import PoolLoad
 from gateway.core.memory import DeviceMemory
 from gateway.core.outputs import OUTPUT_CONTRACT_RULE
 from gateway.core.overload import effects as overload_effects
+from gateway.core.placement import placement_key
 from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaView, Reservation
 from gateway.core.record import (
@@ -306,11 +307,12 @@ class Gateway:
     async def bind_pool(
         self, route: RouteConfig, cell: str, logical: str
     ) -> tuple[BackendHandle, ModelSpec, DispatchQueue]:
-        """Pick the healthy backend in the request's cell with the least predicted wait; among
-        equals (idle devices on several), the one with the least work per device still to run,
-        so a fleet's backends share the load (and their ladders see their share of it) instead
-        of the first filling up. Nothing is predicted when there is no choice."""
-        best: tuple[tuple[float, float], BackendHandle, ModelSpec, DispatchQueue] | None = None
+        """Pick the healthy backend in the request's cell that ``core.placement`` ranks first:
+        the least predicted wait, then the least recent offered demand per device (what each
+        pool's ladder judges, so placement never feeds a degrading pool more demand; the
+        module docstring tells the metastable loop this breaks), then the least work still to
+        run on the pool's device set. Nothing is predicted when there is no choice."""
+        best: tuple[tuple[float, float, float], BackendHandle, ModelSpec, DispatchQueue] | None = None
         candidates = self.candidate_backends(route, cell)
         now = clock.now()
         for name in candidates:
@@ -324,9 +326,15 @@ class Gateway:
                 continue
             queue = self.queue_for(name, spec, self.routes.profiles.get(route.profile))
             if len(candidates) > 1:
-                key = (queue.predicted_wait_ms(now), queue.inflight_remaining_ms(now) / queue.devices)
+                load = self.loads.get(queue.name)
+                key = placement_key(
+                    queue.predicted_wait_ms(now),
+                    load.offered_rate.ms_per_s(now) if load is not None else 0.0,
+                    sum(q.inflight_remaining_ms(now) for q in queue.device_set.queues),
+                    queue.devices,
+                )
             else:
-                key = (0.0, 0.0)
+                key = (0.0, 0.0, 0.0)
             if best is None or key < best[0]:
                 best = (key, handle, spec, queue)
         if best is None:
@@ -562,6 +570,7 @@ class Gateway:
             # the quota reservation and the estimator (observed vs predicted) see that work,
             # not the longer output that was asked for.
             full_ms = chosen.record.demand.accelerator_ms
+            on_fallback = chosen is fallback_priced and fallback_load is not None
             chosen = self._price(
                 chosen.record.identity,
                 chosen.route,
@@ -571,10 +580,10 @@ class Gateway:
                 call,
                 deadline_ms,
                 request_class,
-                load.step,
+                fallback_load.step if on_fallback and fallback_load is not None else load.step,
                 now,
             )
-            if chosen is not fallback_priced:
+            if not on_fallback:
                 load.reduced(now, flow, full_ms, chosen.record.demand.accelerator_ms)
         chosen_policy = (
             fallback.policy if fallback is not None and chosen is fallback_priced else primary.policy

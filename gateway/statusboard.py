@@ -100,7 +100,7 @@ class StatusBoard(GatewayListener):
                 "verdict": str(decision.verdict),
                 "rule": rule,
                 "route_reason": decision.route_reason,
-                "ladder_step": record.ladder_step,
+                "ladder_step": decision.ladder_step,
             }
         )
         if decision.verdict is Verdict.REJECT:

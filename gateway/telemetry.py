@@ -417,7 +417,7 @@ class Telemetry(GatewayListener):
             "orchid.class": record.identity.request_class,
             "orchid.bucket": record.shape.bucket,
             "orchid.route_reason": decision.route_reason,
-            "orchid.ladder_step": record.ladder_step,
+            "orchid.ladder_step": decision.ladder_step,
             "orchid.policy_version": decision.policy_version,
             "orchid.predicted_accelerator_ms": record.demand.accelerator_ms,
             "orchid.charged_accelerator_ms": settled.outcome.charged_accelerator_ms,

@@ -174,14 +174,20 @@ def test_a_capped_fallback_answer_says_both(pinned: ThreadedGateway) -> None:
         stub.ModelInfer(request(), metadata=AUTH, timeout=10)  # creates the pool's load
         pin(pinned, 3, 1.22)
         seen: Counter[tuple[str, bool]] = Counter()
+        steps: Counter[tuple[str, int, int | None]] = Counter()
         for _ in range(24):
             reply = stub.ModelInfer(
                 request(**{"orchid.max_output_tokens": TENANT_CAP + 88}), metadata=AUTH, timeout=10
             )
             got = provenance(reply)
             seen[(got["orchid.approximation"], got["orchid.complete"])] += 1
+            fallback_step = got.get("orchid.fallback_ladder_step")
+            steps[(got["orchid.model"], got["orchid.ladder_step"], fallback_step)] += 1
     assert seen[("fallback,reduced_output", False)] > 0, seen
     assert set(seen) <= {("fallback,reduced_output", False), ("reduced_output", False)}, seen
+    # Every answer says the step that decided it (the primary pool's pinned 3), the fallback's
+    # also its own pool's (not pinned: 0), so a stuck primary pool shows on its answers.
+    assert set(steps) == {("compact-v11", 3, 0), ("full-v18", 3, None)}, steps
 
 
 def test_request_ids_are_random_uuid4_hex() -> None:

@@ -76,6 +76,7 @@ def wants_fallback_pass(
 
 def _reject(record: RequestRecord, result: PolicyResult) -> Decision:
     return Decision(
+        ladder_step=record.ladder_step,
         verdict=Verdict.REJECT,
         target_model=record.identity.model,
         route_reason="rejected",
@@ -89,7 +90,12 @@ def _reject(record: RequestRecord, result: PolicyResult) -> Decision:
 
 
 def _admit(
-    candidate: Candidate, *, route_reason: str, approximation: Approximation, context: AdmissionContext
+    candidate: Candidate,
+    *,
+    route_reason: str,
+    approximation: Approximation,
+    context: AdmissionContext,
+    ladder_step: int,
 ) -> Decision:
     record, result = candidate.record, candidate.policy
     limit = result.max_output_tokens
@@ -106,6 +112,7 @@ def _admit(
         policy_version=result.policy_version,
         max_output_tokens=limit if reduced else None,
         max_dwell_ms=context.max_dwell_ms,
+        ladder_step=ladder_step,
     )
 
 
@@ -124,6 +131,7 @@ def decide(primary: Candidate, fallback: Candidate | None, context: AdmissionCon
             status="RESOURCE_EXHAUSTED",
             message=f"batch work is deferred while the service is overloaded (step {record.ladder_step})",
             retry_after_ms=context.retry_after_ms,
+            ladder_step=record.ladder_step,
         )
     capacity_denied = not primary.policy.allowed and primary.policy.status in CAPACITY_STATUSES
     eligible = primary.policy.fallback_eligible or (
@@ -139,7 +147,11 @@ def decide(primary: Candidate, fallback: Candidate | None, context: AdmissionCon
             else:
                 reason = "fallback:primary_shed"
             return _admit(
-                fallback, route_reason=reason, approximation=Approximation.FALLBACK, context=context
+                fallback,
+                route_reason=reason,
+                approximation=Approximation.FALLBACK,
+                context=context,
+                ladder_step=record.ladder_step,
             )
         if context.effects.fallback_for_eligible and context.divert:
             return _admit(
@@ -147,7 +159,14 @@ def decide(primary: Candidate, fallback: Candidate | None, context: AdmissionCon
                 route_reason="fallback:overload",
                 approximation=Approximation.FALLBACK,
                 context=context,
+                ladder_step=record.ladder_step,
             )
     if not primary.policy.allowed:
         return _reject(record, primary.policy)
-    return _admit(primary, route_reason="primary", approximation=Approximation.NONE, context=context)
+    return _admit(
+        primary,
+        route_reason="primary",
+        approximation=Approximation.NONE,
+        context=context,
+        ladder_step=record.ladder_step,
+    )

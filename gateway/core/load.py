@@ -65,6 +65,7 @@ from gateway.core.overload import (
     protected_capacity_ms_per_s,
     retry_after_ms,
 )
+from gateway.core.placement import OfferedRate
 
 log = logging.getLogger("orchid.overload")
 
@@ -115,6 +116,8 @@ class PoolLoad:
     config: LadderConfig
     protected_utilization: float = DEFAULT_PROTECTED_UTILIZATION
     demand: DemandWindow = field(default_factory=DemandWindow)
+    # The same offered demand, decayed, for placement to balance (``core.placement``).
+    offered_rate: OfferedRate = field(default_factory=OfferedRate)
     # Admitted work, priced as offered (primary) and as it runs (primary or fallback).
     admitted_offered: DemandWindow = field(default_factory=DemandWindow)
     admitted_running: DemandWindow = field(default_factory=DemandWindow)
@@ -159,6 +162,7 @@ class PoolLoad:
     def offer(self, now: float, flow: FlowLoad, accelerator_ms: float) -> None:
         """Admissible work arrived: it counts toward the pool's and the flow's offered demand."""
         self.demand.add(now, accelerator_ms)
+        self.offered_rate.add(now, accelerator_ms)
         flow.demand.add(now, accelerator_ms)
         if self.offers is not None:
             self.offers.append((now, flow.key, accelerator_ms))
@@ -167,6 +171,7 @@ class PoolLoad:
         """Another replica's offered sample (at ``now`` on this replica's clock): counted in the
         pool's and the flow's offered demand like a local one, and not published again."""
         self.demand.add(now, accelerator_ms)
+        self.offered_rate.add(now, accelerator_ms)
         flow.demand.add(now, accelerator_ms)
 
     def admitted(self, now: float, flow: FlowLoad, offered_ms: float, running_ms: float) -> None:

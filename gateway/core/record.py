@@ -159,6 +159,9 @@ class Decision:
     status: str = ""  # gRPC status name of a rejection
     message: str = ""  # caller-facing reason of a rejection
     retry_after_ms: int | None = None
+    # The ladder step that decided: the pool the request asked for (its primary's), also
+    # when it was answered by the fallback (whose own pool's step is the record's).
+    ladder_step: int = 0
 
 
 @dataclass(frozen=True, slots=True)
