@@ -722,15 +722,16 @@ class RolloutController:
         run.rollout.observe(candidate, sample)
 
     def _canary_run(self, admitted: Admitted) -> RolloutRun | None:
-        """The running rollout whose candidate this admitted request is a canary of."""
-        run = self._run_for(admitted.record)
-        if (
-            run is None
-            or admitted.route.backend_model != run.spec.candidate.backend_model
-            or run.rollout.serving
-        ):
+        """The rollout this admitted request is a canary of. Found by the admission's route
+        reason, not by the rollout still running: a canary in flight when its rollout rolls
+        back (another canary's failure) is still hedged."""
+        if admitted.decision.route_reason != CANARY_REASON:
             return None
-        return run
+        logical = admitted.record.identity.model
+        for run in reversed(self.runs.values()):
+            if run.spec.route == logical and run.spec.candidate.backend_model == admitted.route.backend_model:
+                return run
+        return None
 
     def dispatched(self, admitted: Admitted, started: float) -> None:
         """A canary is on its way to the candidate: the step waits for its outcome."""
@@ -813,7 +814,7 @@ class RolloutController:
         log.info(
             "rollout %s: invalid canary answer re-answered by the current version: %s", run.name, problems[0]
         )
-        return now < admitted.deadline_at
+        return False  # never returned, even when too late for the current version to answer
 
     def mirror(self, admitted: Admitted, tenant: Tenant) -> bool:
         """The shadow step: mirror a matching, privacy-eligible request to the warm candidate,

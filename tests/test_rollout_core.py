@@ -380,6 +380,18 @@ def test_a_step_waits_for_its_pending_canaries_before_advancing() -> None:
         u += 1.0
         other.tick(u, oldest_pending=u + 5.0)  # dispatched after the interval: not waited for
     assert other.step == 2
+    # A step held for a pending canary moves on at the first tick after it settled, without
+    # waiting for another interval to close.
+    third = started(example_data())
+    v = to_step(third, 1, now=2.0)
+    for _ in range(2):
+        feed(third, candidate_ms=10.0, current_ms=10.0)
+        v += 1.0
+        third.tick(v, oldest_pending=v - 0.01)
+    assert third.step == 1 and len(third.intervals) == 4
+    third.tick(v + 0.05, oldest_pending=None)
+    assert third.step == 2 and len(third.intervals) == 4
+    assert third.timeline[-1][0] == v + 0.05
 
 
 def test_hedge_budget_leaves_the_current_version_its_time() -> None:

@@ -57,6 +57,10 @@ CANDIDATES: dict[str, dict[str, str]] = {
     "full-v19-badload": {},
     "full-v19-oom": {},
     "full-v19-small": {},  # one instance: fewer devices than full-v18, never promoted on its own
+    # Correct, but 200x slower on inputs over 1,024 tokens (the long bucket): past any deadline.
+    "full-v19-slowlong": {"instances": "4", "slow_long_input_tokens": "1024", "slow_long_scale": "200"},
+    # Drifts after its warm-up: every 3rd execution answers tokens outside the vocabulary.
+    "full-v19-drift": {"invalid_output_after": str(3), "invalid_output_every": "3"},
 }
 # Triton's repository API is restricted to callers with this key (the gateway reads it from
 # the environment variable its backend config names).
@@ -177,11 +181,17 @@ class Answer:
     reason: str
 
 
+VOCAB = 32_000  # the emulator's tokens are 0..31999: anything else is an invalid answer
+
+
 @dataclass
 class SteadyLoad:
-    """Closed-loop clients: orchid short (the cohort), lumen short, orchid long."""
+    """Closed-loop clients: orchid short (the cohort), lumen short, orchid long. Every answer
+    is checked by the client itself (the output's shape and its tokens in the vocabulary):
+    an invalid answer is recorded as a failure like an error."""
 
     address: str
+    long_timeout_s: float = 2.0  # the long client's deadline (the short ones': 2 s)
     answers: list[Answer] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -210,19 +220,27 @@ class SteadyLoad:
                         [tensor],
                         headers=bearer(key),
                         parameters={"orchid.max_output_tokens": 16},
-                        client_timeout=2.0,
+                        client_timeout=self.long_timeout_s if bucket == "long" else 2.0,
                     )
                 except InferenceServerException as exc:
                     self.answers.append(Answer(sent, time.monotonic(), tenant, bucket, str(exc), "", ""))
                     continue
                 params = result.get_response().parameters
+                output = result.as_numpy("OUTPUT_IDS")
+                invalid = (
+                    ""
+                    if output is not None
+                    and output.shape == (1, 16)
+                    and 0 <= output.min() <= output.max() < VOCAB
+                    else "invalid answer"
+                )
                 self.answers.append(
                     Answer(
                         sent,
                         time.monotonic(),
                         tenant,
                         bucket,
-                        "",
+                        invalid,
                         params["orchid.model_version"].string_param,
                         params["orchid.route_reason"].string_param,
                     )
@@ -273,9 +291,11 @@ def rollout_file(tmp_path: Path, name: str, candidate: str, *, max_ratio: float)
     return path
 
 
-def rehearse(gateway: ThreadedGateway, path: Path) -> tuple[RolloutRun, list[Answer]]:
+def rehearse(
+    gateway: ThreadedGateway, path: Path, *, long_timeout_s: float = 2.0
+) -> tuple[RolloutRun, list[Answer]]:
     """Start the rollout by the admin RPC under the steady load; wait for its task to end."""
-    load = SteadyLoad(gateway.address)
+    load = SteadyLoad(gateway.address, long_timeout_s=long_timeout_s)
     load.start()
     try:
         while len(load.answers) < 20:  # the load is running before the rollout starts
@@ -296,7 +316,7 @@ def rehearse(gateway: ThreadedGateway, path: Path) -> tuple[RolloutRun, list[Ans
 
 
 def no_failures(answers: list[Answer]) -> None:
-    failed = [a.error for a in answers if a.error]
+    failed = [a for a in answers if a.error]
     assert not failed, f"{len(failed)} of {len(answers)} client requests failed: {failed[:3]}"
 
 
@@ -387,6 +407,71 @@ def test_slow_candidate_is_rolled_back_within_its_analysis_intervals(
     assert rollout.retired_unloaded_at is not None and rollout.unload_s is not None
     assert repository_states(stack.triton.address)["full-v19-slow"] == "UNAVAILABLE"
     assert repository_states(stack.triton.address)["full-v18"] == "READY"
+
+
+def test_a_candidate_slow_only_on_long_inputs_is_rolled_back_at_the_long_step_and_no_caller_waits(
+    gateway: ThreadedGateway, stack: Stack, tmp_path: Path
+) -> None:
+    """The issue's first bad candidate: correct, on time for short inputs, 200x slower for
+    long ones (2.2 s against the long caller's 1 s deadline). The short-only step passes;
+    the step whose cohort has long inputs sends long canaries under the hedge's budget, each
+    times out inside it and is answered by the current version in time, and the timeouts,
+    counted as failing samples, roll the candidate back before that step can pass."""
+    path = rollout_file(tmp_path, "slowlong", "full-v19-slowlong", max_ratio=4.0)
+    data = yaml.safe_load(path.read_text())
+    orchid_short = data["steps"][0]
+    data["steps"] = [
+        orchid_short,
+        {
+            **orchid_short,
+            "cohorts": [{"classes": ["interactive"], "buckets": ["short", "long"], "tenants": ["orchid"]}],
+        },
+        {"kind": "promote"},
+    ]
+    data["hedge"] = {"reserve_ms": 100}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    run, answers = rehearse(gateway, path, long_timeout_s=1.0)
+    rollout = run.rollout
+    assert rollout.phase is Phase.ROLLED_BACK, rollout.report()
+    assert rollout.step == 1, rollout.report()  # the second step: its cohort has long inputs
+    assert rollout.reason.startswith("guardrail error_rate_delta"), rollout.reason
+    assert "timed out" in rollout.reason, rollout.reason
+    # Every caller got an on-time, valid answer: the long canaries were answered again by
+    # the current version inside the caller's deadline, and say so.
+    no_failures(answers)
+    hedged = [a for a in answers if a.reason == "canary_hedge"]
+    assert hedged and {(a.tenant, a.bucket, a.version) for a in hedged} == {("orchid", "long", "1")}
+    assert all(a.received - a.sent < 1.0 for a in hedged)
+    assert not any(a.version == "full-v19-slowlong" and a.bucket == "long" for a in answers)
+    # The hedge's cost is the rollout's, and reported.
+    report = rollout.report()
+    assert report["hedged"].get("timeout", 0) == len(hedged), report["hedged"]  # type: ignore[union-attr]
+    assert isinstance(report["hedge_device_ms"], float) and report["hedge_device_ms"] > 0
+    assert REQUESTS.labels("slowlong", "full-v19-slowlong", "timed_out")._value.get() == len(hedged)
+    assert repository_states(stack.triton.address)["full-v18"] == "READY"
+
+
+def test_a_drifting_candidates_invalid_answers_never_reach_a_caller(
+    gateway: ThreadedGateway, stack: Stack, tmp_path: Path
+) -> None:
+    """The issue's second bad candidate: valid through its warm-up, then every third answer
+    is outside the declared outputs. Each invalid canary answer is answered again by the
+    current version (the caller checks every answer it gets), and the candidate is rolled
+    back on the first conclusive interval."""
+    path = rollout_file(tmp_path, "drift", "full-v19-drift", max_ratio=4.0)
+    data = yaml.safe_load(path.read_text())
+    data["warmup"]["outputs"]["OUTPUT_IDS"]["max_value"] = VOCAB - 1
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    run, answers = rehearse(gateway, path)
+    rollout = run.rollout
+    assert rollout.ready_at is not None  # the warm-up passed: the drift starts after it
+    assert rollout.phase is Phase.ROLLED_BACK, rollout.report()
+    assert rollout.reason.startswith("guardrail invalid_output_rate"), rollout.reason
+    no_failures(answers)  # no error, and no invalid answer, reached a caller
+    hedged = [a for a in answers if a.reason == "canary_hedge"]
+    assert hedged and all(a.version == "1" for a in hedged)
+    assert rollout.hedged.get("invalid_output", 0) == len(hedged)
+    assert any(a.version == "full-v19-drift" for a in answers)  # its valid answers did serve
 
 
 def test_allocation_failure_at_load_routes_back(

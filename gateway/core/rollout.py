@@ -399,6 +399,7 @@ class Rollout:
     # When the oldest canary still without an outcome was dispatched (the runtime's reading
     # at each ``tick``): a step does not advance on intervals whose canaries are unsettled.
     _oldest_pending: float | None = None
+    _passed_until: float | None = None  # end of the interval that completed the step's passes
 
     # ------------------------------------------------------------------ transitions
 
@@ -441,6 +442,7 @@ class Rollout:
         self._candidate, self._current = [], []
         self._failing.clear()
         self._passed = 0
+        self._passed_until = None
         self._selector = Selector(step.weight)
         if step.kind == "promote":
             if self.promotion_hold:
@@ -548,6 +550,7 @@ class Rollout:
             if self.phase in (Phase.SHADOW, Phase.CANARY) and self.step == step:
                 self._interval_start = end
                 self._candidate, self._current = [], []
+        self._advance(now)  # a step held for a pending canary moves on as soon as it settles
 
     def _judge(
         self, cand: Sequence[Sample], cur: Sequence[Sample]
@@ -632,9 +635,18 @@ class Rollout:
                 return
         if enough and not failed:
             self._passed += 1
-        pending = self._oldest_pending is not None and self._oldest_pending < end
-        if self._passed >= spec.steps[self.step].intervals and not pending:
-            self._enter_step(now, self.step + 1)
+            if self._passed >= spec.steps[self.step].intervals:
+                self._passed_until = end
+        self._advance(now)
+
+    def _advance(self, now: float) -> None:
+        """Enter the next step once the step's intervals passed and no canary dispatched
+        before the end of the last of them is still without an outcome."""
+        if self._passed_until is None or self.phase not in (Phase.SHADOW, Phase.CANARY):
+            return
+        if self._oldest_pending is not None and self._oldest_pending < self._passed_until:
+            return
+        self._enter_step(now, self.step + 1)
 
     # ------------------------------------------------------------------ report
 
