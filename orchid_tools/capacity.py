@@ -167,6 +167,55 @@ class PaddingExample(_Strict):
         return list(zip(self.input_tokens, self.output_tokens, strict=True))
 
 
+class ShadowCombination(_Strict):
+    """Normal traffic plus shadow: ``share`` of every class's requests mirrored to a candidate
+    priced as ``model``."""
+
+    model: str = Field(min_length=1, description="the model the candidate is priced as")
+    share: float = Field(gt=0, le=1, description="share of requests mirrored (a route's shadow rate)")
+
+
+class OverlapCombination(_Strict):
+    """Version overlap plus long sequences: ``candidate`` resident beside every class's model
+    and fallback on each device; ``long_class``'s sequences in the live room left."""
+
+    candidate: str = Field(min_length=1, description="the candidate version's model (its weights)")
+    long_class: str = Field(min_length=1, description="the class of long sequences")
+
+
+class WarmupShape(_Strict):
+    input_tokens: int = Field(ge=1)
+    output_tokens: int = Field(ge=0)
+    repeat: int = Field(default=1, ge=1)
+
+
+class GroupLossCombination(_Strict):
+    """One device-group loss plus cold load: ``groups`` equal failure domains; a lost group's
+    models load their weights at ``load_gib_per_s`` and run ``warmup`` before serving."""
+
+    groups: int = Field(ge=2, description="equal device groups (failure domains) of the fleet")
+    load_gib_per_s: float = Field(gt=0, description="weights load bandwidth (storage to device)")
+    warmup: list[WarmupShape] = Field(default_factory=list, description="shapes run before ready")
+
+
+class UpstreamCombination(_Strict):
+    """Feature latency plus batch dwell: the teaching request (``deadline``) with upstream
+    work slower by each of ``extra_ms``, against a batch-dwell cap of ``dwell_cap_ms``."""
+
+    request_class: str = Field(min_length=1, alias="class", description="the class of the teaching request")
+    dwell_cap_ms: float = Field(ge=0, description="the class's batch-dwell cap (max_dwell_ms)")
+    extra_ms: list[float] = Field(min_length=1, description="upstream slowdowns to evaluate")
+
+
+class Combinations(_Strict):
+    """The seed's combined bottlenecks; surge plus fallback is ``overload`` (always computed)."""
+
+    shadow: ShadowCombination | None = None
+    version_overlap: OverlapCombination | None = None
+    device_group_loss: GroupLossCombination | None = None
+    upstream_dwell: UpstreamCombination | None = None
+
+
 class Workload(_Strict):
     """A workload description file, validated. Cross-references are checked here too."""
 
@@ -176,10 +225,39 @@ class Workload(_Strict):
     overload: OverloadSpec = Field(default_factory=OverloadSpec)
     deadline: DeadlineSpec | None = None
     padding_example: PaddingExample | None = None
+    combinations: Combinations | None = None
 
     @model_validator(mode="after")
     def _references(self) -> Self:
         known = ", ".join(sorted(self.models))
+        combined = self.combinations
+        if combined is not None:
+            classes = ", ".join(sorted(self.classes))
+            for key, model in (
+                ("shadow.model", combined.shadow.model if combined.shadow else None),
+                (
+                    "version_overlap.candidate",
+                    combined.version_overlap.candidate if combined.version_overlap else None,
+                ),
+            ):
+                if model is not None and model not in self.models:
+                    raise _KeyedProblem(f"combinations.{key}", f"unknown model {model!r} (known: {known})")
+            for key, name in (
+                (
+                    "version_overlap.long_class",
+                    combined.version_overlap.long_class if combined.version_overlap else None,
+                ),
+                (
+                    "upstream_dwell.class",
+                    combined.upstream_dwell.request_class if combined.upstream_dwell else None,
+                ),
+            ):
+                if name is not None and name not in self.classes:
+                    raise _KeyedProblem(f"combinations.{key}", f"unknown class {name!r} (known: {classes})")
+            if combined.upstream_dwell is not None and self.deadline is None:
+                raise _KeyedProblem(
+                    "combinations.upstream_dwell", "needs the deadline section (the teaching request)"
+                )
         for name, cls in self.classes.items():
             if cls.model not in self.models:
                 raise _KeyedProblem(f"classes.{name}.model", f"unknown model {cls.model!r} (known: {known})")
@@ -829,6 +907,281 @@ def _quality_section(w: Workload, demand: _Demand) -> Section:
     return Section("Quality and overload", tuple(figures))
 
 
+def _cost(w: Workload, model: str, cls: RequestClass) -> float:
+    return w.models[model].accelerator_ms(cls.input_tokens, cls.output_tokens)
+
+
+def _combination_sections(w: Workload, demand: _Demand) -> list[Section]:
+    """The seed's combined bottlenecks, one section each (surge plus fallback from the
+    overload figures). Each figure is the combination's arithmetic on the fixture; the
+    simulator's scenarios (examples/orchid/simulate/combined-*.yaml) say whether a fleet held it."""
+    sections: list[Section] = []
+    combined = w.combinations or Combinations()
+    protected = demand.fleet * demand.per_device
+    raw = demand.fleet * MS_PER_S
+    gib = 1024**3
+    if combined.shadow is not None:
+        shadow = combined.shadow
+        mirrored = sum(
+            cls.rate_per_s
+            * shadow.share
+            * w.models[shadow.model].accelerator_ms(cls.input_tokens, cls.output_tokens)
+            for cls in w.classes.values()
+        )
+        total = demand.offered + mirrored
+        sections.append(
+            Section(
+                "Combination: normal traffic plus shadow",
+                (
+                    Figure(
+                        "combination.shadow.demand",
+                        "shadow demand",
+                        mirrored,
+                        "accelerator-ms/s",
+                        f"{_n(shadow.share * 100)} % of every class's requests mirrored, priced on "
+                        f"{shadow.model}",
+                        decimals=1,
+                    ),
+                    Figure(
+                        "combination.shadow.total_demand",
+                        "normal plus shadow",
+                        total,
+                        "accelerator-ms/s",
+                        f"{_n(demand.offered)} + {_n(mirrored)}",
+                        decimals=1,
+                    ),
+                    Figure(
+                        "combination.shadow.protected_pct",
+                        "normal plus shadow, share of protected",
+                        total / protected * 100,
+                        "%",
+                        f"of {demand.fleet} devices' protected envelope: "
+                        + (
+                            "over it: shadow may run only on idle devices and stops at ladder step 1"
+                            if total > protected
+                            else "fits"
+                        ),
+                        decimals=2,
+                    ),
+                    Figure(
+                        "combination.shadow.raw_pct",
+                        "normal plus shadow, share of raw",
+                        total / raw * 100,
+                        "%",
+                        f"of {demand.fleet} devices' raw time: what is left idle for the mirror",
+                        decimals=2,
+                    ),
+                ),
+            )
+        )
+    if combined.version_overlap is not None:
+        overlap = combined.version_overlap
+        cls = w.classes[overlap.long_class]
+        device = DeviceMemory.from_gib(w.device.memory_gib, w.device.runtime_reserve_gib)
+        resident_models = dict.fromkeys(
+            m for c in w.classes.values() for m in (c.model, c.fallback) if m is not None
+        )
+        resident = sum(w.models[m].resident_weights_bytes for m in resident_models)
+        resident += w.models[overlap.candidate].resident_weights_bytes
+        left = device.live_room_bytes(resident)
+        per_token = w.models[cls.model].live_cache_bytes_per_token
+        tokens = math.floor(left / per_token) if per_token > 0 and left > 0 else 0
+        sequence = cls.input_tokens + cls.output_tokens
+        live = cls.rate_per_s * _cost(w, cls.model, cls) / MS_PER_S / demand.fleet
+        sections.append(
+            Section(
+                "Combination: version overlap plus long sequences",
+                (
+                    Figure(
+                        "combination.version_overlap.resident_gib",
+                        "resident weights, both versions",
+                        resident / gib,
+                        "GiB",
+                        f"{' + '.join(resident_models)} + candidate (as {overlap.candidate}) on each device",
+                        decimals=2,
+                    ),
+                    Figure(
+                        "combination.version_overlap.live_state_gib",
+                        "left for live state",
+                        left / gib,
+                        "GiB",
+                        f"{_n(w.device.memory_gib)} device - {_n(w.device.runtime_reserve_gib)} reserve - "
+                        "resident weights",
+                        decimals=2,
+                    ),
+                    Figure(
+                        "combination.version_overlap.live_tokens",
+                        "live tokens, ceiling",
+                        tokens,
+                        "tokens",
+                        f"floor(left / {per_token:,} B per token of {cls.model})",
+                    ),
+                    Figure(
+                        "combination.version_overlap.long_sequences",
+                        f"{overlap.long_class} sequences per device",
+                        math.floor(tokens / sequence) if sequence else 0,
+                        "sequences",
+                        f"floor(live tokens / {sequence:,} tokens ({cls.input_tokens:,} in + "
+                        f"{cls.output_tokens:,} out))",
+                    ),
+                    Figure(
+                        "combination.version_overlap.long_live",
+                        f"{overlap.long_class} sequences live per device",
+                        live,
+                        "sequences",
+                        f"{_n(cls.rate_per_s)} req/s × {_ms(_cost(w, cls.model, cls))} ms / "
+                        f"{demand.fleet} devices (Little's law, execution only)",
+                        decimals=3,
+                    ),
+                ),
+            )
+        )
+    if combined.device_group_loss is not None:
+        loss = combined.device_group_loss
+        surviving = demand.fleet * (loss.groups - 1) / loss.groups
+        saving = 0.0
+        for name, share in w.overload.fallback_share.items():
+            cls = w.classes[name]
+            assert cls.fallback is not None
+            saving += cls.rate_per_s * share * (_cost(w, cls.model, cls) - _cost(w, cls.fallback, cls))
+        figures = [
+            Figure(
+                "combination.device_group_loss.surviving_devices",
+                "devices after one group is lost",
+                surviving,
+                "devices",
+                f"{demand.fleet} devices in {loss.groups} groups, one lost",
+                decimals=0 if surviving.is_integer() else 1,
+            ),
+            Figure(
+                "combination.device_group_loss.protected_pct",
+                "normal demand, share of surviving protected",
+                demand.offered / (surviving * demand.per_device) * 100,
+                "%",
+                f"{_n(demand.offered)} / ({_n(surviving)} × {_n(demand.per_device)} ms/s)",
+                decimals=2,
+            ),
+            Figure(
+                "combination.device_group_loss.raw_pct",
+                "normal demand, share of surviving raw",
+                demand.offered / (surviving * MS_PER_S) * 100,
+                "%",
+                f"{_n(demand.offered)} / ({_n(surviving)} × 1,000 ms/s): over 100 % it cannot all run at all",
+                decimals=2,
+            ),
+            Figure(
+                "combination.device_group_loss.fallback_pct",
+                "with the fallback shares, of surviving protected",
+                (demand.offered - saving) / (surviving * demand.per_device) * 100,
+                "%",
+                f"normal demand - {_n(saving)} ms/s saved by the overload fallback shares at 1×",
+                decimals=2,
+            ),
+        ]
+        loaded = dict.fromkeys(m for c in w.classes.values() for m in (c.model, c.fallback) if m is not None)
+        for model in loaded:
+            profile = w.models[model]
+            weights_s = profile.resident_weights_bytes / gib / loss.load_gib_per_s
+            warm_ms = sum(
+                profile.accelerator_ms(s.input_tokens, s.output_tokens) * s.repeat for s in loss.warmup
+            )
+            figures.append(
+                Figure(
+                    f"combination.cold_load.{model}",
+                    f"cold load: {model}",
+                    weights_s + warm_ms / MS_PER_S,
+                    "s",
+                    f"{_n(profile.resident_weights_bytes / gib, 2)} GiB / {_n(loss.load_gib_per_s)} GiB/s + "
+                    f"warm-up {_ms(warm_ms)} ms ({sum(s.repeat for s in loss.warmup)} requests): "
+                    "not ready before",
+                    decimals=3,
+                )
+            )
+        sections.append(Section("Combination: one device-group loss plus cold load", tuple(figures)))
+    if w.overload.fallback_share:
+        surge = w.overload.surge_factor
+        arriving = sum(c.rate_per_s for c in w.classes.values()) * surge
+        routed = sum(
+            w.classes[n].rate_per_s * surge * share for n, share in w.overload.fallback_share.items()
+        )
+        surge_demand = sum(c.rate_per_s * surge * _cost(w, c.model, c) for c in w.classes.values())
+        sections.append(
+            Section(
+                "Combination: surge plus fallback",
+                (
+                    Figure(
+                        "combination.surge_fallback.raw_pct",
+                        "surge, share of raw",
+                        surge_demand / raw * 100,
+                        "%",
+                        f"{_n(surge_demand)} / ({demand.fleet} × 1,000 ms/s); the rest of the figures: "
+                        "Quality and overload",
+                        decimals=2,
+                    ),
+                    Figure(
+                        "combination.surge_fallback.fallback_request_pct",
+                        "surge requests on the fallback",
+                        routed / arriving * 100 if arriving else 0.0,
+                        "%",
+                        f"{_n(routed)} of {_n(arriving)} req/s by the fallback shares: the most the plan "
+                        "degrades",
+                        decimals=2,
+                    ),
+                ),
+            )
+        )
+    if combined.upstream_dwell is not None and w.deadline is not None:
+        upstream = combined.upstream_dwell
+        cls = w.classes[upstream.request_class]
+        slack = w.deadline.budget().slack_ms
+        figures = [
+            Figure(
+                "combination.upstream_dwell.slack_ms",
+                "slack of the teaching request",
+                slack,
+                "ms",
+                f"the scheduling section's max batch wait; dwell cap {_n(upstream.dwell_cap_ms)} ms",
+                decimals=1,
+            )
+        ]
+        gain: float = _cost(w, cls.model, cls) - _cost(w, cls.fallback, cls) if cls.fallback else 0.0
+        for extra in upstream.extra_ms:
+            remaining_ms = slack - extra
+            if remaining_ms >= upstream.dwell_cap_ms:
+                verdict = "the dwell cap still fits: serve as usual"
+            elif remaining_ms >= 0:
+                verdict = "under the dwell cap: dispatch at once, no batch wait"
+            elif cls.fallback and remaining_ms + gain >= 0:
+                verdict = f"negative on {cls.model}: only {cls.fallback} can finish in time"
+            else:
+                verdict = "negative: admission must refuse early"
+            key = f"{_n(extra)}ms"
+            figures.append(
+                Figure(
+                    f"combination.upstream_dwell.slack_ms.{key}",
+                    f"slack, upstream +{_n(extra)} ms",
+                    remaining_ms,
+                    "ms",
+                    f"{_n(slack)} - {_n(extra)}: {verdict}",
+                    decimals=1,
+                )
+            )
+            if cls.fallback:
+                figures.append(
+                    Figure(
+                        f"combination.upstream_dwell.fallback_slack_ms.{key}",
+                        f"slack on {cls.fallback}, +{_n(extra)} ms",
+                        remaining_ms + gain,
+                        "ms",
+                        f"+ ({_ms(_cost(w, cls.model, cls))} - {_ms(_cost(w, cls.fallback, cls))}) ms of "
+                        "execution saved",
+                        decimals=1,
+                    )
+                )
+        sections.append(Section("Combination: feature latency plus batch dwell", tuple(figures)))
+    return sections
+
+
 def compute_worksheet(workload: Workload, *, source: str = "") -> Worksheet:
     """Pure arithmetic: the worksheet figures of ``workload``."""
     execution, demand = _execution_section(workload)
@@ -837,6 +1190,7 @@ def compute_worksheet(workload: Workload, *, source: str = "") -> Worksheet:
     if scheduling is not None:
         sections.append(scheduling)
     sections.append(_quality_section(workload, demand))
+    sections.extend(_combination_sections(workload, demand))
     return Worksheet(tuple(sections), source)
 
 

@@ -54,6 +54,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tritonclient.grpc import service_pb2
 
+from gateway import clock
 from gateway.backends.memory import Execution, MemoryBackend, MemoryModel
 from gateway.config import (
     BackendConfig,
@@ -68,8 +69,12 @@ from gateway.config import (
     load_routes,
 )
 from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError
+from gateway.core.evidence import Evidence, EvidenceKey
 from gateway.core.profile import DemandProfile
+from gateway.core.rollout import RolloutSpec
+from gateway.evidence import population
 from gateway.pipeline import BackendHandle, CallContext, GatewayListener
+from gateway.rollouts import parse_rollout
 from gateway.server import (
     assemble_gateway,
     load_configuration,
@@ -77,7 +82,7 @@ from gateway.server import (
     sample_statistics_forever,
     update_ladders_forever,
 )
-from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, read_yaml
+from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, parse_yaml, read_yaml
 from orchid_tools.virtual_time import VirtualTimeLoop
 
 MS_PER_S = 1000.0
@@ -120,6 +125,10 @@ class FleetModel(_Strict):
     profile: str | None = Field(default=None, description="routes profile of its real cost")
     cost: DemandProfile | None = Field(default=None, description="its real cost, when not a routes profile")
     decoupled: bool | None = Field(default=None, description="streams one response per token")
+    load_s: float = Field(
+        default=0.0, ge=0, description="load + warm-up before it is ready (a cold restore, a rollout's load)"
+    )
+    loaded: bool = Field(default=True, description="false: in the repository, loaded only by a rollout")
 
 
 class FleetBackend(_Strict):
@@ -163,11 +172,16 @@ class ArrivalClass(_Strict):
     deadline_ms: float | None = Field(default=None, gt=0, description="the gRPC deadline; none: the class's")
     allow_fallback: bool | None = None
     arrivals: Literal["poisson", "deterministic"] = "poisson"
+    upstream_ms: float = Field(
+        default=0.0, ge=0, description="spent upstream (features, preprocessing) before the gateway"
+    )
 
     @model_validator(mode="after")
     def _one_rate(self) -> ArrivalClass:
         if (self.rate_per_s is None) == (self.raw_capacity_share is None):
             raise _Keyed("rate_per_s", "give exactly one of rate_per_s and raw_capacity_share")
+        if self.upstream_ms > 0 and self.deadline_ms is None:
+            raise _Keyed("upstream_ms", "upstream time eats the caller's deadline: set deadline_ms too")
         return self
 
 
@@ -181,8 +195,13 @@ class Phase(_Strict):
 class Fault(_Strict):
     at_s: float = Field(ge=0)
     until_s: float | None = Field(default=None, gt=0)
-    kind: Literal["device_group_lost", "underprediction"]
+    kind: Literal["device_group_lost", "underprediction", "slow_upstream"]
     backend: str | None = Field(default=None, description="device_group_lost: the backend lost")
+    cold: bool = Field(
+        default=False, description="device_group_lost: it comes back cold (each model loads its load_s)"
+    )
+    extra_ms: float | None = Field(default=None, gt=0, description="slow_upstream: added upstream time")
+    arrivals: list[str] | None = Field(default=None, description="slow_upstream: the classes (default all)")
     model: str | None = Field(default=None, description="underprediction: the backend model")
     factor: float = Field(default=2.0, gt=0, description="underprediction: time x this")
     longer_than_tokens: int | None = Field(
@@ -195,6 +214,10 @@ class Fault(_Strict):
             raise _Keyed("backend", "device_group_lost needs the backend (device group) lost")
         if self.kind == "underprediction" and self.model is None:
             raise _Keyed("model", "underprediction needs the backend model that runs slower")
+        if self.kind == "slow_upstream" and self.extra_ms is None:
+            raise _Keyed("extra_ms", "slow_upstream needs extra_ms, the upstream time it adds")
+        if self.cold and (self.kind != "device_group_lost" or self.until_s is None):
+            raise _Keyed("cold", "cold applies to a device_group_lost fault that ends (until_s)")
         if self.until_s is not None and self.until_s <= self.at_s:
             raise _Keyed("until_s", "until_s must be after at_s")
         return self
@@ -202,6 +225,74 @@ class Fault(_Strict):
 
 class ReportSpec(_Strict):
     interval_s: float = Field(default=1.0, gt=0, description="bins of the timeline and the plot")
+
+
+class PublishedEvidence(_Strict):
+    """A quality evaluation published before the run (as ``orchid-gateway evidence publish``),
+    e.g. a rollout candidate's, which its ``quality_score_drop`` guardrail compares."""
+
+    model: str = Field(description="the logical model (route)")
+    version: str = Field(description="the version label evaluated (a rollout's candidate label)")
+    score: float = Field(ge=0, le=1)
+    sample_size: int = Field(default=1000, ge=1)
+    population: str | None = Field(default=None, description="default: the route's population")
+    owner: str = "simulation"
+
+
+class RolloutStart(_Strict):
+    """A version change started at ``at_s`` (as ``orchid-gateway rollout start FILE`` would)."""
+
+    file: Path = Field(description="a rollout file (relative to the scenario)")
+    at_s: float = Field(ge=0)
+
+
+# Figures an expectation may bound: a phase's totals, class or tenant block, plus these.
+EXPECTED_FIGURES = (
+    "on_time_pct",
+    "degraded_pct",
+    "rejected_early_pct",
+    "rejected_late_pct",
+    "missed_pct",
+    "failed_pct",
+    "late_pct",
+    "missed_late_pct",  # rejected late + missed + late: refusals that came too late
+    "on_time_of_admitted_pct",  # on time / (offered - rejected early): admitted work stays on time
+    "wasted_device_ms_per_s",
+    "fallback_saving_ms_per_s",
+    "shadow_device_ms_per_s",  # totals only
+    "canary_pct",  # answers by a rollout's candidate, % of offered
+    "max_step",  # the highest ladder step of any pool (or ``pool``) in the phase
+)
+
+
+class Expectation(_Strict):
+    """Bounds the fleet must hold in a phase; the report says whether each held."""
+
+    phase: str
+    scope: str = Field(default="totals", description="totals, class NAME or tenant NAME")
+    pool: str | None = Field(default=None, description="max_step: this pool (backend/model) only")
+    min: dict[str, float] = {}
+    max: dict[str, float] = {}
+    versus: str | None = Field(default=None, description="another phase, for max_above")
+    max_above: dict[str, float] = Field(
+        default={}, description="figure <= the versus phase's + this (recovery: back to pre-fault)"
+    )
+    because: str = ""
+
+    @model_validator(mode="after")
+    def _figures(self) -> Expectation:
+        for part in ("min", "max", "max_above"):
+            for name in getattr(self, part):
+                if name not in EXPECTED_FIGURES:
+                    raise _Keyed(f"{part}.{name}", f"unknown figure (known: {', '.join(EXPECTED_FIGURES)})")
+        if bool(self.max_above) != (self.versus is not None):
+            raise _Keyed("versus", "max_above needs versus (the phase compared with), and versus max_above")
+        if not (self.min or self.max or self.max_above):
+            raise _Keyed("max", "an expectation bounds at least one figure")
+        kind, _, name = self.scope.partition(" ")
+        if self.scope != "totals" and (kind not in ("class", "tenant") or not name):
+            raise _Keyed("scope", "totals, `class NAME` or `tenant NAME`")
+        return self
 
 
 class Scenario(_Strict):
@@ -217,6 +308,9 @@ class Scenario(_Strict):
     arrivals: dict[str, ArrivalClass] = Field(min_length=1)
     phases: list[Phase] = Field(min_length=1)
     faults: list[Fault] = []
+    rollouts: list[RolloutStart] = []
+    evidence: list[PublishedEvidence] = []
+    expect: list[Expectation] = []
     report: ReportSpec = ReportSpec()
 
     @model_validator(mode="after")
@@ -236,6 +330,30 @@ class Scenario(_Strict):
                 raise _Keyed(f"faults[{f}].backend", f"unknown backend {fault.backend!r}")
             if fault.model is not None and not any(fault.model in b.models for b in self.fleet):
                 raise _Keyed(f"faults[{f}].model", f"no backend of the fleet serves {fault.model!r}")
+            for a, name in enumerate(fault.arrivals or ()):
+                if name not in self.arrivals:
+                    raise _Keyed(f"faults[{f}].arrivals[{a}]", f"unknown arrival class {name!r}")
+                if self.arrivals[name].deadline_ms is None:
+                    raise _Keyed(
+                        f"faults[{f}].arrivals[{a}]",
+                        f"class {name!r} sets no deadline_ms for upstream time to eat",
+                    )
+            if fault.kind == "slow_upstream" and fault.arrivals is None:
+                for name, spec in self.arrivals.items():
+                    if spec.deadline_ms is None:
+                        raise _Keyed(
+                            f"faults[{f}].arrivals", f"class {name!r} sets no deadline_ms: list the classes"
+                        )
+        phases = [p.name for p in self.phases]
+        for e, expectation in enumerate(self.expect):
+            for key, named in (("phase", expectation.phase), ("versus", expectation.versus)):
+                if named is not None and named not in phases:
+                    raise _Keyed(
+                        f"expect[{e}].{key}", f"unknown phase {named!r} (phases: {', '.join(phases)})"
+                    )
+            kind, _, name = expectation.scope.partition(" ")
+            if kind == "class" and name not in self.arrivals:
+                raise _Keyed(f"expect[{e}].scope", f"unknown arrival class {name!r}")
         return self
 
     @property
@@ -336,6 +454,7 @@ class Prepared:
     routes: RouteTable
     models: dict[str, dict[str, MemoryModel]]  # backend -> backend model -> emulation
     classes: dict[str, ClassFacts]
+    rollouts: tuple[tuple[float, RolloutSpec], ...] = ()  # (at_s, the version change started then)
 
 
 @dataclass(frozen=True)
@@ -354,6 +473,7 @@ class ClassFacts:
     rate_per_s: float
     primary_ms: float  # profile price on the model asked for, batch of one, time factor 1
     fallback_ms: float | None  # the same on the route's fallback (its output cap applied)
+    upstream_ms: float = 0.0  # spent before the gateway (features, preprocessing): E of the slack
 
 
 def _resolve(base: Path, value: Path) -> Path:
@@ -419,7 +539,26 @@ def prepare(
         name: _class_facts(source, name, spec, scenario, config, tenants, routes)
         for name, spec in scenario.arrivals.items()
     }
-    return Prepared(scenario, source, config, tenants, routes, models, classes)
+    for e, published in enumerate(scenario.evidence):
+        if published.model not in routes.models:
+            raise source.error(
+                f"evidence[{e}].model", f"unknown model {published.model!r} (routes: {_known(routes.models)})"
+            )
+    for e, expectation in enumerate(scenario.expect):
+        kind, _, who = expectation.scope.partition(" ")
+        if kind == "tenant" and who not in {f.tenant for f in classes.values()}:
+            raise source.error(f"expect[{e}].scope", f"no arrival class of tenant {who!r}")
+    rollouts = []
+    for r, start in enumerate(scenario.rollouts):
+        file = _resolve(here, start.file)
+        try:
+            document = parse_yaml(str(file), file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise source.error(f"rollouts[{r}].file", f"cannot read {file}: {exc}") from None
+        except YamlError as exc:
+            raise ConfigError(exc.location, "", exc.problem) from None
+        rollouts.append((start.at_s, parse_rollout(document, config, tenants, routes)))
+    return Prepared(scenario, source, config, tenants, routes, models, classes, tuple(rollouts))
 
 
 def _route_of(backend_model: str, tenants: TenantsFile, routes: RouteTable) -> RouteConfig | None:
@@ -473,6 +612,8 @@ def _fleet_models(
             decoupled=decoupled,
             version=(route.version or "1") if route else "1",
             input_name=route.shape.tokens_input if route else "INPUT_IDS",
+            load_s=spec.load_s,
+            loaded=spec.loaded,
         )
     return out
 
@@ -539,6 +680,7 @@ def _class_facts(
         rate_per_s=rate,
         primary_ms=primary_ms,
         fallback_ms=fallback_ms,
+        upstream_ms=spec.upstream_ms,
     )
 
 
@@ -638,14 +780,28 @@ class _SimBackend(MemoryBackend):
     """A ``MemoryBackend`` that notes which requests reached it (a failure after that is the
     backend's, not a refusal)."""
 
-    def __init__(self, *args: Any, submitted: set[str], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        submitted: set[str],
+        callers: dict[asyncio.Task[Any], int],
+        served: list[str],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._submitted = submitted
+        self._callers = callers
+        self._served = served
 
     async def infer(
         self, request: service_pb2.ModelInferRequest, *, timeout_s: float, logical: str
     ) -> service_pb2.ModelInferResponse:
         self._submitted.add(request.id)
+        # On the caller's path (its own task), not a mirror (route shadow, a rollout's shadow
+        # step), which runs in a task of its own: the model that does the caller's work.
+        index = self._callers.get(asyncio.current_task())  # type: ignore[arg-type]
+        if index is not None:
+            self._served[index] = request.model_name
         return await super().infer(request, timeout_s=timeout_s, logical=logical)
 
 
@@ -672,11 +828,14 @@ class RunRecord:
     approximation: list[str]
     rule: list[str]  # the deciding rule of a refusal; the rules of a degraded answer
     finished_s: list[float]
+    canary: list[bool]  # answered by a rollout's candidate (orchid.route_reason canary)
+    served: list[str]  # the backend model called on the caller's path ("" none); others: mirrors
     executions: list[tuple[int, Execution]]  # (arrival index, execution); -1: not an arrival's
     ladder: dict[str, list[tuple[float, int]]]
     policy_version: str
     policy_label: str
     faults: list[dict[str, Any]] = field(default_factory=list)
+    rollouts: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_once(prepared: Prepared, arrivals: list[Arrival], *, policies_dir: Path | None = None) -> RunRecord:
@@ -703,12 +862,15 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
         approximation=[""] * count,
         rule=[""] * count,
         finished_s=[0.0] * count,
+        canary=[False] * count,
+        served=[""] * count,
         executions=[],
         ladder={},
         policy_version=policy.version,
         policy_label=policy.current().label,
     )
     submitted: set[str] = set()
+    callers: dict[asyncio.Task[Any], int] = {}
 
     def executed(execution: Execution) -> None:
         index = int(execution.request_id) if execution.request_id.isdigit() else -1
@@ -724,6 +886,8 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
             time_factor=spec.time_factor,
             on_execution=executed,
             submitted=submitted,
+            callers=callers,
+            served=record.served,
         )
         backends[spec.name] = client
         cfg = spec.backend_config()
@@ -745,8 +909,58 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
         loop.create_task(update_ladders_forever(gateway), name="ladders"),
         loop.create_task(sample_statistics_forever(gateway), name="stats"),
     ]
+    upstream = [f.upstream_ms for f in (prepared.classes[n] for n in names)]
+    slow_upstream: list[tuple[float, float, frozenset[int], float]] = []  # (from, until, classes, ms)
     for fault in scenario.faults:
+        if fault.kind == "slow_upstream":
+            assert fault.extra_ms is not None
+            chosen = fault.arrivals if fault.arrivals is not None else names
+            slow_upstream.append(
+                (
+                    fault.at_s,
+                    fault.until_s if fault.until_s is not None else math.inf,
+                    frozenset(names.index(n) for n in chosen),
+                    fault.extra_ms,
+                )
+            )
+            record.faults.append(
+                {
+                    "kind": fault.kind,
+                    "at_s": fault.at_s,
+                    "until_s": fault.until_s,
+                    "extra_ms": fault.extra_ms,
+                    "arrivals": sorted(chosen),
+                }
+            )
+            continue
         record.faults.append(_arm_fault(loop, t0, fault, backends, prepared))
+    started_rollouts: list[tuple[float, RolloutSpec, str]] = []  # (at_s, spec, refusal or "")
+
+    def start_rollout(at_s: float, spec: RolloutSpec) -> None:
+        try:
+            gateway.rollouts.start(spec)
+        except GatewayError as error:  # refused (two versions do not fit, ...), as the admin RPC says
+            started_rollouts.append((at_s, spec, error.message))
+            return
+        started_rollouts.append((at_s, spec, ""))
+
+    for at_s, rollout_spec in prepared.rollouts:
+        loop.call_at(t0 + at_s, start_rollout, at_s, rollout_spec)
+    for published in scenario.evidence:
+        route = prepared.routes.models[published.model]
+        fallback = prepared.routes.models.get(route.fallback) if route.fallback else None
+        gateway.evidence.publish(
+            Evidence(
+                key=EvidenceKey(
+                    published.model, published.version, published.population or population(route, fallback)
+                ),
+                score=published.score,
+                sample_size=published.sample_size,
+                owner=published.owner,
+                evaluated_at=clock.wall(),
+                max_age_s=86_400.0,
+            )
+        )
 
     templates: list[bytes] = []
     metadata: list[tuple[tuple[str, str | bytes], ...]] = []
@@ -775,16 +989,26 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
         f = facts[arrival.klass]
         # The id first, then the template: protobuf merges concatenated messages.
         raw = service_pb2.ModelInferRequest(id=str(index)).SerializeToString() + templates[arrival.klass]
-        deadline_s = f.deadline_ms / MS_PER_S
+        # Upstream work (features, preprocessing) already spent part of the caller's deadline.
+        elapsed_ms = upstream[arrival.klass] + sum(
+            ms for a, u, chosen, ms in slow_upstream if arrival.klass in chosen and a <= arrival.at_s < u
+        )
+        deadline_s = (f.deadline_ms - elapsed_ms) / MS_PER_S
         call = CallContext(
             metadata=metadata[arrival.klass],
             time_remaining_s=deadline_s if f.sets_deadline else None,
             received_at=loop.time(),
         )
         task = loop.create_task(gateway.infer(raw, call))
-        caller_gives_up = loop.call_at(loop.time() + deadline_s, task.cancel) if f.sets_deadline else None
+        callers[task] = index
+        caller_gives_up = (
+            loop.call_at(loop.time() + deadline_s, task.cancel)
+            if f.sets_deadline and deadline_s > 0
+            else None
+        )
 
         def settled(task: asyncio.Task[service_pb2.ModelInferResponse]) -> None:
+            callers.pop(task, None)
             if caller_gives_up is not None:
                 caller_gives_up.cancel()
             if task.cancelled():
@@ -801,6 +1025,7 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
                     reason, rules = params["orchid.route_reason"], params["orchid.rules"]
                     why = f"{reason.string_param} [{rules.string_param}]"
                 late = loop.time() - t0 - arrival.at_s > deadline_s + 1e-9
+                record.canary[index] = params["orchid.route_reason"].string_param == "canary"
                 finish(index, "late" if late else "on_time", approximation, why)
                 return
             if not isinstance(error, GatewayError):
@@ -823,6 +1048,14 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
     if count:
         loop.call_at(t0 + arrivals[0].at_s, start, 0)
         await done
+    for at_s, rollout_spec, refused in started_rollouts:
+        entry: dict[str, Any] = {"name": rollout_spec.name, "at_s": at_s}
+        if refused:
+            entry["refused"] = refused
+        else:
+            entry.update(gateway.rollouts.report(rollout_spec.name))
+        record.rollouts.append(entry)
+    await gateway.rollouts.close()
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)
@@ -847,7 +1080,16 @@ def _arm_fault(
         applied["backend"] = fault.backend
         actions.append((fault.at_s, lambda: backend.set_healthy(False)))
         if fault.until_s is not None:
-            actions.append((fault.until_s, lambda: backend.set_healthy(True)))
+            cold = fault.cold
+            actions.append((fault.until_s, lambda: backend.set_healthy(True, cold=cold)))
+        if fault.cold:
+            assert fault.until_s is not None
+            back_at = fault.until_s
+            models = prepared.models[fault.backend]
+            applied["cold"] = True
+            applied["ready_at_s"] = {
+                name: _r(back_at + m.load_s) for name, m in sorted(models.items()) if m.loaded
+            }
     else:
         assert fault.model is not None
         model = fault.model
@@ -886,7 +1128,8 @@ def _pct(part: float, whole: float) -> float | None:
 
 
 def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any]:
-    """The run as a JSON-ready document (sorted keys at dump; rounded figures)."""
+    """The run as a JSON-ready document (sorted keys at dump; rounded figures), with the
+    scenario's expectations checked against it."""
     scenario = prepared.scenario
     config = prepared.config
     names = list(scenario.arrivals)
@@ -895,7 +1138,6 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
     protected = config.protected_utilization
     envelope_ms = sum(b.devices * protected * MS_PER_S / b.time_factor for b in scenario.fleet)
     devices = sum(b.devices for b in scenario.fleet)
-    shadow_models = {r.shadow.backend_model for r in prepared.routes.models.values() if r.shadow is not None}
 
     # Device time per arrival: useful (its caller got an answer in time) or wasted.
     wasted: dict[tuple[int, int], float] = defaultdict(float)
@@ -906,10 +1148,8 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             continue
         arrival = record.arrivals[index]
         key = (arrival.phase, arrival.klass)
-        if (
-            execution.model in shadow_models
-            and execution.model != prepared.routes.models[facts[arrival.klass].model].backend_model
-        ):
+        if execution.model != record.served[index]:
+            # Off the caller's path: a mirror (the route's shadow, a rollout's shadow step).
             shadow_ms[arrival.phase] += execution.device_ms
         elif execution.answered and record.outcome[index] == "on_time":
             useful[key] += execution.device_ms
@@ -929,6 +1169,8 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
         offered_ms[key] += f.primary_ms
         outcome = record.outcome[index]
         counts[outcome] += 1
+        if outcome == "on_time" and record.canary[index]:
+            counts["canary"] += 1
         if outcome == "on_time":
             approximation = record.approximation[index] or "none"
             counts[approximation] += 1
@@ -960,6 +1202,10 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             out[f"{outcome}_pct"] = _pct(counts[outcome], offered_n)
         out["degraded_pct"] = _pct(out["degraded"], offered_n)
         out["degraded_pct_of_on_time"] = _pct(out["degraded"], counts["on_time"])
+        out["missed_late_pct"] = _pct(counts["rejected_late"] + counts["missed"] + counts["late"], offered_n)
+        out["on_time_of_admitted_pct"] = _pct(counts["on_time"], offered_n - counts["rejected_early"])
+        out["canary"] = counts["canary"]
+        out["canary_pct"] = _pct(counts["canary"], offered_n)
         return out
 
     phases_out: list[dict[str, Any]] = []
@@ -999,6 +1245,7 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
         totals = block(total, duration, total_offered, total_waste, total_served)
         totals["fallback_saving_ms_per_s"] = _r(total_saving / duration)
         totals["shadow_device_ms"] = _r(shadow_ms[p])
+        totals["shadow_device_ms_per_s"] = _r(shadow_ms[p] / duration)
         phases_out.append(
             {
                 "name": window.name,
@@ -1013,7 +1260,7 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
                 "ladder": _ladder_phase(record.ladder, window),
             }
         )
-    return {
+    document: dict[str, Any] = {
         "scenario": prepared.source.path.name,
         "description": scenario.description.strip(),
         "seed": seed,
@@ -1040,9 +1287,70 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             for f in facts
         },
         "faults": record.faults,
+        "rollouts": record.rollouts,
         "phases": phases_out,
         "timeline": _timeline(prepared, record, windows),
     }
+    document["expectations"] = check_expectations(scenario, document)
+    document["expectations_held"] = all(e["held"] for e in document["expectations"])
+    return document
+
+
+def _figure(phase: Mapping[str, Any], expectation: Expectation, name: str) -> float | None:
+    """One figure of a phase in the expectation's scope (None: the phase has no such figure,
+    e.g. a share of nothing offered)."""
+    if name == "max_step":
+        pools = phase["ladder"]
+        steps = [v["max_step"] for k, v in pools.items() if expectation.pool in (None, k)]
+        return float(max(steps, default=0))
+    kind, _, who = expectation.scope.partition(" ")
+    block = (
+        phase["totals"]
+        if kind == "totals"
+        else phase[{"class": "classes", "tenant": "tenants"}[kind]].get(who)
+    )
+    if block is None:
+        return None
+    value = block.get(name)
+    return None if value is None else float(value)
+
+
+def check_expectations(scenario: Scenario, document: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every bound of the scenario's ``expect:`` against the report's figures: what it asked,
+    what the run had, whether it held. A figure the phase does not have (nothing offered in
+    its scope) does not hold: an expectation must not pass by having nothing to judge."""
+    phases = {p["name"]: p for p in document["phases"]}
+    out: list[dict[str, Any]] = []
+    for expectation in scenario.expect:
+        phase = phases[expectation.phase]
+        scope = expectation.scope + (f" {expectation.pool}" if expectation.pool else "")
+        bounds: list[tuple[str, str, float]] = [("min", n, v) for n, v in expectation.min.items()]
+        bounds += [("max", n, v) for n, v in expectation.max.items()]
+        for name, margin in expectation.max_above.items():
+            assert expectation.versus is not None
+            base = _figure(phases[expectation.versus], expectation, name)
+            bounds.append(("max", name, math.nan if base is None else base + margin))
+        for kind, name, limit in bounds:
+            value = _figure(phase, expectation, name)
+            held = value is not None and not math.isnan(limit)
+            if held and value is not None:
+                held = value >= limit - 1e-9 if kind == "min" else value <= limit + 1e-9
+            entry: dict[str, Any] = {
+                "phase": expectation.phase,
+                "scope": scope,
+                "figure": name,
+                "bound": kind,
+                "limit": None if math.isnan(limit) else _r(limit),
+                "value": value,
+                "held": held,
+            }
+            if expectation.versus is not None and name in expectation.max_above:
+                entry["versus"] = expectation.versus
+                entry["margin"] = expectation.max_above[name]
+            if expectation.because:
+                entry["because"] = expectation.because.strip()
+            out.append(entry)
+    return out
 
 
 def _ladder_phase(ladder: Mapping[str, list[tuple[float, int]]], window: PhaseWindow) -> dict[str, Any]:
@@ -1166,12 +1474,25 @@ def render_text(document: Mapping[str, Any]) -> str:
         f"accelerator-ms/s ({env['protected_utilization']:.0%} of {_fmt(env['raw_ms_per_s'])})",
     ]
     for fault in document["faults"]:
-        target = (
-            fault.get("backend")
-            or f"{fault.get('model')} x{fault.get('factor')} over {fault.get('longer_than_tokens')} tokens"
-        )
+        if fault["kind"] == "slow_upstream":
+            target = f"+{fault['extra_ms']:g} ms upstream for {', '.join(fault['arrivals'])}"
+        else:
+            slowed = f"{fault.get('model')} x{fault.get('factor')}"
+            target = fault.get("backend") or f"{slowed} over {fault.get('longer_than_tokens')} tokens"
         until = f" until {fault['until_s']} s" if fault.get("until_s") is not None else ""
+        if fault.get("cold"):
+            ready = ", ".join(f"{m} at {t:g} s" for m, t in fault["ready_at_s"].items())
+            until += f", back cold (ready: {ready})"
         lines.append(f"Fault: {fault['kind']} {target} at {fault['at_s']} s{until}")
+    for rollout in document.get("rollouts", []):
+        if "refused" in rollout:
+            lines.append(f"Rollout: {rollout['name']} at {rollout['at_s']:g} s refused: {rollout['refused']}")
+            continue
+        lines.append(
+            f"Rollout: {rollout['name']} ({rollout['current']} -> {rollout['candidate']}) started at "
+            f"{rollout['at_s']:g} s: {rollout['phase']}, step {rollout['step']} of {rollout['steps']}"
+            + (f" ({rollout['reason']})" if rollout.get("reason") else "")
+        )
     lines.append("")
     header = (
         f"{'phase':<{pw}} {'time s':>9} {'mult':>5} {'offered ms/s':>13} {'% protected':>11} {'step':>4}"
@@ -1228,6 +1549,21 @@ def render_text(document: Mapping[str, Any]) -> str:
     lines.append(f"Ladder step, max per {timeline['interval_s']:g} s:")
     for pool, steps in timeline["ladder_max_step"].items():
         lines.append(f"  {pool:<28} {''.join(str(s) for s in steps)}")
+    expectations = document.get("expectations", [])
+    if expectations:
+        held = sum(e["held"] for e in expectations)
+        lines.append("")
+        lines.append(f"Expectations: {held} of {len(expectations)} held")
+        for e in expectations:
+            sign = ">=" if e["bound"] == "min" else "<="
+            limit = "n/a" if e["limit"] is None else f"{e['limit']:g}"
+            if "versus" in e:
+                limit += f" ({e['versus']} + {e['margin']:g})"
+            value = "n/a" if e["value"] is None else f"{e['value']:g}"
+            lines.append(
+                f"  {'held  ' if e['held'] else 'FAILED'} {e['phase']:<{pw}} {e['scope']:<16} "
+                f"{e['figure']} {value} {sign} {limit}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -1364,6 +1700,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="ERROR", help="the runtime's log level (ladder steps log at WARNING)"
     )
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when an expectation of the scenario (expect:) failed"
+    )
 
 
 def simulate(
@@ -1428,4 +1767,8 @@ def run(args: argparse.Namespace) -> int:
             else [("", document)]
         )
         plot(documents, args.plot)
+    if getattr(args, "check", False):
+        reports = [document["baseline"], document["candidate"]] if "baseline" in document else [document]
+        if not all(r["expectations_held"] for r in reports):
+            return 1
     return 0

@@ -83,7 +83,15 @@ def test_sections_follow_the_seed_worksheet_headings(sheet: Worksheet) -> None:
     assert titles[0] == "Outcome and workload"
     assert titles[1] == "Execution"
     assert titles[2].startswith("Memory")
-    assert titles[3:] == ["Scheduling and batching", "Quality and overload"]
+    assert titles[3:5] == ["Scheduling and batching", "Quality and overload"]
+    # Then the seed's combined bottlenecks, one section each (the fixture declares them all).
+    assert titles[5:] == [
+        "Combination: normal traffic plus shadow",
+        "Combination: version overlap plus long sequences",
+        "Combination: one device-group loss plus cold load",
+        "Combination: surge plus fallback",
+        "Combination: feature latency plus batch dwell",
+    ]
     for figure in sheet.figures:
         assert figure.unit is not None and figure.explanation and "\n" not in figure.explanation
 

@@ -41,6 +41,19 @@ Theory of operation (the emulator's rules, per model):
   ``slow_down(model, k, longer_than=n)``: that model's requests with more than
   ``n`` input tokens take ``k`` x their profile time (underprediction); the batch
   they run in takes ``k`` x as long.
+* **Cold start and model control.** ``set_healthy(True, cold=True)`` restores the
+  group as a restarted server: it answers (``healthy``) at once, but every model
+  loads and warms again for its ``load_s`` (Triton's load plus its own
+  ``model_warmup``) before it is ready; until then ``is_warm``/``model_ready`` say
+  no, ``model_spec`` and ``infer`` answer ``Unavailable`` as Triton answers for an
+  unavailable model (so the gateway's readiness path, not a special case, keeps
+  work off it), and the statistics counters start again from zero. A model
+  declared ``loaded=False`` sits in the repository unloaded (Triton's explicit
+  model control): ``load_model`` loads it in ``load_s``, ``unload_model`` lets its
+  work finish and unloads it, ``repository_index`` lists each model's state (a
+  ``gateway.backends.base.RepositoryControl``, what a rollout needs). Loading
+  holds no device time here (the devices' transfer and initialisation are not
+  modeled, only the wait).
 
 Outputs are the emulator's: ``OUTPUT_IDS`` (INT32, ``[rows, output tokens]``;
 ``[output tokens]`` for unbatched models), deterministic tokens derived from the
@@ -87,6 +100,8 @@ class MemoryModel:
     version: str = "1"
     input_name: str = "INPUT_IDS"
     output_name: str = "OUTPUT_IDS"
+    load_s: float = 0.0  # load + warm-up before it is ready (a cold start, a repository load)
+    loaded: bool = True  # False: in the repository, not loaded (explicit model control)
 
     def spec(self) -> ModelSpec:
         dims = (-1, -1) if self.max_batch_size > 0 else (-1,)
@@ -181,6 +196,13 @@ class _Model:
     failures: int = 0
     inferences: int = 0
     executions: int = 0
+    state: str = "READY"  # Triton's repository states: READY, LOADING, UNAVAILABLE
+    loading: asyncio.TimerHandle | None = None
+    loaded_waiters: list[asyncio.Future[None]] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "READY"
 
     @property
     def profile(self) -> DemandProfile:
@@ -210,7 +232,9 @@ class MemoryBackend:
         self._models: dict[str, _Model] = {}
         for model in listed:
             pool = shared if shared is not None else _Devices(model.instances)
-            self._models[model.name] = _Model(model, pool, model.instances)
+            self._models[model.name] = _Model(
+                model, pool, model.instances, state="READY" if model.loaded else "UNAVAILABLE"
+            )
         self._pools: list[_Devices] = list({id(m.devices): m.devices for m in self._models.values()}.values())
         self._healthy = True
         self._down_at = 0.0
@@ -228,15 +252,28 @@ class MemoryBackend:
         """Now while healthy (it needs no probe to know); when it went down otherwise."""
         return clock.now() if self._healthy else self._down_at
 
-    def set_healthy(self, healthy: bool) -> None:
+    def set_healthy(self, healthy: bool, *, cold: bool = False) -> None:
         """Lose (False) or restore (True) the whole device group. Losing it fails every
-        queued and running request with ``Unavailable``; their device time is lost."""
+        queued and running request with ``Unavailable``; their device time is lost. Restored
+        ``cold``, it is a restarted server: each model that was loaded loads and warms again
+        for its ``load_s`` before it is ready, and the statistics start from zero."""
         if healthy == self._healthy:
             return
         self._healthy = healthy
         if healthy:
+            if cold:
+                for model in self._models.values():
+                    if model.state == "UNAVAILABLE":
+                        continue  # never loaded: it stays in the repository
+                    model.success_count = model.success_ns = model.queue_ns = model.compute_ns = 0
+                    model.failures = model.inferences = model.executions = 0
+                    self._begin_load(model)
             return
         self._down_at = clock.now()
+        for model in self._models.values():
+            if model.loading is not None and model.state == "LOADING":
+                model.loading.cancel()  # it comes back loading again (a cold restore), or not at all
+                model.loading = None
         for model in self._models.values():
             while model.queue:
                 work = model.queue.popleft()
@@ -257,7 +294,68 @@ class MemoryBackend:
         state.slow_longer_than = longer_than
 
     def is_warm(self, model: str) -> bool:
-        return self._healthy and model in self._models
+        """Healthy and the model loaded and warmed: ready to serve (never a cold load)."""
+        state = self._models.get(model)
+        return self._healthy and state is not None and state.ready
+
+    def model_state(self, model: str) -> str:
+        """Triton's repository state of ``model``: READY, LOADING or UNAVAILABLE."""
+        return self._model(model, model).state
+
+    # ------------------------------------------------------------------ model control
+
+    def _begin_load(self, model: _Model) -> None:
+        """Load and warm ``model``: ready after its ``load_s``."""
+        model.state = "LOADING"
+        if model.loading is not None:
+            model.loading.cancel()
+        delay = model.spec.load_s
+        model.loading = asyncio.get_running_loop().call_at(clock.now() + delay, self._loaded, model)
+
+    def _loaded(self, model: _Model) -> None:
+        model.loading = None
+        if not self._healthy:
+            return
+        model.state = "READY"
+        for waiter in model.loaded_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        model.loaded_waiters.clear()
+        self._dispatch(model)
+
+    async def load_model(self, model: str, *, timeout_s: float) -> None:
+        """Load ``model`` from the repository (Triton's ``RepositoryModelLoad``): it is ready
+        after its ``load_s``; a load that outlasts ``timeout_s`` fails."""
+        from gateway.backends.triton import ModelControlError  # the same error a Triton raises
+
+        state = self._models.get(model)
+        if state is None:
+            raise ModelControlError(f"loading {model!r} failed: not in the model repository")
+        if not self._healthy:
+            raise ModelControlError(f"loading {model!r} failed: backend {self.name} is unavailable")
+        if state.ready:
+            return
+        if state.state != "LOADING":
+            self._begin_load(state)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        state.loaded_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            raise ModelControlError(f"loading {model!r} failed: not ready after {timeout_s:g} s") from None
+
+    async def unload_model(self, model: str, *, timeout_s: float) -> None:
+        """Unload ``model`` (``RepositoryModelUnload``): new requests are refused at once, the
+        ones queued or running finish first."""
+        state = self._model(model, model)
+        if state.loading is not None:
+            state.loading.cancel()
+            state.loading = None
+        state.state = "UNAVAILABLE"
+
+    async def repository_index(self) -> list[tuple[str, str, str]]:
+        """(name, version, state) of every model in the repository."""
+        return [(name, m.spec.version, m.state) for name, m in sorted(self._models.items())]
 
     async def probe(self) -> bool:
         return self._healthy
@@ -283,7 +381,7 @@ class MemoryBackend:
         return state
 
     async def model_spec(self, model: str, *, logical: str) -> ModelSpec:
-        if not self._healthy:
+        if not self._healthy or not self._model(model, logical).ready:
             raise Unavailable(f"model {logical!r} is not ready on its backend")
         return self._model(model, logical).spec.spec()
 
@@ -389,6 +487,8 @@ class MemoryBackend:
         if not self._healthy:
             raise Unavailable(f"no healthy backend for model {logical!r}")
         model = self._model(request.model_name, logical)
+        if not model.ready:  # loading, warming or unloaded: Triton's "unavailable model"
+            raise Unavailable(f"model {logical!r} is not ready on its backend")
         spec = model.spec
         tensor = next((t for t in request.inputs if t.name == spec.input_name), None)
         if tensor is None or not tensor.shape:
