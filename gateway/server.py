@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -81,6 +82,47 @@ LADDER_UPDATE_S = 0.1
 FLEET_LOAD_EXCHANGE_S = LADDER_UPDATE_S / 4
 ESTIMATOR_MERGE_S = 1.0  # the fleet's estimator corrections are merged this often
 STATISTICS_SAMPLE_S = 1.0
+
+
+# Services a config enables (the block that does): when the block is absent, a call answers
+# UNIMPLEMENTED naming the service and the block, instead of grpc's bare "Method not found!".
+OPTIONAL_SERVICES: dict[str, str] = {jobs_service.SERVICE: "jobs"}
+DOCS = "docs/operators.md"
+_ENABLED_BY_DOCS = {"jobs": f"{DOCS}#jobs-asynchronous-and-batch-inference"}
+
+
+def not_configured_message(service: str, block: str) -> str:
+    """The status message of a call to an optional service this gateway does not serve."""
+    return (
+        f"{service} is not served by this gateway: its config has no `{block}:` block "
+        f"(add one to enable it; see {_ENABLED_BY_DOCS.get(block, DOCS)})"
+    )
+
+
+class NotConfiguredServices(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped
+    """Every method of the named services answers UNIMPLEMENTED with the service's message.
+
+    One stream-stream handler serves all call kinds (the status ends any of them) and reads no
+    request; the message is fixed per service (the caller's method name is not echoed)."""
+
+    def __init__(self, services: dict[str, str]) -> None:
+        self._handlers = {
+            service: grpc.stream_stream_rpc_method_handler(
+                self._refusal(not_configured_message(service, block))
+            )
+            for service, block in services.items()
+        }
+
+    @staticmethod
+    def _refusal(message: str) -> Callable[[object, grpc.aio.ServicerContext], Awaitable[None]]:
+        async def refuse(requests: object, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+
+        return refuse
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = str(handler_call_details.method)  # "/package.Service/Method"
+        return self._handlers.get(method[1:].rsplit("/", 1)[0]) if method.startswith("/") else None
 
 
 def load_configuration(config: GatewayConfig) -> tuple[TenantsFile, RouteTable]:
@@ -282,6 +324,9 @@ class GatewayServer:
                 self.server,
             )
             services.append(jobs_service.SERVICE)
+        unserved = {name: block for name, block in OPTIONAL_SERVICES.items() if name not in services}
+        if unserved:
+            self.server.add_generic_rpc_handlers((NotConfiguredServices(unserved),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (

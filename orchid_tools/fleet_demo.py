@@ -83,6 +83,9 @@ async def run_fleet_demo(
     models = sorted({s.model for s in scenarios if s.expect == OK})
     servers: list[GatewayServer] = []
     try:
+        # No jobs on the fleet: SQLite's state directory is one gateway's (replicas share jobs
+        # through jobs.store: postgres); this demo shows the shared quotas and slots.
+        config = config.model_copy(update={"jobs": None})
         first = GatewayServer(config.model_copy(update={"state": state}))  # starts the local Triton
         servers.append(first)
         await first.start()

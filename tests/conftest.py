@@ -100,7 +100,9 @@ def gateway_config(triton_address: str, **changes: Any) -> GatewayConfig:
         max_inflight_per_device=2,
         time_scale=TIME_FACTOR,
     )
-    update: dict[str, Any] = {"local_triton": None, "backends": (backend,)}
+    # No job store unless a test asks for one (jobs=JobsConfig(state_dir=tmp)): the example's
+    # state directory is one gateway's at a time, and tests run many gateways.
+    update: dict[str, Any] = {"local_triton": None, "backends": (backend,), "jobs": None}
     update.update(changes)
     return base.model_copy(update=update)
 
