@@ -212,6 +212,41 @@ def test_cold_group_expectation_fails_when_the_gateway_may_route_to_it(
     assert ("cold", "failed_pct") in broken
 
 
+@pytest.mark.slow
+def test_shadow_expectation_fails_when_shadow_ignores_the_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shadow that kept running at step 1 (the seed's first ladder action) fails the
+    surge-held phase's bound."""
+    import gateway.shadow
+    from gateway.core.overload import effects
+
+    monkeypatch.setattr(gateway.shadow, "overload_effects", lambda step: effects(0))
+    document = simulate(COMBINED["shadow"])
+    assert ("surge-held", "shadow_device_ms_per_s") in {(e["phase"], e["figure"]) for e in failed(document)}
+
+
+@pytest.mark.slow
+def test_surge_expectation_fails_without_a_warm_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fallback that is never warm cannot carry the peak's excess: its expectations fail."""
+    real = MemoryBackend.is_warm
+    monkeypatch.setattr(MemoryBackend, "is_warm", lambda self, m: m != "compact-v11" and real(self, m))
+    document = simulate(COMBINED["surge"])
+    assert ("peak", "fallback_saving_ms_per_s") in {(e["phase"], e["figure"]) for e in failed(document)}
+
+
+@pytest.mark.slow
+def test_rollout_expectation_fails_when_the_candidate_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate whose load fails is rolled back before it serves: no overlap, and the
+    overlap phase's canary bound fails."""
+
+    async def refuse(self: MemoryBackend, model: str, *, timeout_s: float) -> None:
+        raise ModelControlError(f"loading {model!r} failed: out of memory")
+
+    monkeypatch.setattr(MemoryBackend, "load_model", refuse)
+    document = simulate(COMBINED["rollout"])
+    assert document["rollouts"][0]["phase"] == "rolled_back"
+    assert ("overlap", "canary_pct") in {(e["phase"], e["figure"]) for e in failed(document)}
+
+
 # --------------------------------------------------------------------------- the emulated backend
 
 
