@@ -55,6 +55,11 @@ How
     the script calls the target for real at the same concurrency and prints the
     status codes (and, for OK, the answering model), e.g. a gateway fallback.
 
+Output contract: before the runs, the script times the check a route's ``outputs`` adds to
+each answer (``gateway.outputs.check_outputs`` on an INT32 ``[1, N]`` answer, N = 64 and 1,024
+output tokens: decode, datatype, shape, range), in process, and prints microseconds per
+answer; ``--output-check-only`` prints just that (no Triton, no h2load).
+
 Diagnostic: ``--ablate policy,telemetry,provenance`` (or ``decisions``) starts the gateway
 through ``bench/ablate.py`` with those parts of its request path taken out, to measure what
 they cost in the live process; the gateway row is then not a gateway.
@@ -101,6 +106,8 @@ import yaml
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.local import LocalTriton, stop_process_group
+from gateway.core.outputs import OutputCheck
+from gateway.outputs import check_outputs
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "orchid"
@@ -639,6 +646,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gateway-log-level", default="WARNING", help="orchid-gateway serve --log-level")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, h2load logs)")
     parser.add_argument(
+        "--output-check-only",
+        action="store_true",
+        help="print the output contract check's cost per answer and exit (no Triton, no h2load)",
+    )
+    parser.add_argument(
         "--ablate",
         default="",
         help="diagnostic: start the gateway through bench/ablate.py with these parts of its request "
@@ -650,6 +662,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown or not args.targets:
         parser.error(f"--targets: unknown {sorted(unknown)}; choose from {', '.join(TARGETS)}")
     return args
+
+
+def output_check_us(output_tokens: int, repeat: int = 20_000) -> float:
+    """Microseconds per answer of a route's output contract check (the best of 5 runs)."""
+    reply = service_pb2.ModelInferResponse()
+    out = reply.outputs.add()
+    out.name, out.datatype = "OUTPUT_IDS", "INT32"
+    out.shape.extend([1, output_tokens])
+    reply.raw_output_contents.append((np.arange(output_tokens, dtype=np.int32) % 32_000).tobytes())
+    checks = {
+        "OUTPUT_IDS": OutputCheck(
+            datatype="INT32", shape=("items", "output_tokens"), min_value=0, max_value=31_999
+        )
+    }
+    best = float("inf")
+    for _ in range(5):
+        began = time.perf_counter()
+        for _ in range(repeat):
+            problems = check_outputs(
+                reply, checks, items=1, input_tokens=256, output_tokens=output_tokens, batched=True
+            )
+        best = min(best, (time.perf_counter() - began) / repeat)
+        assert not problems
+    return best * 1e6
+
+
+def print_output_check_cost() -> None:
+    costs = ", ".join(f"{n} output tokens {output_check_us(n):.1f} us" for n in (64, 1024))
+    print(f"output contract check (route outputs), per answer: {costs}", flush=True)
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -819,6 +860,9 @@ def bench(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.output_check_only:
+        print_output_check_cost()
+        return 0
     h2load = shutil.which("h2load")
     if h2load is None:
         print(f"h2load not found; install it with:\n    {INSTALL_H2LOAD}", file=sys.stderr)
@@ -847,6 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
         flush=True,
     )
+    print_output_check_cost()
     started: list[Stoppable] = []
     try:
         with workdir(args.keep) as work:

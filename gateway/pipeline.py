@@ -44,7 +44,6 @@ from gateway.core.load import PoolLoad
 from gateway.core.memory import DeviceMemory
 from gateway.core.outputs import OUTPUT_CONTRACT_RULE
 from gateway.core.overload import effects as overload_effects
-from gateway.core.placement import placement_key
 from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaView, Reservation
 from gateway.core.record import (
@@ -903,7 +902,11 @@ class Gateway:
             self.abandon(admitted, started=None, now=clock.now())  # an invalid canary answer
             response = None
         if response is None:
-            return await self.infer_request(request, tenant, call, mode=mode, canary=False)
+            try:
+                return await self.infer_request(request, tenant, call, mode=mode, canary=False)
+            except BaseException:
+                self.rollouts.hedge_unanswered(admitted)  # the canary cost its caller the answer
+                raise
         self._check_outputs(admitted, response, started=started)
         finished = clock.now()
         settled = self.settle(

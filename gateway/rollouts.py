@@ -782,6 +782,14 @@ class RolloutController:
             )
         return now < admitted.deadline_at
 
+    def hedge_unanswered(self, admitted: Admitted) -> None:
+        """A hedged canary whose current-version answer failed too (its caller got an error:
+        the deadline, a refusal at re-admission). Reported; it should stay 0."""
+        run = self._canary_run(admitted)
+        if run is not None:
+            run.rollout.hedge_unanswered += 1
+            HEDGED.labels(run.name, "unanswered").inc()
+
     def candidate_answered(
         self, admitted: Admitted, response: service_pb2.ModelInferResponse, *, started: float, now: float
     ) -> bool:

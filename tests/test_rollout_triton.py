@@ -447,6 +447,7 @@ def test_a_candidate_slow_only_on_long_inputs_is_rolled_back_at_the_long_step_an
     report = rollout.report()
     assert report["hedged"].get("timeout", 0) == len(hedged), report["hedged"]  # type: ignore[union-attr]
     assert isinstance(report["hedge_device_ms"], float) and report["hedge_device_ms"] > 0
+    assert report["hedge_unanswered"] == 0
     assert REQUESTS.labels("slowlong", "full-v19-slowlong", "timed_out")._value.get() == len(hedged)
     assert repository_states(stack.triton.address)["full-v18"] == "READY"
 

@@ -396,6 +396,7 @@ class Rollout:
     # That time is the rollout's cost, never the tenant's (the runtime refunds its quota).
     hedged: dict[str, int] = field(default_factory=dict)
     hedge_device_ms: float = 0.0
+    hedge_unanswered: int = 0  # hedged canaries the current version did not answer either
     # When the oldest canary still without an outcome was dispatched (the runtime's reading
     # at each ``tick``): a step does not advance on intervals whose canaries are unsettled.
     _oldest_pending: float | None = None
@@ -691,6 +692,7 @@ class Rollout:
             "shadowed": self.shadowed,
             "hedged": dict(self.hedged),
             "hedge_device_ms": round(self.hedge_device_ms, 3),
+            "hedge_unanswered": self.hedge_unanswered,
             "intervals": [
                 {
                     "at_s": round(i.ended_at - since, 3),
