@@ -71,7 +71,7 @@ from gateway.config import (
 from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError
 from gateway.core.evidence import Evidence, EvidenceKey
 from gateway.core.profile import DemandProfile
-from gateway.core.rollout import RolloutSpec
+from gateway.core.rollout import CANARY_REASON, RolloutSpec
 from gateway.evidence import population
 from gateway.pipeline import BackendHandle, CallContext, GatewayListener
 from gateway.rollouts import parse_rollout
@@ -218,6 +218,9 @@ class Fault(_Strict):
             raise _Keyed("extra_ms", "slow_upstream needs extra_ms, the upstream time it adds")
         if self.cold and (self.kind != "device_group_lost" or self.until_s is None):
             raise _Keyed("cold", "cold applies to a device_group_lost fault that ends (until_s)")
+        for key in ("extra_ms", "arrivals"):
+            if getattr(self, key) is not None and self.kind != "slow_upstream":
+                raise _Keyed(key, f"{key} applies to slow_upstream faults only")
         if self.until_s is not None and self.until_s <= self.at_s:
             raise _Keyed("until_s", "until_s must be after at_s")
         return self
@@ -289,6 +292,8 @@ class Expectation(_Strict):
             raise _Keyed("versus", "max_above needs versus (the phase compared with), and versus max_above")
         if not (self.min or self.max or self.max_above):
             raise _Keyed("max", "an expectation bounds at least one figure")
+        if self.pool is not None and not any("max_step" in b for b in (self.min, self.max, self.max_above)):
+            raise _Keyed("pool", "pool applies to max_step only: bound max_step too")
         kind, _, name = self.scope.partition(" ")
         if self.scope != "totals" and (kind not in ("class", "tenant") or not name):
             raise _Keyed("scope", "totals, `class NAME` or `tenant NAME`")
@@ -344,6 +349,9 @@ class Scenario(_Strict):
                         raise _Keyed(
                             f"faults[{f}].arrivals", f"class {name!r} sets no deadline_ms: list the classes"
                         )
+        for r, start in enumerate(self.rollouts):
+            if start.at_s >= self.duration_s:
+                raise _Keyed(f"rollouts[{r}].at_s", f"after the last phase ends ({self.duration_s:g} s)")
         phases = [p.name for p in self.phases]
         for e, expectation in enumerate(self.expect):
             for key, named in (("phase", expectation.phase), ("versus", expectation.versus)):
@@ -1025,7 +1033,7 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
                     reason, rules = params["orchid.route_reason"], params["orchid.rules"]
                     why = f"{reason.string_param} [{rules.string_param}]"
                 late = loop.time() - t0 - arrival.at_s > deadline_s + 1e-9
-                record.canary[index] = params["orchid.route_reason"].string_param == "canary"
+                record.canary[index] = params["orchid.route_reason"].string_param == CANARY_REASON
                 finish(index, "late" if late else "on_time", approximation, why)
                 return
             if not isinstance(error, GatewayError):

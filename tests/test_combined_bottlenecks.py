@@ -304,6 +304,29 @@ def test_a_group_restored_cold_serves_only_after_each_models_load() -> None:
     assert in_virtual_time(body) == [(0.5, False, False), (1.5, True, False), (5.5, True, True)]
 
 
+def test_a_load_the_loss_interrupts_fails_and_starts_again_when_the_group_is_back() -> None:
+    async def body() -> tuple[str, bool, bool]:
+        backend = MemoryBackend("g", [model("cand", load_s=2.0, loaded=False)], devices=1)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        loading = loop.create_task(backend.load_model("cand", timeout_s=10.0))
+        await asyncio.sleep(1.0)
+        backend.set_healthy(False)
+        with pytest.raises(ModelControlError) as caught:
+            await loading
+        backend.set_healthy(True)  # back warm: the interrupted load starts again
+        await asyncio.sleep(t0 + 2.5 - loop.time())
+        halfway = backend.is_warm("cand")
+        await asyncio.sleep(t0 + 3.5 - loop.time())
+        done = backend.is_warm("cand")
+        await backend.close()
+        return str(caught.value), halfway, done
+
+    message, halfway, done = in_virtual_time(body)
+    assert "lost while loading" in message
+    assert (halfway, done) == (False, True)
+
+
 def test_a_warm_restore_is_ready_at_once() -> None:
     async def body() -> bool:
         backend = MemoryBackend("g", [model("big", load_s=5.0)], devices=1)
@@ -406,6 +429,17 @@ def test_cli_check_exits_1_when_an_expectation_fails(tmp_path: Path) -> None:
             "until_s",
         ),
         ({"faults": [{"kind": "slow_upstream", "at_s": 1}]}, "faults.0.extra_ms", "extra_ms"),
+        (
+            {"faults": [{"kind": "device_group_lost", "backend": "fleet-a", "at_s": 1, "extra_ms": 5}]},
+            "faults.0.extra_ms",
+            "slow_upstream faults only",
+        ),
+        (
+            {"expect": [{"phase": "normal", "pool": "p/m", "max": {"on_time_pct": 1}}]},
+            "expect.0.pool",
+            "max_step",
+        ),
+        ({"rollouts": [{"file": "x.yaml", "at_s": 99}]}, "rollouts.0.at_s", "after the last phase"),
         (
             {"expect": [{"phase": "normal", "max": {"on_tme_pct": 1}}]},
             "expect.0.max.on_tme_pct",

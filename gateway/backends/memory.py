@@ -261,19 +261,24 @@ class MemoryBackend:
             return
         self._healthy = healthy
         if healthy:
-            if cold:
-                for model in self._models.values():
-                    if model.state == "UNAVAILABLE":
-                        continue  # never loaded: it stays in the repository
+            for model in self._models.values():
+                if model.state == "UNAVAILABLE":
+                    continue  # not loaded: it stays in the repository
+                if cold:
                     model.success_count = model.success_ns = model.queue_ns = model.compute_ns = 0
                     model.failures = model.inferences = model.executions = 0
-                    self._begin_load(model)
+                if cold or model.state == "LOADING":
+                    self._begin_load(model)  # a load the loss interrupted starts again too
             return
         self._down_at = clock.now()
         for model in self._models.values():
-            if model.loading is not None and model.state == "LOADING":
-                model.loading.cancel()  # it comes back loading again (a cold restore), or not at all
+            if model.loading is not None:
+                model.loading.cancel()  # it loads again when the group is back
                 model.loading = None
+            for waiter in model.loaded_waiters:  # a repository load in progress fails
+                if not waiter.done():
+                    waiter.set_exception(ConnectionError(f"backend {self.name} was lost while loading"))
+            model.loaded_waiters.clear()
         for model in self._models.values():
             while model.queue:
                 work = model.queue.popleft()
@@ -343,6 +348,8 @@ class MemoryBackend:
             await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError:
             raise ModelControlError(f"loading {model!r} failed: not ready after {timeout_s:g} s") from None
+        except ConnectionError as exc:
+            raise ModelControlError(f"loading {model!r} failed: {exc}") from None
 
     async def unload_model(self, model: str, *, timeout_s: float) -> None:
         """Unload ``model`` (``RepositoryModelUnload``): new requests are refused at once, the
