@@ -63,6 +63,7 @@ from gateway.config import (
     RouteTable,
     TenantsFile,
     check_dedicated,
+    check_memory,
     check_references,
     hash_api_key,
     load_gateway_config,
@@ -142,10 +143,17 @@ class FleetBackend(_Strict):
     shared_devices: bool = False
     max_inflight_per_device: int = Field(default=2, ge=1)
     time_factor: float = Field(default=1.0, gt=0)
+    device_memory_gib: float | None = Field(default=None, gt=0, description="default: the gateway's (80)")
+    runtime_reserve_gib: float | None = Field(default=None, ge=0, description="default: the gateway's (6)")
     models: dict[str, FleetModel] = Field(min_length=1)
 
     def backend_config(self) -> BackendConfig:
-        return BackendConfig(
+        memory: dict[str, float] = {}
+        if self.device_memory_gib is not None:
+            memory["device_memory_gib"] = self.device_memory_gib
+        if self.runtime_reserve_gib is not None:
+            memory["runtime_reserve_gib"] = self.runtime_reserve_gib
+        config = BackendConfig(
             name=self.name,
             address=f"memory:{self.name}",
             labels={**self.labels, "cell": self.cell, "device_group": self.device_group or self.name},
@@ -154,6 +162,7 @@ class FleetBackend(_Strict):
             shared_devices=self.shared_devices,
             time_scale=self.time_factor,
         )
+        return config.model_copy(update=memory) if memory else config
 
 
 class ArrivalClass(_Strict):
@@ -531,6 +540,7 @@ def prepare(
         tenants: TenantsFile = _validated(source, TenantsFile, inline, "tenants")
         routes = load_routes(config.routes_dir)
         check_references(config, tenants, routes)
+        check_memory(config, routes)
         check_dedicated(config, tenants, routes)
     else:
         tenants, routes = load_configuration(config)

@@ -186,6 +186,27 @@ def test_worksheet_combinations_from_the_fixture(sheet: Any) -> None:
     )
 
 
+def test_a_rollout_whose_two_versions_do_not_fit_is_refused_and_the_route_keeps_serving(
+    tmp_path: Path,
+) -> None:
+    """On 64 GiB devices full-v18, compact-v11 and full-v19 leave no live room: the gateway
+    refuses the rollout (its two-version memory check, as `rollout start` would answer), the
+    report says why, and the current version serves on."""
+    data = yaml.safe_load(COMBINED["rollout"].read_text())
+    data["gateway"] = str(SCENARIOS / data["gateway"])
+    data["fleet"][0]["device_memory_gib"] = 64
+    data["phases"] = [{"name": "only", "duration_s": 2, "multiplier": 0.5}]
+    data["rollouts"] = [{"file": str(ROOT / "rollouts" / "full-v19.yaml"), "at_s": 0.5}]
+    data.pop("expect")
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    document = simulate(path)
+    (rollout,) = document["rollouts"]
+    assert "do not both fit" in rollout["refused"]
+    (only,) = document["phases"]
+    assert only["totals"]["canary"] == 0 and only["totals"]["on_time_pct"] == 100.0
+
+
 # --------------------------------------------------------------------------- a broken variant fails
 
 
