@@ -13,6 +13,18 @@ On a CPU-only machine it needs three things (ARCHITECTURE §6):
 ``LocalTriton`` prepares that, starts the server on free ports, waits until it
 reports ready (or fails with the tail of its log), and stops it: SIGTERM, then
 SIGKILL after a bound. NVML/DCGM warnings in its log are harmless.
+
+**No orphans.** The server runs in a session of its own (its process group holds the Python
+backend stubs it forks), so stopping it kills the whole group. A process that dies without
+stopping it (``kill -9``, an OOM kill, a crash) cannot do that itself, so every started server
+is guarded by a *reaper*: a small process (``GroupReaper``) in a session of its own that
+blocks reading a pipe only the starting process holds open. When that process ends, however
+it ends, the kernel closes the pipe; the reaper reads end-of-file and SIGKILLs the server's
+process group, stubs included, then exits. A clean stop tells the reaper first, so it exits
+without killing. The stubs do not notice a killed server by themselves (they ran on for
+minutes in our check), so the reaper also kills the rest of the group within a second of the
+server's own death. (Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that forked the child
+exits, and the gateway starts Triton from a worker thread; a pipe belongs to the process.)
 """
 
 from __future__ import annotations
@@ -69,6 +81,96 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# The reaper: reads the process group to guard (one line), then waits on its stdin. "stopped"
+# means a clean stop (nothing to do); end-of-file alone means the process that started the
+# group is gone: SIGKILL the group. Meanwhile, once a second, it checks the group's leader (the
+# server): dead (gone, a zombie, or its pid now someone else's), the rest of the group (the
+# Python backend stubs, which outlive a killed server) is killed at once, and the group is not
+# touched again. -I -S: no site, no environment; Linux's /proc for the check (else no check).
+_REAPER_SOURCE = """
+import os, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+PROC = os.path.isdir("/proc/self")
+
+def leader_alive(pgid):
+    try:
+        with open("/proc/%d/stat" % pgid) as f:
+            text = f.read()
+    except OSError:
+        return False
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0] != "Z" and int(fields[2]) == pgid
+
+def kill(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+data = b""
+while b"\\n" not in data:
+    chunk = os.read(0, 64)
+    if not chunk:
+        sys.exit(0)
+    data += chunk
+head, data = data.split(b"\\n", 1)
+pgid, done = int(head), False
+while not data.startswith(b"stopped"):
+    if select.select([0], [], [], 1.0)[0]:
+        chunk = os.read(0, 64)
+        if not chunk:
+            if not done:
+                kill(pgid)
+            break
+        data += chunk
+    elif PROC and not done and not leader_alive(pgid):
+        kill(pgid)
+        done = True
+"""
+_STOPPED = b"stopped\n"
+
+
+class GroupReaper:
+    """Kills a process group when this process ends without releasing it (see the module
+    docstring). ``guard(pgid)`` arms it; ``release()`` (a clean stop) disarms it and waits for
+    the reaper to exit. The pipe's write end is close-on-exec and never inherited."""
+
+    def __init__(self) -> None:
+        read_end, self._write_end = os.pipe()  # both non-inheritable (PEP 446)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _REAPER_SOURCE],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # a terminal's ^C or a group kill of the gateway spares it
+            )
+        except BaseException:
+            os.close(self._write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._armed = False
+
+    def guard(self, pgid: int) -> None:
+        os.write(self._write_end, f"{pgid}\n".encode())
+        self._armed = True
+
+    def release(self, timeout_s: float = 10.0) -> None:
+        """The group was stopped on purpose: the reaper exits without killing anything."""
+        if self._write_end < 0:
+            return
+        with contextlib.suppress(OSError):  # a reaper killed by someone else: nothing to tell
+            os.write(self._write_end, _STOPPED if self._armed else b"\n")
+        os.close(self._write_end)
+        self._write_end = -1
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=timeout_s)
+
+
 def stop_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
     """SIGTERM a process started with ``start_new_session``, SIGKILL it after ``timeout_s``,
     then SIGKILL whatever is left in its session: Triton's Python backend stubs live there
@@ -109,6 +211,7 @@ class LocalTriton:
         self.env = dict(env or {})  # added to the server's environment (e.g. ORCHID_FAULT_DIR)
         self.log_path = workdir / "tritonserver.log"
         self._process: subprocess.Popen[bytes] | None = None
+        self._reaper: GroupReaper | None = None
 
     @property
     def address(self) -> str:
@@ -153,17 +256,39 @@ class LocalTriton:
             "--exit-timeout-secs=10",
             *self.extra_args,
         ]
+        self._release_reaper()  # a restart: the previous server's reaper has nothing left to guard
+        self._reaper = GroupReaper()  # before the server: it is guarded from its first moment
         log = self.log_path.open("wb")
-        self._process = subprocess.Popen(
-            args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-        log.close()
+        try:
+            self._process = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # its own process group: the server and its stubs
+            )
+        except BaseException:
+            self._release_reaper()
+            raise
+        finally:
+            log.close()
+        self._reaper.guard(self._process.pid)
         self._wait_ready()
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid (also its process group's id), while it was started."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def reaper_pid(self) -> int | None:
+        return self._reaper.process.pid if self._reaper is not None else None
+
+    def _release_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.release()
+            self._reaper = None
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -199,7 +324,9 @@ class LocalTriton:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait(timeout=10)
+        self._release_reaper()
 
     def stop(self, timeout_s: float = 20.0) -> None:
         if self._process is not None:
             stop_process_group(self._process, timeout_s)
+        self._release_reaper()
