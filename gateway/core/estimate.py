@@ -8,29 +8,34 @@ Prediction: ``DemandProfile.phases`` on the request's shape, times the backend's
 times a learned correction.
 
 Correction (the seed: "age estimates and penalize chronic underprediction
-rather than trusting callers"):
+rather than trusting callers"), in log space, three tables:
 
-* per (model, version, shape bucket): an exponentially weighted mean, in log
-  space, of observed / predicted accelerator-ms. Each observation moves the mean
-  by at least ``alpha`` = 0.3, so it converges fast (after n observations the
-  initial error has shrunk to 0.7^n: under 3 % of it after 10). History's weight
-  halves every ``half_life_s``; against it stands the profile itself as a prior
-  with a small fixed weight, so the correction *ages out* back towards 1.0
-  when observations stop, and a stale burst cannot bend predictions forever;
-* per (tenant, model): the residual after the model correction, clamped to at
-  least 1.0. A tenant whose requests chronically cost more than the shape they
-  declare (for example by understating output length) is predicted — and so
-  admitted, queued and quota-reserved — by what it really uses. It never lowers
-  a prediction: callers are not trusted to be cheap. It applies only from
-  ``TENANT_PENALTY_FROM`` (1.5x) up: below that a residual is indistinguishable
-  from timing noise on a busy machine, and since the clamp is one-sided, noise
-  alone would otherwise penalize whichever tenant happened to be measured
-  slower (seen as a 2 : 1 weight share delivering 2.5 : 1 completions).
+* per (tenant, model, version, shape bucket), the tenant's *own* mean: an exponentially
+  weighted mean of log(observed / predicted) of that tenant's requests. Each observation
+  moves it by at least ``alpha`` = 0.3, so it converges fast (after n observations the
+  initial error has shrunk to 0.7^n: under 3 % of it after 10). History's weight halves
+  every ``half_life_s``; against it stands a prior with a small fixed weight, so the
+  correction *ages out* when observations stop and a stale burst cannot bend
+  predictions forever. A tenant with history on a key is predicted by its own mean, in
+  both directions and from any excess: a tenant whose requests cost 3x the shape they
+  declare is priced (admitted, queued, quota-reserved) at 3x, and a neighbour whose
+  shapes are honest is priced at what it uses, not at the blend;
+* per (model, version, shape bucket), the *shared* correction: the tenants' own means
+  weighted by each tenant's share of the recent traffic on the key (a decayed count of
+  observations, same half-life). One tenant's outliers move it by no more than that
+  tenant's share of the traffic times its own deviation, however they are bunched in
+  time (an exponentially weighted mean of all observations let a burst take it over).
+  It prices a tenant new to the key, and is the prior its own mean starts from;
+* per (tenant, model), the tenant's residual against the shared correction, in both
+  directions: what carries a tenant's habit (understating its output, say) to a bucket
+  or version where it has no own history yet.
 
-Both factors are bounded to [``MIN_FACTOR``, ``MAX_FACTOR``], and one
-observation may move an estimate by at most 2x (a robust, Huber-like step), so
-one absurd observation (a stalled backend, a cold start) cannot poison
-admission; a real change still converges, a factor of 2 per observation.
+The shared and residual factors are bounded to [``MIN_FACTOR``, ``MAX_FACTOR``] (a tenant's
+own, standing for both, to their squares), and one observation may move
+an estimate by at most 2x (a robust, Huber-like step), so one absurd observation (a
+stalled backend, a cold start) cannot poison admission; a real change still converges,
+a factor of 2 per observation. State is bounded by the configured (model, version,
+bucket) keys times the tenants actually seen.
 
 A fleet of replicas learns together (``gateway/state/estimator_sync.py``): each replica's
 own means (``learned``) are exchanged, and ``merge_fleet`` hands a replica the others'. A
@@ -49,13 +54,12 @@ from typing import Literal, TypeVar
 from gateway.core.profile import DemandProfile
 from gateway.core.record import Demand, Shape
 
-# A tenant is priced above the model only when it costs at least this much more than its
-# declared shape predicts; smaller residuals are timing noise (see the module docstring).
-TENANT_PENALTY_FROM = 1.5
-
 # One observation may be wild (a backend stall, a cold model); bound what it can do.
 MIN_FACTOR = 0.1
 MAX_FACTOR = 10.0
+# A tenant's own correction is a shared and a residual factor in one: bounded by their product.
+_OWN_BOUND = 2.0 * math.log(MAX_FACTOR)
+_BOUND = math.log(MAX_FACTOR)  # MIN_FACTOR is its inverse
 
 _K = TypeVar("_K")
 # Weight of the profile's own prediction against observed history (1 per observation).
@@ -92,12 +96,18 @@ class CorrectionKey:
 
 @dataclass(slots=True)
 class _Ewma:
-    """A time-weighted mean of log(observed / predicted) against a prior of 0 (the profile)."""
+    """A time-weighted mean of log(observed / predicted) against a prior.
+
+    ``weight``: the history's weight against the prior (capped, so that a new observation
+    always moves the mean by at least ``alpha``); ``volume``: the decayed count of the
+    observations (uncapped: a tenant's share of a key's traffic). Both halve every
+    half-life from ``updated_at``."""
 
     log_mean: float
     weight: float
     updated_at: float
     samples: int
+    volume: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,30 +129,42 @@ def _clamp(value: float) -> float:
 
 
 class Estimator:
-    """Learned corrections from observed work. Bounded state: one entry per configured
-    (model, version, bucket) and per (tenant, model) actually seen."""
+    """Learned corrections from observed work (the module docstring). Bounded state: one
+    entry per configured (model, version, bucket), per (tenant, model) and per (tenant,
+    model, version, bucket) actually seen."""
 
     def __init__(self, *, alpha: float = 0.3, half_life_s: float = 300.0) -> None:
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
         self.alpha = alpha
         self.half_life_s = half_life_s
+        # The shared correction per key: ``log_mean`` the traffic-weighted mean of the tenants'
+        # own means, ``volume`` their summed volumes (kept in step with ``_own``).
         self._models: dict[CorrectionKey, _Ewma] = {}
-        self._tenants: dict[tuple[str, str], _Ewma] = {}
+        self._tenants: dict[tuple[str, str], _Ewma] = {}  # residual against the shared mean
+        self._own: dict[tuple[str, CorrectionKey], _Ewma] = {}  # a tenant's own mean per key
         # Other replicas' means (``merge_fleet``): (log_mean, weight, as of), per key.
         self._fleet_models: dict[CorrectionKey, list[tuple[float, float, float]]] = {}
         self._fleet_tenants: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
 
-    def _weight(self, entry: _Ewma, now: float) -> float:
-        return entry.weight * math.pow(0.5, max(0.0, now - entry.updated_at) / self.half_life_s)
+    def _decay(self, since: float, now: float) -> float:
+        return math.pow(0.5, max(0.0, now - since) / self.half_life_s)
 
-    def _aged(self, entry: _Ewma | None, now: float) -> float:
-        # The prior (the profile, log ratio 0) has a small fixed weight: negligible while
-        # observations keep coming, dominant once they have aged out.
+    def _weight(self, entry: _Ewma, now: float) -> float:
+        return entry.weight * self._decay(entry.updated_at, now)
+
+    def _history(self, weight: float) -> float:
+        # A history counts against the prior with at most one full mean's weight (what an
+        # observation-by-observation mean reaches), so heavy traffic does not slow its ageing.
+        return min(weight, 1.0 / self.alpha)
+
+    def _aged(self, entry: _Ewma | None, now: float, prior: float = 0.0) -> float:
+        # The prior has a small fixed weight: negligible while observations keep coming,
+        # dominant once they have aged out.
         if entry is None:
-            return 0.0
-        weight = self._weight(entry, now)
-        return entry.log_mean * weight / (weight + _PRIOR_WEIGHT)
+            return prior
+        weight = self._history(self._weight(entry, now))
+        return (entry.log_mean * weight + prior * _PRIOR_WEIGHT) / (weight + _PRIOR_WEIGHT)
 
     def _combined(
         self, entry: _Ewma | None, fleet: list[tuple[float, float, float]] | None, now: float
@@ -152,23 +174,37 @@ class Estimator:
             return self._aged(entry, now)
         total, weights = 0.0, _PRIOR_WEIGHT
         if entry is not None:
-            weight = self._weight(entry, now)
+            weight = self._history(self._weight(entry, now))
             total, weights = entry.log_mean * weight, weights + weight
         for log_mean, weight, at in fleet:
-            aged = weight * math.pow(0.5, max(0.0, now - at) / self.half_life_s)
+            aged = self._history(weight * self._decay(at, now))
             total, weights = total + log_mean * aged, weights + aged
         return total / weights
 
+    def _shared_log(self, key: CorrectionKey, now: float) -> float:
+        return self._combined(self._models.get(key), self._fleet_models.get(key), now)
+
+    def _residual_log(self, tenant: str, model: str, now: float) -> float:
+        key = (tenant, model)
+        return self._combined(self._tenants.get(key), self._fleet_tenants.get(key), now)
+
+    def _tenant_log(self, key: CorrectionKey, tenant: str, now: float) -> float:
+        """log of the correction of ``tenant``'s requests on ``key``: its own mean there, against
+        the prior of the shared correction times its residual."""
+        prior = self._shared_log(key, now) + self._residual_log(tenant, key.model, now)
+        return self._aged(self._own.get((tenant, key)), now, prior)
+
     def model_correction(self, key: CorrectionKey, now: float) -> float:
-        return _clamp(math.exp(self._combined(self._models.get(key), self._fleet_models.get(key), now)))
+        """The shared correction: a tenant new to ``key`` is priced by it."""
+        return _clamp(math.exp(self._shared_log(key, now)))
 
     def tenant_factor(self, tenant: str, model: str, now: float) -> float:
-        key = (tenant, model)
-        factor = _clamp(math.exp(self._combined(self._tenants.get(key), self._fleet_tenants.get(key), now)))
-        return factor if factor >= TENANT_PENALTY_FROM else 1.0
+        """The tenant's residual on ``model`` against the shared corrections (below 1: it costs
+        less than the traffic's blend; above: more)."""
+        return _clamp(math.exp(self._residual_log(tenant, model, now)))
 
     def correction(self, key: CorrectionKey, tenant: str, now: float) -> float:
-        return self.model_correction(key, now) * self.tenant_factor(tenant, key.model, now)
+        return math.exp(min(_OWN_BOUND, max(-_OWN_BOUND, self._tenant_log(key, tenant, now))))
 
     def samples(self, key: CorrectionKey) -> int:
         entry = self._models.get(key)
@@ -180,15 +216,47 @@ class Estimator:
         """``base_ms``: the uncorrected (profile x time_scale) prediction of this request."""
         if base_ms <= 0 or observed_ms <= 0 or not math.isfinite(observed_ms):
             return
-        self._update(self._models, key, math.log(_clamp(observed_ms / base_ms)), now)
-        # The tenant's residual is what the (updated) model correction does not explain: a
-        # tenant alone on a model teaches the model, not itself; a tenant costlier than the
-        # others sharing the model keeps a factor above 1.
-        residual = observed_ms / (base_ms * self.model_correction(key, now))
-        self._update(self._tenants, (tenant, key.model), math.log(_clamp(residual)), now)
+        log_ratio = min(_OWN_BOUND, max(-_OWN_BOUND, math.log(observed_ms / base_ms)))
+        own_key = (tenant, key)
+        own = self._own.get(own_key)
+        # The tenant's share of the shared mean, before this observation (aged to now).
+        before = own.volume * self._decay(own.updated_at, now) if own is not None else 0.0
+        before_mean = own.log_mean if own is not None else 0.0
+        start = self._tenant_log(key, tenant, now)
+        self._update(self._own, own_key, log_ratio, now, start=start, bound=_OWN_BOUND)
+        own = self._own[own_key]
+        own.volume = before + 1.0
+        self._reweigh(key, tenant_volume=(before, before_mean), own=own, now=now)
+        # The residual is what the (updated) shared correction does not explain, either way.
+        residual = log_ratio - self._shared_log(key, now)
+        self._update(self._tenants, (tenant, key.model), residual, now)
+
+    def _reweigh(
+        self, key: CorrectionKey, *, tenant_volume: tuple[float, float], own: _Ewma, now: float
+    ) -> None:
+        """Keep the shared mean the traffic-weighted mean of the tenants' own means: every
+        volume decays at the same rate, so only the observing tenant's term changes."""
+        shared = self._models.get(key)
+        if shared is None:
+            shared = self._models[key] = _Ewma(0.0, 0.0, now, 0)
+        decay = self._decay(shared.updated_at, now)
+        volume = shared.volume * decay
+        total = shared.log_mean * volume
+        old_volume, old_mean = tenant_volume
+        total += own.volume * own.log_mean - old_volume * old_mean
+        volume += own.volume - old_volume
+        if volume <= 1e-9:  # rounding only: the observing tenant's own volume is at least 1
+            total, volume = own.volume * own.log_mean, own.volume
+        shared.log_mean = min(_BOUND, max(-_BOUND, total / volume))
+        shared.volume = volume
+        # Against the prior (ageing) and in the fleet it weighs as one mean, like the others.
+        shared.weight = self._history(volume)
+        shared.updated_at = now
+        shared.samples += 1
 
     def learned(self, now: float) -> list[LearnedCorrection]:
-        """This replica's own means, their weights aged to ``now`` (for the fleet)."""
+        """This replica's own shared and residual means, their weights aged to ``now`` (for
+        the fleet)."""
         out = [
             LearnedCorrection(
                 "model", (k.model, k.version, k.bucket), e.log_mean, self._weight(e, now), now, e.samples
@@ -217,12 +285,24 @@ class Estimator:
                 tenants.setdefault((c.key[0], c.key[1]), []).append(value)
         self._fleet_models, self._fleet_tenants = models, tenants
 
-    def _update(self, table: dict[_K, _Ewma], key: _K, log_ratio: float, now: float) -> None:
+    def _update(
+        self,
+        table: dict[_K, _Ewma],
+        key: _K,
+        log_ratio: float,
+        now: float,
+        *,
+        start: float = 0.0,
+        bound: float = _BOUND,
+    ) -> None:
+        """Move ``table[key]``'s mean towards ``log_ratio`` (within +-``bound``). ``start``: the
+        prior it ages towards, and where a new entry's first step is measured from."""
         entry = table.get(key)
         # Robust step: one observation may pull the estimate at most MAX_STEP (in log space)
         # away from where it is, so a cold-start or a stall cannot swing it to the bounds.
-        current = self._aged(entry, now)
+        current = self._aged(entry, now, start)
         log_ratio = min(current + _MAX_STEP, max(current - _MAX_STEP, log_ratio))
+        log_ratio = min(bound, max(-bound, log_ratio))
         if entry is None:
             table[key] = _Ewma(log_ratio, 1.0, now, 1)
             return
