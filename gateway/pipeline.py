@@ -904,8 +904,8 @@ class Gateway:
         if response is None:
             try:
                 return await self.infer_request(request, tenant, call, mode=mode, canary=False)
-            except BaseException:
-                self.rollouts.hedge_unanswered(admitted)  # the canary cost its caller the answer
+            except BaseException as error:
+                self.rollouts.hedge_unanswered(admitted, error)  # the canary cost its caller the answer
                 raise
         self._check_outputs(admitted, response, started=started)
         finished = clock.now()

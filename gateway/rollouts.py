@@ -782,13 +782,22 @@ class RolloutController:
             )
         return now < admitted.deadline_at
 
-    def hedge_unanswered(self, admitted: Admitted) -> None:
+    def hedge_unanswered(self, admitted: Admitted, error: BaseException) -> None:
         """A hedged canary whose current-version answer failed too (its caller got an error:
-        the deadline, a refusal at re-admission). Reported; it should stay 0."""
+        the deadline, a refusal at re-admission). Reported and logged; it should stay 0."""
         run = self._canary_run(admitted)
         if run is not None:
             run.rollout.hedge_unanswered += 1
             HEDGED.labels(run.name, "unanswered").inc()
+            remaining_ms = (admitted.deadline_at - clock.now()) * 1000.0
+            log.warning(
+                "rollout %s: a hedged %s canary was not answered by the current version either "
+                "(%.0f ms of its deadline left): %s",
+                run.name,
+                admitted.record.shape.bucket,
+                remaining_ms,
+                getattr(error, "message", None) or type(error).__name__,
+            )
 
     def candidate_answered(
         self, admitted: Admitted, response: service_pb2.ModelInferResponse, *, started: float, now: float
