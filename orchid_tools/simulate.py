@@ -29,6 +29,15 @@ How a scenario maps onto the runtime (nothing below is re-implemented here):
 * Outcomes come from what the caller sees: the response's provenance
   (``orchid.approximation``) or the error's status and ``orchid-rule``; device
   time from the backends' execution records.
+* Faults and changes drive the runtime's own paths: a device group lost (and restored
+  warm or *cold*: the backend's models not ready for their ``load_s``, which the gateway
+  sees through its readiness checks), slower long requests, a slow upstream stage (the
+  caller's deadline partly spent before the gateway), and rollouts started as
+  ``orchid-gateway rollout start`` starts them (``gateway.rollouts`` over the emulated
+  repository API), with published quality evidence.
+* ``expect:`` bounds a phase's figures; ``check_expectations`` judges them against the
+  report (``--check`` exits 1 when one fails). The seed's combined bottlenecks are shipped
+  as ``examples/orchid/simulate/combined-*.yaml`` with expectations.
 
 Determinism: arrivals come from ``numpy.random.default_rng([seed, class index])``
 (or deterministic spacing), the clock is virtual, and the report carries no

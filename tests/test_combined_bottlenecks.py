@@ -268,6 +268,28 @@ def test_rollout_expectation_fails_when_the_candidate_cannot_load(monkeypatch: p
     assert ("overlap", "canary_pct") in {(e["phase"], e["figure"]) for e in failed(document)}
 
 
+@pytest.mark.slow
+def test_upstream_expectation_fails_when_the_gateway_ignores_the_callers_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gateway that judged a request by its class's full 200 ms instead of what upstream
+    work left of the caller's deadline would run short requests on full-v18 with no slack
+    left for its execution and failure reserves (the worksheet's -12 ms): the slow-80ms
+    phase's short-class bound fails; the long class, whose deadline is untouched, holds."""
+    from gateway.pipeline import Gateway
+
+    real = Gateway._deadline_ms
+
+    def at_least_the_class_default(self: Gateway, call: Any, request_class: Any) -> float:
+        return max(float(request_class.default_deadline_ms), real(self, call, request_class))
+
+    monkeypatch.setattr(Gateway, "_deadline_ms", at_least_the_class_default)
+    document = simulate(COMBINED["upstream"])
+    broken = {(e["phase"], e["scope"], e["figure"]) for e in failed(document)}
+    assert ("slow-80ms", "class short", "degraded_pct") in broken
+    assert not any(scope == "class long" for _, scope, _ in broken)
+
+
 # --------------------------------------------------------------------------- the emulated backend
 
 
