@@ -303,10 +303,6 @@ class MemoryBackend:
         state = self._models.get(model)
         return self._healthy and state is not None and state.ready
 
-    def model_state(self, model: str) -> str:
-        """Triton's repository state of ``model``: READY, LOADING or UNAVAILABLE."""
-        return self._model(model, model).state
-
     # ------------------------------------------------------------------ model control
 
     def _begin_load(self, model: _Model) -> None:
@@ -352,12 +348,16 @@ class MemoryBackend:
             raise ModelControlError(f"loading {model!r} failed: {exc}") from None
 
     async def unload_model(self, model: str, *, timeout_s: float) -> None:
-        """Unload ``model`` (``RepositoryModelUnload``): new requests are refused at once, the
-        ones queued or running finish first."""
+        """Unload ``model`` (``RepositoryModelUnload``): new requests are refused from now on;
+        work already queued or running still finishes (as Triton lets it), after this returns."""
         state = self._model(model, model)
         if state.loading is not None:
             state.loading.cancel()
             state.loading = None
+        for waiter in state.loaded_waiters:  # a load in progress fails: it was unloaded
+            if not waiter.done():
+                waiter.set_exception(ConnectionError(f"{model!r} was unloaded while loading"))
+        state.loaded_waiters.clear()
         state.state = "UNAVAILABLE"
 
     async def repository_index(self) -> list[tuple[str, str, str]]:
