@@ -245,6 +245,8 @@ class GatewayServer:
         config = self.config
         tenants, routes = load_configuration(config)
         rollouts = load_rollouts(config.rollouts_dir, config, tenants, routes) if config.rollouts_dir else {}
+        if config.jobs is not None:  # first: a state directory another gateway holds fails fast
+            self.jobs_store = await asyncio.to_thread(open_store, config.jobs, limits_of(config.jobs))
         if config.local_triton is not None:
             local = config.local_triton
             self._workdir = tempfile.TemporaryDirectory(prefix="orchid-triton-")
@@ -299,6 +301,9 @@ class GatewayServer:
         if self.fleet is not None:  # N replicas never bind more than a pool's slots at once
             self.gateway.fleet_slots = FleetSlots(self.fleet)
         self.gateway.rollouts.specs.update(rollouts)
+        # Rollouts a previous process left running continue (config rollouts_state_dir).
+        self.gateway.rollouts.state_dir = config.rollouts_state_dir
+        self.gateway.rollouts.resume()
         self.telemetry.bind(self.gateway)
         self.status_board.bind(self.gateway)
         if config.telemetry.metrics_listen:
@@ -316,8 +321,8 @@ class GatewayServer:
         add_to_server(InferenceServicer(self.gateway, ready=self.ready), self.server)
         admin.add_to_server(self.gateway, self.server)
         services = [SERVICE, admin.SERVICE]
-        if config.jobs is not None:  # async/batch jobs: durable store, trough runner, service
-            self.jobs_store = open_store(config.jobs, limits_of(config.jobs))
+        if self.jobs_store is not None:  # async/batch jobs: durable store, trough runner, service
+            assert config.jobs is not None
             self.jobs_runner = JobRunner(self.gateway, self.jobs_store, config.jobs)
             jobs_service.add_to_server(
                 jobs_service.OperationsServicer(self.gateway, self.jobs_store, self.jobs_runner, config.jobs),

@@ -3,9 +3,10 @@
 ``batch submit FILE.jsonl --model MODEL [--wait] [--output DIR]`` sends the JSONL snapshot
 (one KServe v2 JSON request body plus ``custom_id`` per line; the gateway validates every
 line before it accepts the batch) and prints the operation id; with ``--wait`` it shows a
-progress bar on stderr (done/total, rate, ETA) until the batch is done; with ``--output``
-it then writes the output set. ``batch get ID [--json] [--output DIR]`` shows a batch (the
-manifest with ``--json``) and writes its output set.
+progress bar on stderr (done/total, rate, ETA; redrawn in place on a terminal, a line per
+tenth otherwise) until the batch is done; with ``--output`` it then writes the output set.
+``batch get ID [--watch] [--json] [--output DIR]`` shows a batch (the manifest with
+``--json``; first its progress until it is done with ``--watch``) and writes its output set.
 
 The output set is the directory ``DIR/ID.vN`` (N: the set's version): ``output.jsonl``, one
 line per input line in input order with its ``custom_id``, ``status``, ``response`` (KServe
@@ -19,14 +20,18 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from gateway._proto import jobs_pb2
-from orchid_tools.jobs import Client, UsageError, add_client_arguments, guarded
-
-BAR_WIDTH = 30
+from orchid_tools.jobs import (
+    Client,
+    Progress,
+    UsageError,
+    add_client_arguments,
+    follow,
+    guarded,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,19 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     get.add_argument("id")
     get.add_argument("--json", action="store_true", help="print the manifest as JSON")
     get.add_argument("--output", type=Path, help="write the output set under this directory")
+    get.add_argument(
+        "--watch", action="store_true", help="first show its progress (stderr) until the batch is done"
+    )
     add_client_arguments(get)
 
 
 def run(args: argparse.Namespace) -> int:
     return guarded(_run, args)
-
-
-def progress_line(done: int, total: int, elapsed_s: float) -> str:
-    """``[#####.....] 300/1000 250.0/s ETA 3s``."""
-    filled = int(BAR_WIDTH * done / total) if total else BAR_WIDTH
-    rate = done / elapsed_s if elapsed_s > 0 else 0.0
-    eta = f"{(total - done) / rate:.0f}s" if rate > 0 else "?"
-    return f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} {rate:.1f}/s ETA {eta}"
 
 
 def read_output(client: Client, op_id: str) -> tuple[dict[str, Any], list[jobs_pb2.BatchItem]]:
@@ -129,20 +129,14 @@ def _run(args: argparse.Namespace) -> int:
             print(op.id, flush=True)
             if not args.wait:
                 return 0
-            started = time.monotonic()
-            for update in client.wait(op.id):
-                done = update.counts.completed + update.counts.failed
-                print(
-                    f"\r{progress_line(done, update.counts.total, time.monotonic() - started)}",
-                    end="",
-                    file=sys.stderr,
-                )
-            print(file=sys.stderr)
+            follow(client, op.id, Progress(sys.stderr))
             manifest, items = read_output(client, op.id)
             print(_summary(manifest))
             if args.output is not None:
                 print(f"output set: {write_output(args.output, manifest, items)}")
             return 0 if manifest["status"] == "completed" else 1
+        if args.watch:
+            follow(client, args.id, Progress(sys.stderr))
         manifest, items = read_output(client, args.id)
         if args.json:
             print(json.dumps(manifest, indent=2, sort_keys=True))

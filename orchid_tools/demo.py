@@ -1,26 +1,45 @@
 """``orchid-gateway demo``: one command from nothing to a working stack and a readable report.
 
 Owns the demo workload and its report. It starts the local stack in-process (a
-``GatewayServer`` from the config, which supervises the embedded Triton), waits
-until the gateway and its models are ready, drives a short mixed workload through
-the gateway with *unmodified* ``tritonclient.grpc`` (the sync client from a
-bounded thread pool, ``tritonclient.grpc.aio`` on the event loop, and
-``start_stream``/``async_stream_infer`` for the streaming model) from the demo
-tenants, and prints what happened: per tenant and class the requests admitted,
-served by a fallback and rejected (grouped by gRPC status and the deciding
-``orchid-rule``), client-side latency percentiles of admitted requests, and the
-provenance parameters of one response per model. Then it shuts the stack down.
+``GatewayServer`` from the config, which supervises the embedded Triton and opens the job
+store), waits until the gateway and its models are ready, and drives the four modes of work
+through it at once:
 
-The workload mixes what a reviewer wants to see: orchid interactive short (256
-input tokens) and long (4,096) requests, batch-class requests, a streaming
-model, lumen interactive shorts, and requests that are wrong on purpose (a model
-the tenant may not see, a deadline too tight for a long prompt, an unknown
-credential, an output limit over the tenant's cap) so rejections show with their
-reasons. Arrivals are Poisson at a moderate rate with a bounded number in flight,
-so it runs on a two-core machine.
+* **online**: a short mixed workload with *unmodified* ``tritonclient.grpc`` (the sync
+  client from a bounded thread pool, ``tritonclient.grpc.aio`` on the event loop) from the
+  demo tenants;
+* **streaming**: ``start_stream``/``async_stream_infer`` on the streaming model;
+* **async**: ``--async-jobs`` requests through ``orchid.jobs.v1.Operations.Submit``;
+* **batch**: one JSONL batch of ``--batch-items`` lines through ``SubmitBatch``, with a
+  progress bar while it runs (redrawn in place on a terminal, a line per tenth otherwise).
 
-Exit codes: 0 the workload ran and something was admitted; 1 nothing was
-admitted; 2 usage or configuration error; 3 the stack could not start.
+Operations an earlier gateway left unfinished on the same job store (a demo killed with
+``kill -9`` mid-batch) are found at start, resumed by the runner and followed to the end too.
+Then it prints what happened: a line per mode (the batch's output set checked for one answer
+per item), then per tenant and class the online requests admitted, served by a fallback and
+rejected (grouped by gRPC status and the deciding ``orchid-rule``), client-side latency
+percentiles of admitted requests, and the provenance parameters of one response per model.
+Then it shuts the stack down.
+
+The online mix shows what a reviewer wants to see: orchid interactive short (256 input
+tokens) and long (4,096) requests, batch-class requests, a streaming model, lumen
+interactive shorts, and requests that are wrong on purpose (a model the tenant may not see,
+a deadline too tight for a long prompt, an unknown credential, an output limit over the
+tenant's cap) so rejections show with their reasons. Arrivals are Poisson at a moderate rate
+with a bounded number in flight, so it runs on a two-core machine. The jobs are orchid's, in
+its batch class: they run in the capacity the online work leaves (docs/operators.md, "How
+jobs run").
+
+The job store is the config's ``jobs:`` block (the example's: SQLite in
+``examples/orchid/state/jobs``, created on first start); ``--state-dir DIR`` puts it
+elsewhere (SQLite), for instance beside a gateway started by hand on the same config, which
+holds the example's directory.
+
+Exit codes: 0 the workload ran, something was admitted and every job completed (each batch
+one answer per item); 1 nothing was admitted, or a job did not complete within
+``--jobs-timeout`` (it stays in the store and resumes on the next start); 2 usage or
+configuration error; 3 the stack could not start (a job state directory another gateway
+holds included).
 
 Nothing here is part of the request path: this module only *uses* the gateway.
 """
@@ -30,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import random
@@ -42,7 +62,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import grpc
 import numpy as np
@@ -51,10 +71,14 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from gateway import __version__
+from gateway._proto import jobs_pb2, jobs_pb2_grpc
 from gateway.backends.local import TritonStartError
-from gateway.config import GatewayConfig, load_gateway_config
+from gateway.config import GatewayConfig, JobsConfig, load_gateway_config
 from gateway.core.errors import ConfigError
+from gateway.jobs.batch import request_from_json
+from gateway.jobs.store import StateDirectoryBusy
 from gateway.server import GatewayServer
+from orchid_tools.jobs import Progress
 
 log = logging.getLogger("orchid.demo")
 
@@ -450,11 +474,17 @@ class WorkloadResult:
     unfinished: int
 
 
-async def drive(address: str, scenarios: Sequence[Scenario], settings: WorkloadSettings) -> WorkloadResult:
+async def drive(
+    address: str,
+    scenarios: Sequence[Scenario],
+    settings: WorkloadSettings,
+    outcomes: list[Outcome] | None = None,
+) -> WorkloadResult:
     """Poisson arrivals for ``duration_s``; each arrival picks a scenario and waits for a free slot
     among ``workers`` (so offered load degrades to closed-loop rather than piling up). The first
     arrivals visit every scenario once, in shuffled order, so even a short run shows each kind of
-    request; after that scenarios are drawn by weight."""
+    request; after that scenarios are drawn by weight. Outcomes are appended to ``outcomes``
+    (when given) as they arrive."""
     rng = random.Random(settings.seed)
     weights = [s.weight for s in scenarios]
     tour = list(scenarios)
@@ -465,7 +495,7 @@ async def drive(address: str, scenarios: Sequence[Scenario], settings: WorkloadS
     aio = aioclient.InferenceServerClient(address)
     slots = asyncio.Semaphore(settings.workers)
     tasks: set[asyncio.Task[Outcome]] = set()
-    outcomes: list[Outcome] = []
+    outcomes = [] if outcomes is None else outcomes  # the caller's list: it may watch it grow
 
     async def one(scenario: Scenario, salt: int) -> Outcome:
         try:
@@ -662,6 +692,283 @@ def summarize(result: WorkloadResult, settings: WorkloadSettings) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- async and batch
+
+JOB_TENANT = "orchid"  # the demo's jobs are orchid's, in its batch class (its batch quota)
+JOB_MODEL = "full-v18"
+JOB_INPUT_TOKENS = 256
+JOB_OUTPUT_TOKENS = 16
+DONE = frozenset({"completed", "failed", "expired", "cancelled"})
+MAX_ASYNC_JOBS = 100
+
+
+def job_body(salt: int) -> dict[str, Any]:
+    """One KServe v2 JSON request body, as ``orchid-gateway jobs submit`` and a JSONL line take it."""
+    data = token_array(JOB_INPUT_TOKENS, True, salt)
+    return {
+        "inputs": [
+            {
+                "name": "INPUT_IDS",
+                "datatype": "INT32",
+                "shape": list(data.shape),
+                "data": data.ravel().tolist(),
+            }
+        ],
+        "parameters": {"orchid.max_output_tokens": JOB_OUTPUT_TOKENS},
+    }
+
+
+def batch_jsonl(items: int, tag: str) -> bytes:
+    """The demo's batch: ``items`` lines with custom ids ``TAG-0`` ... (what ``batch submit`` sends)."""
+    lines = (json.dumps({"custom_id": f"{tag}-{i}", **job_body(10_000 + i)}) for i in range(items))
+    return ("\n".join(lines) + "\n").encode()
+
+
+@dataclass(frozen=True, slots=True)
+class JobsSettings:
+    async_jobs: int  # asynchronous requests (Submit), 0: none
+    batch_items: int  # lines of the batch (SubmitBatch), 0: no batch
+    timeout_s: float  # how long the demo waits for its jobs after submitting them
+
+
+@dataclass(slots=True)
+class AsyncResult:
+    op: jobs_pb2.Operation
+    latency_s: float | None  # submit to done, None when not done in time
+
+
+@dataclass(slots=True)
+class BatchResult:
+    op: jobs_pb2.Operation
+    elapsed_s: float
+    items: list[jobs_pb2.BatchItem] = field(default_factory=list)
+    earlier: bool = False  # left unfinished by an earlier run, resumed by this one
+
+    @property
+    def exactly_once(self) -> bool:
+        """One line per item of the output set, every custom id once, each item succeeded."""
+        ids = [item.custom_id for item in self.items]
+        return (
+            self.op.status == "completed"
+            and len(ids) == self.op.counts.total
+            and len(set(ids)) == len(ids)
+            and all(item.status == "succeeded" for item in self.items)
+        )
+
+
+@dataclass(slots=True)
+class JobsResult:
+    store: str  # where the jobs are kept, in words
+    async_results: list[AsyncResult] = field(default_factory=list)
+    batches: list[BatchResult] = field(default_factory=list)
+    note: str = ""  # why a mode did not run
+
+    @property
+    def unfinished(self) -> list[str]:
+        ops = [r.op for r in self.async_results] + [b.op for b in self.batches]
+        return [f"{op.id} ({op.kind}: {op.status})" for op in ops if op.status != "completed"]
+
+
+class JobsClient:
+    """``orchid.jobs.v1.Operations`` on the event loop, as the demo tenant."""
+
+    def __init__(self, address: str, key: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = jobs_pb2_grpc.OperationsStub(self.channel)  # type: ignore[no-untyped-call]
+        self.metadata = (("authorization", f"Bearer {key}"),)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def unfinished(self) -> list[jobs_pb2.Operation]:
+        """Operations an earlier gateway on this store left unfinished (newest 100)."""
+        reply = await self.stub.List(jobs_pb2.ListRequest(page_size=100), metadata=self.metadata, timeout=30)
+        return [op for op in reply.operations if op.status not in DONE]
+
+    async def submit_batch(self, items: int) -> jobs_pb2.Operation:
+        tag = f"demo-{int(time.time())}"
+        request = jobs_pb2.SubmitBatchRequest(jsonl=batch_jsonl(items, tag), model=JOB_MODEL)
+        op: jobs_pb2.Operation = await self.stub.SubmitBatch(request, metadata=self.metadata, timeout=60)
+        return op
+
+    async def submit(self, salt: int) -> jobs_pb2.Operation:
+        body = request_from_json(job_body(salt), JOB_MODEL, "request")
+        request = jobs_pb2.SubmitRequest(infer_request=body.SerializeToString())
+        op: jobs_pb2.Operation = await self.stub.Submit(request, metadata=self.metadata, timeout=30)
+        return op
+
+    async def follow(
+        self,
+        op: jobs_pb2.Operation,
+        deadline: float,
+        on_update: Callable[[jobs_pb2.Operation], None] | None = None,
+    ) -> jobs_pb2.Operation:
+        """The operation's states (``Wait``, reconnecting when a stream's bound ends) until it is
+        done or ``deadline`` (monotonic) passes; its last state."""
+        last = op
+        while last.status not in DONE:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0.5:
+                break
+            try:
+                async for update in self.stub.Wait(
+                    jobs_pb2.GetRequest(id=op.id), metadata=self.metadata, timeout=remaining
+                ):
+                    last = update
+                    if on_update is not None:
+                        on_update(update)
+            except grpc.aio.AioRpcError as error:
+                if error.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+        return last
+
+    async def output(self, op_id: str) -> list[jobs_pb2.BatchItem]:
+        items: list[jobs_pb2.BatchItem] = []
+        token = ""
+        while True:
+            page = await self.stub.ReadBatchOutput(
+                jobs_pb2.ReadBatchOutputRequest(id=op_id, page_size=1000, page_token=token),
+                metadata=self.metadata,
+                timeout=60,
+            )
+            items.extend(page.items)
+            token = page.next_page_token
+            if not token:
+                return items
+
+
+class JobsRun:
+    """The demo's asynchronous and batch work: submitted when the online load starts, followed
+    while it runs (the batch's progress bar on ``out``), waited for after it (bounded)."""
+
+    def __init__(self, address: str, settings: JobsSettings, store: str, out: TextIO) -> None:
+        self.client = JobsClient(address, DEMO_KEYS[JOB_TENANT])
+        self.settings = settings
+        self.out = out
+        self.result = JobsResult(store)
+        self.online: list[Outcome] = []  # the online workload's outcomes, for the bar's suffix
+
+    async def run(self) -> JobsResult:
+        """Submit, follow until done or the timeout (counted from the submissions)."""
+        settings = self.settings
+        earlier = await self.client.unfinished()
+        if earlier:
+            print(
+                f"resuming {len(earlier)} operation(s) an earlier gateway left unfinished on this store: "
+                + ", ".join(f"{op.id} ({op.kind}, {op.status})" for op in earlier),
+                file=self.out,
+                flush=True,
+            )
+        started = time.monotonic()
+        # The async requests first: within a (tenant, model) the runner takes items oldest first.
+        submitted = [
+            (await self.client.submit(salt), time.monotonic()) for salt in range(settings.async_jobs)
+        ]
+        batch = await self.client.submit_batch(settings.batch_items) if settings.batch_items else None
+        if batch is not None:
+            print(
+                f"batch {batch.id}: {settings.batch_items} items of {JOB_MODEL} submitted (SubmitBatch, "
+                f"class {batch.request_class}); async: {len(submitted)} requests submitted (Submit)",
+                file=self.out,
+                flush=True,
+            )
+        deadline = started + settings.timeout_s
+        async_tasks = [asyncio.ensure_future(self._one_async(op, at, deadline)) for op, at in submitted]
+        for op in earlier:
+            self.result.batches.append(await self._batch(op, deadline, time.monotonic(), earlier=True))
+        if batch is not None:
+            self.result.batches.append(await self._batch(batch, deadline, started, earlier=False))
+        self.result.async_results = list(await asyncio.gather(*async_tasks))
+        return self.result
+
+    async def _one_async(self, op: jobs_pb2.Operation, submitted_at: float, deadline: float) -> AsyncResult:
+        last = await self.client.follow(op, deadline)
+        return AsyncResult(last, time.monotonic() - submitted_at if last.status in DONE else None)
+
+    async def _batch(
+        self, op: jobs_pb2.Operation, deadline: float, started: float, *, earlier: bool
+    ) -> BatchResult:
+        """Follow one operation with a progress bar; a batch's output set once it is done."""
+        progress = Progress(self.out, label=f"{'earlier ' if earlier else ''}{op.kind} ")
+
+        def show(update: jobs_pb2.Operation) -> None:
+            answered = len(self.online)
+            progress.update_from(update, f" | online: {answered} answered" if answered else "")
+
+        try:
+            last = await self.client.follow(op, deadline, show)
+        finally:
+            progress.close()
+        result = BatchResult(last, time.monotonic() - started, earlier=earlier)
+        if last.kind == "batch" and last.status in DONE:
+            result.items = await self.client.output(last.id)
+        return result
+
+
+def _seconds(values: Sequence[float], q: float) -> str:
+    value = percentile(values, q)
+    return "-" if math.isnan(value) else f"{value:.2f} s"
+
+
+def summarize_modes(online: WorkloadResult, jobs: JobsResult | None) -> str:
+    """One line per mode: online, streaming, async, batch (and what an earlier run left)."""
+    lines = ["four modes"]
+    unary = [o for o in online.outcomes if o.scenario.client != "stream"]
+    ok = [o.latency_s for o in unary if o.admitted]
+    lines.append(
+        f"  online     {len(unary)} requests (tritonclient sync and aio), {len(ok)} admitted; "
+        f"p50 {_ms(percentile(ok, 50))} ms, p95 {_ms(percentile(ok, 95))} ms"
+    )
+    streams = [o for o in online.outcomes if o.scenario.client == "stream"]
+    done = [o for o in streams if o.admitted]
+    ttft = [o.first_token_s for o in done if o.first_token_s is not None]
+    lines.append(
+        f"  streaming  {len(streams)} streams, {len(done)} completed, {sum(o.tokens for o in done)} tokens; "
+        f"time to first token p50 {_ms(percentile(ttft, 50))} ms"
+    )
+    if jobs is None:
+        lines.append("  async      not run: the gateway serves no jobs (no `jobs:` block in its config)")
+        lines.append("  batch      not run: the gateway serves no jobs (no `jobs:` block in its config)")
+        return "\n".join(lines)
+    if jobs.async_results:
+        completed = [r for r in jobs.async_results if r.op.status == "completed"]
+        waits = [r.latency_s for r in completed if r.latency_s is not None]
+        charged = sum(r.op.charged_accelerator_ms for r in jobs.async_results)
+        lines.append(
+            f"  async      {len(jobs.async_results)} submitted (Submit, class "
+            f"{jobs.async_results[0].op.request_class}), {len(completed)} completed, "
+            f"{sum(r.op.status == 'failed' for r in jobs.async_results)} failed; submit to result "
+            f"p50 {_seconds(waits, 50)}, p95 {_seconds(waits, 95)}; {charged:.1f} accelerator-ms charged"
+        )
+    else:
+        lines.append("  async      none submitted (--async-jobs 0)")
+    ours = [b for b in jobs.batches if not b.earlier]
+    if not ours:
+        lines.append("  batch      none submitted (--batch-items 0)")
+    for b in jobs.batches:
+        op, counts = b.op, b.op.counts
+        head = "  earlier   " if b.earlier else "  batch     "
+        text = (
+            f"{head} {op.id} {op.status}: {counts.completed}/{counts.total} completed, {counts.failed} failed"
+        )
+        if b.items:
+            # An item's attempts count the ones that failed or were lost (a kill mid-run) before it.
+            retried = sum(item.attempts > 0 for item in b.items)
+            text += (
+                f"; {'one answer per item' if b.exactly_once else 'NOT one answer per item'} "
+                f"({len({i.custom_id for i in b.items})} distinct custom ids in {len(b.items)} output lines, "
+                f"{retried} after a failed or lost attempt)"
+            )
+        rate = (counts.completed + counts.failed) / b.elapsed_s if b.elapsed_s > 0 else 0.0
+        text += f"; {b.elapsed_s:.1f} s here ({rate:.1f} items/s)"
+        text += f"; {op.charged_accelerator_ms:.1f} accelerator-ms charged"
+        if b.earlier:
+            text += " (left unfinished by an earlier gateway, resumed)"
+        lines.append(text)
+    lines.append(f"  job store  {jobs.store}")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -698,7 +1005,15 @@ def triton_version(address: str) -> str:
     return version
 
 
-def demo_config(config: GatewayConfig, time_factor: float | None) -> GatewayConfig:
+def demo_config(
+    config: GatewayConfig, time_factor: float | None, state_dir: Path | None = None
+) -> GatewayConfig:
+    """The config with the demo's overrides: the emulator's time factor, the job state directory
+    (``--state-dir``: SQLite there, enabling jobs when the config has no ``jobs:`` block)."""
+    if state_dir is not None:
+        jobs = config.jobs or JobsConfig(state_dir=state_dir)
+        jobs = jobs.model_copy(update={"store": "sqlite", "state_dir": state_dir.resolve()})
+        config = config.model_copy(update={"jobs": jobs})
     if time_factor is None:
         return config
     if config.local_triton is None:
@@ -707,19 +1022,37 @@ def demo_config(config: GatewayConfig, time_factor: float | None) -> GatewayConf
     return config.model_copy(update={"local_triton": local})
 
 
+def store_description(config: GatewayConfig) -> str:
+    jobs = config.jobs
+    if jobs is None:
+        return "none"
+    if jobs.store == "postgres":
+        return "PostgreSQL (jobs.postgres_dsn)"
+    return (
+        f"SQLite in {jobs.state_dir} (a gateway killed mid-batch resumes the batch when one starts "
+        "again on this directory)"
+    )
+
+
 async def run_demo(
-    config: GatewayConfig, listen: str, settings: WorkloadSettings, ready_timeout_s: float
+    config: GatewayConfig,
+    listen: str,
+    settings: WorkloadSettings,
+    ready_timeout_s: float,
+    jobs_settings: JobsSettings | None = None,
 ) -> int:
     time_factor = config.local_triton.time_factor if config.local_triton is not None else 1.0
     scenarios = build_scenarios(time_factor)
     models = sorted({s.model for s in scenarios if s.expect == OK})
     server = GatewayServer(config, listen=listen)
+    jobs_result: JobsResult | None = None
     try:
         try:
             await server.start()
             await wait_ready(server.address, models, DEMO_KEYS["orchid"], ready_timeout_s)
         except (TritonStartError, OSError, TimeoutError, grpc.RpcError) as error:
-            print(f"orchid-gateway demo: the stack failed to start: {error}", file=sys.stderr)
+            hint = " (or pass --state-dir DIR)" if isinstance(error, StateDirectoryBusy) else ""
+            print(f"orchid-gateway demo: the stack failed to start: {error}{hint}", file=sys.stderr)
             return 3
         if server.local_triton is not None:
             version = await asyncio.to_thread(triton_version, server.local_triton.address)
@@ -727,16 +1060,47 @@ async def run_demo(
         else:
             backend = f"backends {', '.join(b.name + '=' + b.address for b in config.backends)}"
         print(f"orchid-gateway {__version__} demo: gateway on {server.address} -> {backend}", flush=True)
-        print(f"driving the demo workload for {settings.duration_s:g} s ...", flush=True)
-        result = await drive(server.address, scenarios, settings)
+        print(f"job store: {store_description(config)}", flush=True)
+        print(
+            f"driving the demo workload for {settings.duration_s:g} s: online and streaming requests, "
+            "async and batch jobs ...",
+            flush=True,
+        )
+        jobs_run = None
+        if config.jobs is not None and jobs_settings is not None:
+            jobs_run = JobsRun(server.address, jobs_settings, store_description(config), sys.stdout)
+        online = drive(server.address, scenarios, settings, jobs_run.online if jobs_run else None)
+        if jobs_run is None:
+            result = await online
+        else:
+            try:
+                result, jobs_result = await asyncio.gather(online, jobs_run.run())
+            finally:
+                await jobs_run.client.close()
     finally:
         with contextlib.suppress(Exception):
             await server.stop()
+    print("", flush=True)
+    print(summarize_modes(result, jobs_result if config.jobs is not None else None), flush=True)
+    print("", flush=True)
     print(summarize(result, settings), flush=True)
+    code = 0
     if not any(o.admitted for o in result.outcomes):
         print("orchid-gateway demo: no request was admitted", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    if jobs_result is not None and jobs_result.unfinished:
+        print(
+            f"orchid-gateway demo: not completed within {jobs_settings.timeout_s if jobs_settings else 0:g}"
+            " s: "
+            + ", ".join(jobs_result.unfinished)
+            + f" (they stay in the job store: {store_description(config)})",
+            file=sys.stderr,
+        )
+        code = 1
+    if jobs_result is not None and not all(b.exactly_once for b in jobs_result.batches if b.items):
+        print("orchid-gateway demo: a batch's output set is not one answer per item", file=sys.stderr)
+        code = 1
+    return code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -756,6 +1120,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0", help="gateway HOST:PORT (default: a free port)")
     parser.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for readiness")
     parser.add_argument("--log-level", default="WARNING", help="gateway log level (default WARNING)")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="job store directory (SQLite; default: the config's jobs.state_dir, for the example "
+        "examples/orchid/state/jobs)",
+    )
+    parser.add_argument(
+        "--async-jobs", type=int, default=8, help="asynchronous requests to submit (default 8; 0: none)"
+    )
+    parser.add_argument(
+        "--batch-items", type=int, default=200, help="lines of the demo batch (default 200; 0: no batch)"
+    )
+    parser.add_argument(
+        "--jobs-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the async and batch work after submitting it (default 120)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -768,16 +1151,31 @@ def run(args: argparse.Namespace) -> int:
     if args.time_factor is not None and args.time_factor < 0:
         print("orchid-gateway demo: --time-factor must be >= 0", file=sys.stderr)
         return 2
+    if not 0 <= args.async_jobs <= MAX_ASYNC_JOBS or args.batch_items < 0 or args.jobs_timeout <= 0:
+        print(
+            f"orchid-gateway demo: --async-jobs must be 0..{MAX_ASYNC_JOBS}, --batch-items >= 0, "
+            "--jobs-timeout > 0",
+            file=sys.stderr,
+        )
+        return 2
     settings = WorkloadSettings(
         duration_s=args.duration, rate=args.rate, workers=args.workers, seed=args.seed
     )
+    jobs_settings = JobsSettings(args.async_jobs, args.batch_items, args.jobs_timeout)
     try:
-        config = demo_config(load_gateway_config(args.config), args.time_factor)
+        config = demo_config(load_gateway_config(args.config), args.time_factor, args.state_dir)
     except ConfigError as error:
         print(f"orchid-gateway demo: invalid configuration: {error}", file=sys.stderr)
         return 2
+    if config.jobs is not None and args.batch_items > config.jobs.max_batch_items:
+        print(
+            f"orchid-gateway demo: --batch-items {args.batch_items} is over the gateway's "
+            f"jobs.max_batch_items ({config.jobs.max_batch_items})",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        return asyncio.run(run_demo(config, args.listen, settings, args.ready_timeout))
+        return asyncio.run(run_demo(config, args.listen, settings, args.ready_timeout, jobs_settings))
     except ConfigError as error:  # cross-file checks happen at start
         print(f"orchid-gateway demo: invalid configuration: {error}", file=sys.stderr)
         return 2

@@ -15,9 +15,10 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -29,6 +30,72 @@ from gateway.jobs.batch import request_from_json, response_json
 
 KEY_ENV = "ORCHID_API_KEY"
 DONE = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+BAR_WIDTH = 30
+
+
+def progress_line(done: int, total: int, elapsed_s: float, since: int = 0) -> str:
+    """``[#####.....] 300/1000 250.0/s ETA 3s``: the rate and the ETA count only the items done
+    since the watch began (``since`` were done before it)."""
+    filled = min(BAR_WIDTH, int(BAR_WIDTH * done / total)) if total else BAR_WIDTH
+    rate = (done - since) / elapsed_s if elapsed_s > 0 else 0.0
+    eta = f"{(total - done) / rate:.0f}s" if rate > 0 else "?"
+    return f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} {rate:.1f}/s ETA {eta}"
+
+
+class Progress:
+    """An operation's progress on ``stream``. On a terminal, one bar redrawn in place at every
+    update; on anything else (a log, a pipe), a line only when the status changes or another
+    tenth of the items is done, so the output stays bounded (at most ~12 lines per operation)."""
+
+    def __init__(self, stream: TextIO, *, label: str = "", tty: bool | None = None) -> None:
+        self.stream = stream
+        self.label = label
+        self.tty = stream.isatty() if tty is None else tty
+        self._started = time.monotonic()
+        self._since: int | None = None
+        self._last: tuple[str, int] | None = None
+        self._drawn = False
+
+    def line(self, status: str, done: int, total: int, suffix: str = "") -> str:
+        if self._since is None:
+            self._since = done
+        bar = progress_line(done, total, time.monotonic() - self._started, self._since)
+        return f"{self.label}{bar} {status}{suffix}"
+
+    def update(self, status: str, done: int, total: int, suffix: str = "") -> None:
+        text = self.line(status, done, total, suffix)
+        if self.tty:
+            self.stream.write(f"\r{text}\x1b[K")
+            self._drawn = True
+        else:
+            tenth = 10 * done // total if total else 10
+            if self._last is not None and self._last == (status, tenth):
+                return
+            self._last = (status, tenth)
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def update_from(self, op: jobs_pb2.Operation, suffix: str = "") -> None:
+        self.update(op.status, op.counts.completed + op.counts.failed, op.counts.total, suffix)
+
+    def close(self) -> None:
+        if self.tty and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+        self._drawn = False
+
+
+def follow(client: Client, op_id: str, progress: Progress) -> jobs_pb2.Operation | None:
+    """Show ``op_id``'s progress until it is done; its last state (None: no update came)."""
+    last = None
+    try:
+        for last in client.wait(op_id):
+            progress.update_from(last)
+    finally:
+        progress.close()
+    return last
 
 
 class UsageError(Exception):
@@ -110,8 +177,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     submit.add_argument("--operation-id", default="", help="idempotency key")
     submit.add_argument("--complete-within", type=float, default=0.0, help="seconds (default: the gateway's)")
     submit.add_argument("--wait", action="store_true", help="wait until done and print the result")
-    for name in ("get", "wait", "cancel"):
-        one = sub.add_parser(name, help=f"{name} an operation")
+    for name, what in (
+        ("get", "show an operation"),
+        ("wait", "show an operation's progress (stderr) until it is done; then its status (stdout)"),
+        ("cancel", "cancel an operation"),
+    ):
+        one = sub.add_parser(name, help=what)
         one.add_argument("id")
         add_client_arguments(one)
     listing = sub.add_parser("list", help="your operations, newest first")
@@ -175,11 +246,12 @@ def _run(args: argparse.Namespace) -> int:
             _print(operation_dict(client.get(args.id)))
             return 0
         if args.jobs_command == "wait":
-            last = None
-            for last in client.wait(args.id):
-                counts = last.counts
-                print(f"{last.status} {counts.completed + counts.failed}/{counts.total}", flush=True)
-            return 0 if last is not None and last.status == "completed" else 1
+            last = follow(client, args.id, Progress(sys.stderr))
+            if last is None:
+                return 1
+            counts = last.counts
+            print(f"{last.status} {counts.completed + counts.failed}/{counts.total}", flush=True)
+            return 0 if last.status == "completed" else 1
         if args.jobs_command == "cancel":
             op = client.stub.Cancel(
                 jobs_pb2.GetRequest(id=args.id), metadata=client.metadata, timeout=client.timeout

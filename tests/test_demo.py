@@ -1,14 +1,18 @@
 """``orchid-gateway demo``: the report's arithmetic and grouping, and one real run end to end.
 
 The unit tests need no server. The end-to-end test starts the real stack (local Triton from the
-nvidia-pytriton wheel + the gateway, in-process) through the CLI with a short duration and a
-scaled-down time factor, and checks the report: something admitted, every deliberately bad
-request answered with the status a correct gateway gives, a provenance sample per model.
+nvidia-pytriton wheel + the gateway with its job store, in-process) through the CLI with a
+short duration, a scaled-down time factor and a small batch, and checks the report: the four
+modes (online, streaming, async, batch) each with its line, the batch's progress bar and one
+answer per item, something admitted, every deliberately bad request answered with the status a
+correct gateway gives, a provenance sample per model.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -18,9 +22,12 @@ import pytest
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from gateway._proto import jobs_pb2
 from gateway.config import load_gateway_config
+from gateway.jobs.batch import parse_jsonl
 from orchid_tools import cli, demo
 from orchid_tools.demo import OK, Outcome, Scenario, WorkloadResult, WorkloadSettings
+from orchid_tools.jobs import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIG = ROOT / "examples" / "orchid" / "gateway.yaml"
@@ -199,10 +206,137 @@ def test_defaults() -> None:
     assert args.duration == 15.0
     assert args.time_factor is None
     assert args.listen == "127.0.0.1:0"
+    assert (args.state_dir, args.async_jobs, args.batch_items, args.jobs_timeout) == (None, 8, 200, 120.0)
+
+
+def test_the_example_stack_serves_jobs_from_a_state_directory_beside_it() -> None:
+    config = load_gateway_config(EXAMPLE_CONFIG)
+    assert config.jobs is not None and config.jobs.store == "sqlite"
+    assert config.jobs.state_dir == EXAMPLE_CONFIG.parent / "state" / "jobs"
+
+
+def test_state_dir_override(tmp_path: Path) -> None:
+    config = load_gateway_config(EXAMPLE_CONFIG)
+    changed = demo.demo_config(config, None, tmp_path / "jobs")
+    assert changed.jobs is not None and changed.jobs.state_dir == (tmp_path / "jobs").resolve()
+    assert config.jobs is not None and config.jobs.state_dir != changed.jobs.state_dir
+    # A config without jobs gets them with --state-dir.
+    bare = config.model_copy(update={"jobs": None})
+    enabled = demo.demo_config(bare, None, tmp_path / "s")
+    assert enabled.jobs is not None and enabled.jobs.state_dir == (tmp_path / "s").resolve()
+
+
+def test_cli_rejects_bad_job_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    for flags in (
+        ["--async-jobs", "-1"],
+        ["--async-jobs", "101"],
+        ["--batch-items", "-2"],
+        ["--jobs-timeout", "0"],
+    ):
+        assert cli.main(["demo", *flags]) == 2
+        assert "--async-jobs must be 0..100" in capsys.readouterr().err
+    assert cli.main(["demo", "--batch-items", "50001"]) == 2
+    assert "over the gateway's jobs.max_batch_items (50000)" in capsys.readouterr().err
+
+
+def test_the_demo_batch_is_valid_jsonl_for_the_gateway() -> None:
+    data = demo.batch_jsonl(5, "t")
+    parsed = parse_jsonl(data, model=demo.JOB_MODEL, max_items=10)
+    assert [custom_id for custom_id, _ in parsed.items] == [f"t-{i}" for i in range(5)]
+    first = json.loads(data.splitlines()[0])
+    assert first["inputs"][0]["shape"] == [1, demo.JOB_INPUT_TOKENS]
+    assert first["parameters"] == {"orchid.max_output_tokens": demo.JOB_OUTPUT_TOKENS}
+
+
+def _op(op_id: str, kind: str, status: str, total: int, completed: int, charged: float = 0.0) -> Any:
+    op = jobs_pb2.Operation(id=op_id, kind=kind, status=status, request_class="batch")
+    op.counts.total, op.counts.completed = total, completed
+    op.charged_accelerator_ms = charged
+    return op
+
+
+def _items(ids: list[str], attempts: int = 0) -> list[Any]:
+    return [jobs_pb2.BatchItem(custom_id=i, status="succeeded", attempts=attempts) for i in ids]
+
+
+def test_modes_summary_has_a_line_per_mode() -> None:
+    stream = Scenario("stream", "orchid", "interactive", "full-v18-stream", 8, "stream", 1.0, batched=False)
+    online = WorkloadResult(
+        [
+            Outcome(SHORT, OK, 0.020),
+            Outcome(SHORT, "DEADLINE_EXCEEDED", 0.001),
+            Outcome(stream, OK, 0.050, first_token_s=0.010, tokens=32),
+        ],
+        offered=3,
+        elapsed_s=1.0,
+        unfinished=0,
+    )
+    jobs = demo.JobsResult(
+        "SQLite in /x",
+        async_results=[
+            demo.AsyncResult(_op("op-a", "async", "completed", 1, 1, 10.0), 0.5),
+            demo.AsyncResult(_op("op-b", "async", "completed", 1, 1, 12.0), 1.5),
+        ],
+        batches=[
+            demo.BatchResult(
+                _op("op-old", "batch", "completed", 3, 3, 30.0),
+                2.0,
+                _items(["a", "b"]) + _items(["c"], 1),
+                True,
+            ),
+            demo.BatchResult(_op("op-new", "batch", "completed", 2, 2, 20.0), 1.0, _items(["x", "y"])),
+        ],
+    )
+    text = demo.summarize_modes(online, jobs)
+    lines = text.splitlines()
+    assert lines[0] == "four modes"
+    assert lines[1].startswith("  online     2 requests") and "1 admitted" in lines[1]
+    assert lines[2].startswith("  streaming  1 streams, 1 completed, 32 tokens")
+    assert lines[3].startswith("  async      2 submitted") and "2 completed, 0 failed" in lines[3]
+    assert "22.0 accelerator-ms charged" in lines[3]
+    earlier = next(line for line in lines if "op-old" in line)
+    assert earlier.startswith("  earlier") and "resumed" in earlier
+    assert (
+        "one answer per item (3 distinct custom ids in 3 output lines, 1 after a failed or lost attempt)"
+        in earlier
+    )
+    batch = next(line for line in lines if "op-new" in line)
+    assert batch.startswith("  batch") and "2/2 completed" in batch and "one answer per item" in batch
+    assert jobs.unfinished == []
+    # A duplicated custom id is not one answer per item, and says so.
+    duplicated = demo.BatchResult(_op("op-d", "batch", "completed", 2, 2), 1.0, _items(["x", "x"]))
+    assert not duplicated.exactly_once
+    assert "NOT one answer per item" in demo.summarize_modes(
+        online, demo.JobsResult("s", batches=[duplicated])
+    )
+    # Unfinished work is named; a gateway without jobs says why async and batch did not run.
+    late = demo.JobsResult("s", async_results=[demo.AsyncResult(_op("op-l", "async", "queued", 1, 0), None)])
+    assert late.unfinished == ["op-l (async: queued)"]
+    assert "no `jobs:` block" in demo.summarize_modes(online, None)
+
+
+def test_progress_is_bounded_off_a_terminal_and_redrawn_on_one() -> None:
+    log = io.StringIO()
+    progress = Progress(log, label="batch ", tty=False)
+    for done in range(101):
+        progress.update("in_progress" if done < 100 else "completed", done, 100)
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 11  # a line at each tenth (0 to 90 %), and the end (a new status and tenth)
+    assert lines[0].startswith("batch [") and "0/100" in lines[0]
+    assert lines[-1].startswith("batch [" + "#" * 30 + "] 100/100") and lines[-1].endswith("completed")
+    screen = io.StringIO()
+    bar = Progress(screen, tty=True)
+    for done in (1, 2, 3):
+        bar.update("in_progress", done, 3)
+    bar.close()
+    assert screen.getvalue().count("\r") == 3 and screen.getvalue().endswith("\n")
+    assert "3/3" in screen.getvalue()
 
 
 @pytest.mark.triton
-def test_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    state = tmp_path / "state"
     code = cli.main(
         [
             "demo",
@@ -214,11 +348,29 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
             "0.2",
             "--rate",
             "15",
+            "--state-dir",
+            str(state),
+            "--async-jobs",
+            "3",
+            "--batch-items",
+            "40",
         ]
     )
-    out = capsys.readouterr().out
-    assert code == 0, out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, out + captured.err
     assert "local Triton 2." in out
+    assert f"job store: SQLite in {state.resolve()}" in out
+    assert (state / "jobs.sqlite3").is_file()  # the demo created the store
+    # The four modes, each with its line; the batch's progress while it ran, and its output set.
+    modes = out[out.index("four modes") :].splitlines()
+    assert modes[1].startswith("  online ") and modes[2].startswith("  streaming ")
+    assert modes[3].startswith("  async      3 submitted") and "3 completed, 0 failed" in modes[3], out
+    assert modes[4].startswith("  batch      op-") and "40/40 completed, 0 failed" in modes[4], out
+    assert "one answer per item (40 distinct custom ids in 40 output lines" in modes[4], out
+    bars = [line for line in out.splitlines() if line.startswith("batch [")]
+    assert bars and bars[-1].startswith("batch [" + "#" * 30 + "] 40/40"), out
+    assert bars[-1].split(" | ")[0].endswith("completed")
     assert "per tenant / class" in out
     # Every deliberately bad request got the status a correct gateway gives (the first arrivals
     # visit each scenario once, so each appears even in a short run).

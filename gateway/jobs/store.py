@@ -748,10 +748,15 @@ class SqliteJobStore(JobStore):
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = os.pread(self._lock_fd, 32, 0).decode("ascii", "replace").strip()
             os.close(self._lock_fd)
             raise StateDirectoryBusy(
                 f"job state directory {state_dir} is in use by another gateway"
+                + (f" (pid {holder})" if holder.isdigit() else "")
+                + ": one gateway per directory (stop it, or set another jobs.state_dir)"
             ) from None
+        os.ftruncate(self._lock_fd, 0)  # the holder's pid, for the message above
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
         self.path = state_dir / DB_NAME
         for suffix in ("", "-wal", "-shm"):  # SQLite derives the WAL's and shm's mode from the db's
             os.close(os.open(f"{self.path}{suffix}", os.O_RDWR | os.O_CREAT, 0o600))
