@@ -44,6 +44,7 @@ from gateway.core.load import PoolLoad
 from gateway.core.memory import DeviceMemory
 from gateway.core.outputs import OUTPUT_CONTRACT_RULE
 from gateway.core.overload import effects as overload_effects
+from gateway.core.placement import placement_key
 from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaView, Reservation
 from gateway.core.record import (
@@ -72,6 +73,7 @@ from gateway.shape import (
     GATEWAY_OWNED_PARAMETERS,
     check_backend_controls,
     extract_shape,
+    fallback_refusal,
     payload_bytes,
     read_hints,
     validate_tensors,
@@ -492,11 +494,18 @@ class Gateway:
         )
         fallback_pool = await self._warm_fallback(fallback_route, cell, logical) if fallback_route else None
         divert = effects.fallback_for_eligible and primary.policy.fallback_eligible and load.divert(flow)
+        fallback_refused = ""  # why the fallback cannot take the request as asked
+        taking: tuple[BackendHandle, ModelSpec, DispatchQueue] | None = None  # the fallback pass's pool
         if fallback_route is not None and admission.wants_fallback_pass(
             primary.policy, effects, fallback_pool is not None, divert
         ):
             assert fallback_pool is not None and route.fallback is not None
-            f_handle, _f_spec, f_queue = fallback_pool
+            fallback_refused = fallback_refusal(
+                request, fallback_pool[1], fallback_route.shape, shape, model=route.fallback
+            )
+            taking = None if fallback_refused else fallback_pool
+        if taking is not None and fallback_route is not None and route.fallback is not None:
+            f_handle, _f_spec, f_queue = taking
             f_identity = dataclasses.replace(
                 identity, model=route.fallback, model_version=fallback_route.version
             )
@@ -545,9 +554,17 @@ class Gateway:
             admission.AdmissionContext(
                 effects=effects,
                 retry_after_ms=load.retry_after_ms(),
-                max_dwell_ms=request_class.max_dwell_ms,
                 batch_classes=frozenset(self.config.batch_classes),
                 divert=divert,
+                fallback_limits=admission.FallbackLimits(
+                    model=route.fallback,
+                    max_input_tokens=fallback_route.shape.max_input_tokens,
+                    max_output_tokens=fallback_route.shape.max_output_tokens,
+                    max_items=fallback_route.shape.max_items,
+                )
+                if fallback_route is not None and route.fallback
+                else None,
+                fallback_refused=fallback_refused,
             ),
         )
         if diverted is not None and diverted.reason and decision.verdict is Verdict.ADMIT:

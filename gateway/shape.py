@@ -24,6 +24,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.backends.triton import ModelSpec
 from gateway.config import ShapeSpec
+from gateway.core.admission import FallbackLimits, fallback_misfit
 from gateway.core.errors import InvalidArgument
 from gateway.core.record import LONG_BUCKET, SHORT_BUCKET, Shape
 
@@ -296,6 +297,40 @@ def extract_shape(
         streaming=streaming,
         bucket=bucket,
         input_bytes=input_bytes,
+    )
+
+
+def fallback_refusal(
+    request: service_pb2.ModelInferRequest,
+    spec: ModelSpec,
+    shape_spec: ShapeSpec,
+    shape: Shape,
+    *,
+    model: str,
+) -> str:
+    """Why the fallback model cannot take ``request`` ("" when it can): its tensors (the
+    fallback's inputs, their datatypes, ranks and batch size: modality and datatype) and its
+    route's shape caps on the request as asked (``shape``: input tokens as the fallback reads
+    them, the requested output, items)."""
+    try:
+        shapes = validate_tensors(request, spec, model=model)
+        tokens_shape = shapes.get(shape_spec.tokens_input)
+        if tokens_shape is None:
+            return f"the fallback {model!r} reads its tokens from input {shape_spec.tokens_input!r}"
+        tokens = tokens_shape[shape_spec.tokens_dim]
+        items = tokens_shape[shape_spec.items_dim] if shape_spec.items_dim is not None else 1
+    except InvalidArgument as error:
+        return f"the fallback {model!r} does not take its tensors: {error}"
+    except IndexError:
+        return f"the fallback {model!r}: input {shape_spec.tokens_input!r} has too few dimensions"
+    return fallback_misfit(
+        Shape(items=items, input_tokens=tokens, max_output_tokens=shape.max_output_tokens),
+        FallbackLimits(
+            model=model,
+            max_input_tokens=shape_spec.max_input_tokens,
+            max_output_tokens=shape_spec.max_output_tokens,
+            max_items=shape_spec.max_items,
+        ),
     )
 
 

@@ -362,6 +362,7 @@ class Telemetry(GatewayListener):
             outcome=f"{decision.verdict}:{decision.route_reason}"
             if decision.rules or policy.allowed
             else None,
+            fallback_refused=decision.fallback_refused,
         )
 
     def failed(self, status: str, rule: str) -> None:

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.triton import InputSpec, ModelSpec
 from gateway.config import ShapeSpec
-from gateway.core.admission import AdmissionContext, Candidate, decide, wants_fallback_pass
+from gateway.core.admission import (
+    AdmissionContext,
+    Candidate,
+    FallbackLimits,
+    decide,
+    fallback_misfit,
+    wants_fallback_pass,
+)
 from gateway.core.errors import InvalidArgument
 from gateway.core.estimate import predict
 from gateway.core.overload import effects
 from gateway.core.profile import DemandProfile, batch_accelerator_ms, padding
 from gateway.core.record import Approximation, Budget, Demand, Identity, Mode, RequestRecord, Shape, Verdict
 from gateway.policy.snapshot import PolicyResult
-from gateway.shape import RequestHints, extract_shape, read_hints, validate_tensors
+from gateway.shape import RequestHints, extract_shape, fallback_refusal, read_hints, validate_tensors
 
 FULL = DemandProfile(fixed_ms=4.4, prefill_ms_per_token=0.1, decode_ms_per_token=0.41875)
 SPEC = ModelSpec(
@@ -162,7 +172,7 @@ DENIED = PolicyResult(
 
 
 def context(step: int) -> AdmissionContext:
-    return AdmissionContext(effects=effects(step), retry_after_ms=250, max_dwell_ms=20)
+    return AdmissionContext(effects=effects(step), retry_after_ms=250)
 
 
 def fallback_candidate(result: PolicyResult = ELIGIBLE) -> Candidate:
@@ -209,6 +219,55 @@ def test_overload_routes_eligible_work_to_fallback_only_from_step_3() -> None:
     assert (decision.verdict, decision.route_reason) == (Verdict.FALLBACK, "fallback:overload")
     # Not eligible: keeps the primary even under overload.
     assert decide(Candidate(record(200, 56.8), ALLOW), None, context(3)).verdict is Verdict.ADMIT
+
+
+def test_the_fallback_never_takes_a_request_its_limits_do_not() -> None:
+    """A request longer than the fallback's context window stays on the primary under
+    overload and, denied there for capacity, is refused with the reason; the decision says
+    why (``fallback_refused``). One within the limits is diverted as before."""
+    compact = FallbackLimits("compact-v11", max_input_tokens=200, max_output_tokens=1024, max_items=8)
+    small = AdmissionContext(effects=effects(3), retry_after_ms=250, fallback_limits=compact)
+    primary = Candidate(record(200, 56.8), ELIGIBLE)  # 256 input tokens
+    decision = decide(primary, fallback_candidate(), small)
+    assert decision.verdict is Verdict.ADMIT and decision.target_model == "full-v18"
+    assert decision.fallback_refused == "256 input tokens exceed the fallback 'compact-v11''s limit of 200"
+    denied = decide(Candidate(record(200, 467.6), INFEASIBLE), fallback_candidate(), small)
+    assert (denied.verdict, denied.status) == (Verdict.REJECT, "DEADLINE_EXCEEDED")
+    assert denied.message == f"late; the fallback cannot take it: {decision.fallback_refused}"
+    # Output cap and items count too; the edge's tensor check (modality, datatype) is final.
+    for limits, reason in (
+        (FallbackLimits("compact-v11", 8192, 32, 8), "64 output tokens exceed"),
+        (FallbackLimits("compact-v11", 8192, 1024, 0), "1 items exceed"),
+    ):
+        refused = decide(primary, fallback_candidate(), replace(small, fallback_limits=limits))
+        assert refused.verdict is Verdict.ADMIT and refused.fallback_refused.startswith(reason)
+    fits = FallbackLimits("compact-v11", 256, 64, 1)
+    assert fallback_misfit(primary.record.shape, fits) == ""
+    taken = decide(primary, fallback_candidate(), replace(small, fallback_limits=fits))
+    assert (taken.verdict, taken.fallback_refused) == (Verdict.FALLBACK, "")
+    tensors = replace(small, fallback_limits=fits, fallback_refused="the fallback takes no FP32")
+    assert decide(primary, None, tensors).fallback_refused == "the fallback takes no FP32"
+
+
+def test_the_fallback_refusal_reads_the_fallbacks_tensors_and_caps() -> None:
+    """The edge's check (``gateway.shape.fallback_refusal``): the fallback's own inputs and
+    datatypes (modality), then its route's caps on the request as asked."""
+    request = service_pb2.ModelInferRequest(model_name="full-v18")
+    tensor = request.inputs.add(name="INPUT_IDS", datatype="INT32")
+    tensor.shape.extend([1, 3000])
+    request.raw_input_contents.append(np.zeros(3000, dtype=np.int32).tobytes())
+    asked = Shape(items=1, input_tokens=3000, max_output_tokens=64)
+    spec = ShapeSpec(tokens_input="INPUT_IDS", items_dim=0, max_input_tokens=2048)
+    compact = dataclasses.replace(SPEC, name="compact-v11")
+    assert fallback_refusal(request, compact, spec, asked, model="compact-v11") == (
+        "3000 input tokens exceed the fallback 'compact-v11''s limit of 2048"
+    )
+    wide = spec.model_copy(update={"max_input_tokens": 8192})
+    assert fallback_refusal(request, compact, wide, asked, model="compact-v11") == ""
+    images = dataclasses.replace(compact, inputs=(InputSpec("PIXELS", "FP32", (-1, -1)),))
+    assert "has no input 'INPUT_IDS'" in fallback_refusal(request, images, wide, asked, model="compact-v11")
+    fp16 = dataclasses.replace(compact, inputs=(InputSpec("INPUT_IDS", "FP16", (-1, -1)),))
+    assert "datatype INT32" in fallback_refusal(request, fp16, wide, asked, model="compact-v11")
 
 
 def test_step_4_defers_batch_work_with_computed_retry() -> None:

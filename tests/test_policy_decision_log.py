@@ -35,6 +35,7 @@ FIELDS = {
     "eval_us",
     "fail_open",
     "errors",
+    "fallback_refused",
 }
 
 

@@ -23,7 +23,11 @@ Rules, in order:
    eligible work the pool diverts (just enough to bring demand back inside the
    envelope: quality is degraded only as far as capacity requires), or when the
    primary was denied for capacity. Provenance says
-   ``orchid.approximation=fallback`` and why.
+   ``orchid.approximation=fallback`` and why. And never when the fallback's limits do
+   not take the request as asked (``fallback_misfit``: its input tokens, output cap and
+   items; the edge adds its tensors' modality and datatypes): a fallback with a smaller
+   context window would fail or truncate it. The decision then says why
+   (``Decision.fallback_refused``, in the decision log), and a refusal's message names it.
 4. A policy output limit below the requested output is applied and marked
    ``reduced_output``.
 5. Otherwise the primary admits.
@@ -31,11 +35,11 @@ Rules, in order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.core.dispatch import LATE_RULE
 from gateway.core.overload import LadderEffects
-from gateway.core.record import Approximation, Decision, RequestRecord, Verdict
+from gateway.core.record import Approximation, Decision, RequestRecord, Shape, Verdict
 from gateway.policy.snapshot import PolicyResult
 
 CAPACITY_STATUSES = frozenset({"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
@@ -53,12 +57,42 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
+class FallbackLimits:
+    """What the fallback's route takes (its ``shape`` caps)."""
+
+    model: str
+    max_input_tokens: int
+    max_output_tokens: int
+    max_items: int
+
+
+def fallback_misfit(shape: Shape, limits: FallbackLimits) -> str:
+    """Why the fallback cannot take a request of ``shape`` as asked ("" when it can): a
+    caller's answer is never cut or failed by a smaller fallback."""
+    if shape.input_tokens > limits.max_input_tokens:
+        return (
+            f"{shape.input_tokens} input tokens exceed the fallback {limits.model!r}'s limit of "
+            f"{limits.max_input_tokens}"
+        )
+    if shape.max_output_tokens > limits.max_output_tokens:
+        return (
+            f"{shape.max_output_tokens} output tokens exceed the fallback {limits.model!r}'s limit of "
+            f"{limits.max_output_tokens}"
+        )
+    if shape.items > limits.max_items:
+        return f"{shape.items} items exceed the fallback {limits.model!r}'s limit of {limits.max_items}"
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionContext:
     effects: LadderEffects
     retry_after_ms: int  # from the predicted drain of the pool
-    max_dwell_ms: float
     batch_classes: frozenset[str] = frozenset({"batch"})
     divert: bool = True  # under overload, is this request part of the share sent to the fallback?
+    fallback_limits: FallbackLimits | None = None  # the fallback route's caps (None: no fallback)
+    # Why the fallback's tensors cannot take the request (modality, datatype), from the edge.
+    fallback_refused: str = ""
 
 
 def wants_fallback_pass(
@@ -111,7 +145,6 @@ def _admit(
         shadow_rules=result.shadow_fired,
         policy_version=result.policy_version,
         max_output_tokens=limit if reduced else None,
-        max_dwell_ms=context.max_dwell_ms,
         ladder_step=ladder_step,
     )
 
@@ -133,6 +166,23 @@ def decide(primary: Candidate, fallback: Candidate | None, context: AdmissionCon
             retry_after_ms=context.retry_after_ms,
             ladder_step=record.ladder_step,
         )
+    capacity_denied = not primary.policy.allowed and primary.policy.status in CAPACITY_STATUSES
+    refused = ""
+    if fallback is not None or context.fallback_refused:
+        refused = context.fallback_refused or (
+            fallback_misfit(record.shape, context.fallback_limits) if context.fallback_limits else ""
+        )
+    if refused:
+        decision = _decide(primary, None, context)
+        message = decision.message
+        if decision.verdict is Verdict.REJECT and capacity_denied:
+            message = f"{message}; the fallback cannot take it: {refused}"
+        return replace(decision, fallback_refused=refused, message=message)
+    return _decide(primary, fallback, context)
+
+
+def _decide(primary: Candidate, fallback: Candidate | None, context: AdmissionContext) -> Decision:
+    record = primary.record
     capacity_denied = not primary.policy.allowed and primary.policy.status in CAPACITY_STATUSES
     eligible = primary.policy.fallback_eligible or (
         # A primary denied for capacity never reached the fallback stage; the fallback pass decides.

@@ -155,13 +155,15 @@ class Decision:
     shadow_rules: tuple[str, ...] = ()
     policy_version: str = ""
     max_output_tokens: int | None = None  # set when a rule reduced the output limit
-    max_dwell_ms: float = 0.0  # queue dwell cap for this request
     status: str = ""  # gRPC status name of a rejection
     message: str = ""  # caller-facing reason of a rejection
     retry_after_ms: int | None = None
     # The ladder step that decided: the pool the request asked for (its primary's), also
     # when it was answered by the fallback (whose own pool's step is the record's).
     ladder_step: int = 0
+    # Why the warm fallback could not take this request as asked ("" when it could, or was
+    # not wanted): its limits or tensors (``admission.fallback_misfit``); in the decision log.
+    fallback_refused: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,9 @@ class DecisionLogEntry:
     eval_us: float
     fail_open: tuple[tuple[str, str], ...]  # (rule id, error)
     errors: tuple[tuple[str, str], ...]  # (rule id, error)
+    # Why the warm fallback could not take the request as asked (its limits, tensors): ""
+    # when it could or was not wanted. Counts and model names only, never a payload.
+    fallback_refused: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +72,7 @@ class DecisionLogEntry:
             "eval_us": round(self.eval_us, 1) if math.isfinite(self.eval_us) else None,
             "fail_open": [{"rule": rule, "error": error} for rule, error in self.fail_open],
             "errors": [{"rule": rule, "error": error} for rule, error in self.errors],
+            "fallback_refused": self.fallback_refused,
         }
 
     def to_line(self) -> str:
@@ -86,6 +90,7 @@ def decision_entry(
     record: RequestRecord,
     result: PolicyResult,
     outcome: str | None = None,
+    fallback_refused: str = "",
 ) -> DecisionLogEntry:
     """Build an entry from explicit fields of ``record`` and ``result``."""
     identity = record.identity
@@ -108,6 +113,7 @@ def decision_entry(
         eval_us=result.eval_us,
         fail_open=tuple((event.rule, _clip(event.error)) for event in result.fail_open),
         errors=tuple((error.rule, _clip(error.error)) for error in result.errors),
+        fallback_refused=_clip(fallback_refused),
     )
 
 
@@ -144,12 +150,18 @@ class DecisionLog:
         record: RequestRecord,
         result: PolicyResult,
         outcome: str | None = None,
+        fallback_refused: str = "",
     ) -> DecisionLogEntry | None:
         """Build and write one entry; returns it (``None`` when the sink would drop it)."""
         if not self.records(result):
             return None  # nobody reads routine decisions at this level: don't build them
         entry = decision_entry(
-            decision_id=decision_id, at_unix_s=at_unix_s, record=record, result=result, outcome=outcome
+            decision_id=decision_id,
+            at_unix_s=at_unix_s,
+            record=record,
+            result=result,
+            outcome=outcome,
+            fallback_refused=fallback_refused,
         )
         self.write(entry)
         return entry
