@@ -326,6 +326,11 @@ class GatewayConfig(_Strict):
     rollouts_dir: Path | None = Field(
         default=None, description="directory of rollout files (gateway.rollouts); None: no rollouts"
     )
+    rollouts_state_dir: Path | None = Field(
+        default=None,
+        description="where a running rollout's state is kept (one JSON file per rollout, written at "
+        "every phase or step change): a restarted gateway resumes it; None: in memory only",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewayConfig:
@@ -617,6 +622,9 @@ def load_gateway_config(path: Path) -> GatewayConfig:
             ),
             "local_triton": local,
             "rollouts_dir": _resolve(base, config.rollouts_dir) if config.rollouts_dir else None,
+            "rollouts_state_dir": _resolve(base, config.rollouts_state_dir)
+            if config.rollouts_state_dir
+            else None,
             "jobs": (
                 config.jobs.model_copy(update={"state_dir": _resolve(base, config.jobs.state_dir)})
                 if config.jobs and config.jobs.state_dir is not None

@@ -23,6 +23,13 @@ This module owns the I/O around the pure state machine ``gateway.core.rollout.Ro
   current version (the caller never sees it) and an allocation failure rolls back at once.
 * **Retirement**: after promotion the old version's in-flight and queued work drains, then
   it is unloaded; after a rollback, the candidate's. The measured times are reported.
+* **Durable state** (``state_dir``, the config's ``rollouts_state_dir``): a rollout's spec,
+  phase and step are written (one JSON file, replaced atomically) at its start and at every
+  phase or step change; ``resume`` at startup continues each one a previous process left
+  running: a shadow or canary step starts again once the candidate is READY and passes its
+  warm-up again (else the rollout rolls back and the candidate is retired), a promoted one
+  retires the old version, a complete one keeps serving the candidate; earlier phases
+  start over from the load.
 
 Metrics: ``orchid_rollout_requests_total{rollout,version,outcome}``,
 ``orchid_rollout_latency_seconds{rollout,version,kind}``, ``orchid_rollout_step{rollout}``,
@@ -33,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,6 +338,7 @@ class RolloutController:
         self.runs: dict[str, RolloutRun] = {}  # latest run per rollout name
         self.active: dict[str, RolloutRun] = {}  # route -> running rollout
         self.promoted: dict[str, RolloutRun] = {}  # route -> the rollout whose candidate serves it
+        self.state_dir: Path | None = None  # durable state (``_save``, ``resume``); None: memory only
 
     # ------------------------------------------------------------------ control
 
@@ -345,11 +355,7 @@ class RolloutController:
                 f"route {spec.route!r} is served by promoted rollout {self.promoted[spec.route].name}: "
                 "update the route file and restart before the next version change"
             )
-        backends = [
-            name
-            for name in (route.backends or tuple(gateway.backends))
-            if name in gateway.backends and isinstance(gateway.backends[name].client, RepositoryControl)
-        ]
+        backends = self._control_backends(route)
         if not backends:
             raise FailedPrecondition(f"no backend of route {spec.route!r} supports explicit model control")
         check_two_versions(gateway, spec, backends)
@@ -358,9 +364,113 @@ class RolloutController:
         self.runs[spec.name] = run
         self.active[spec.route] = run
         run.rollout.start(clock.now())
+        self._save(run)
         STEP.labels(spec.name).set(0)
         run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"rollout-{spec.name}")
         return run
+
+    def _control_backends(self, route: RouteConfig) -> list[str]:
+        gateway = self.gateway
+        return [
+            name
+            for name in (route.backends or tuple(gateway.backends))
+            if name in gateway.backends and isinstance(gateway.backends[name].client, RepositoryControl)
+        ]
+
+    # ------------------------------------------------------------------ durable state
+
+    def _save(self, run: RolloutRun) -> None:
+        """Write the rollout's spec, phase and step (atomically: a crash leaves the old file)."""
+        if self.state_dir is None:
+            return
+        rollout = run.rollout
+        record = {
+            "spec": run.spec.model_dump(mode="json"),
+            "phase": str(rollout.phase),
+            "step": rollout.step,
+            "reason": rollout.reason,
+            "saved_at": clock.wall(),
+        }
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / f"{run.name}.json"
+        temporary = path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(record, sort_keys=True), encoding="utf-8")
+        os.replace(temporary, path)
+
+    def resume(self) -> list[RolloutRun]:
+        """Continue the rollouts a previous process left running (``state_dir``); the runs."""
+        if self.state_dir is None or not self.state_dir.is_dir():
+            return []
+        resumed: list[RolloutRun] = []
+        for file in sorted(self.state_dir.glob("*.json")):
+            try:
+                record = json.loads(file.read_text(encoding="utf-8"))
+                spec = RolloutSpec.model_validate(record["spec"])
+                phase, step = Phase(record["phase"]), int(record["step"])
+            except (OSError, ValueError, KeyError, TypeError, ValidationError) as exc:
+                log.warning("rollout state %s is unreadable, not resumed: %s", file, exc)
+                continue
+            if phase not in ACTIVE and phase is not Phase.COMPLETE:
+                continue  # rolled back, aborted or never started: nothing serves differently
+            route = self.gateway.routes.models.get(spec.route)
+            if route is None or spec.route in self.active or spec.route in self.promoted:
+                log.warning(
+                    "rollout %s (state %s) not resumed: its route is unknown or taken", spec.name, file
+                )
+                continue
+            run = RolloutRun(spec, route, self._control_backends(route))
+            self.specs.setdefault(spec.name, spec)
+            self.runs[spec.name] = run
+            if phase is Phase.COMPLETE:
+                run.rollout.resumed(clock.now(), phase, step)
+                self.promoted[spec.route] = run
+                STEP.labels(spec.name).set(len(spec.steps) + 1)
+            else:
+                self.active[spec.route] = run
+                run.task = asyncio.get_running_loop().create_task(
+                    self._run(run, resume=(phase, step)), name=f"rollout-{spec.name}"
+                )
+            resumed.append(run)
+            log.info("rollout %s: resuming (%s, step %d) from %s", spec.name, phase, step + 1, file)
+        return resumed
+
+    async def _resume(self, run: RolloutRun, phase: Phase, step: int) -> None:
+        """Continue a rollout from its saved phase (see ``resume``)."""
+        rollout, spec = run.rollout, run.spec
+        if phase not in (Phase.SHADOW, Phase.CANARY, Phase.PROMOTED):
+            rollout.start(clock.now())
+            await self._load(run)
+            if rollout.phase is Phase.WARMING:
+                rollout.warmed(clock.now(), await self._warm(run))
+            return
+        # Wait for the backends' first probes (the process just started), bounded.
+        waited = clock.now()
+        while not all(self.gateway.backends[n].client.healthy for n in run.backends):
+            if clock.now() - waited > LOAD_TIMEOUT_S:
+                break
+            await asyncio.sleep(TICK_S)
+        if phase is Phase.PROMOTED:
+            rollout.resumed(clock.now(), phase, step)
+            return
+        problems: list[str] = []
+        for name in run.backends:
+            client = self.gateway.backends[name].client
+            assert isinstance(client, RepositoryControl)
+            try:
+                states = {(m, v): state for m, v, state in await client.repository_index()}
+            except Exception as exc:
+                problems.append(f"the repository index of {name!r} could not be read: {exc}")
+                continue
+            state = states.get((spec.candidate.backend_model, spec.candidate.version))
+            if state != "READY":
+                problems.append(f"{spec.candidate.backend_model} is {state or 'absent'} on {name!r}")
+        if not problems:
+            problems = await self._warm(run)  # readiness again: a restart proves nothing about it
+        if problems:
+            rollout.start(clock.now())
+            rollout.load_failed(clock.now(), f"resumed after a gateway restart, but {problems[0]}")
+            return
+        rollout.resumed(clock.now(), phase, step)
 
     def run_named(self, name: str) -> RolloutRun:
         run = self.runs.get(name)
@@ -400,27 +510,38 @@ class RolloutController:
 
     # ------------------------------------------------------------------ the run
 
-    async def _run(self, run: RolloutRun) -> None:
+    async def _run(self, run: RolloutRun, resume: tuple[Phase, int] | None = None) -> None:
         rollout, spec = run.rollout, run.spec
         try:
-            await self._load(run)
-            if rollout.phase is Phase.WARMING:
-                problems = await self._warm(run)
-                rollout.warmed(clock.now(), problems)
+            if resume is not None:
+                await self._resume(run, *resume)
+            else:
+                await self._load(run)
+                if rollout.phase is Phase.WARMING:
+                    problems = await self._warm(run)
+                    rollout.warmed(clock.now(), problems)
+            self._save(run)
+            saved = (rollout.phase, rollout.step)
             while rollout.phase in (Phase.SHADOW, Phase.CANARY):
                 await asyncio.sleep(TICK_S)
                 self._sample_memory(run)
                 run.rollout.quality_drop = self.quality_drop(run.spec)
                 rollout.tick(clock.now(), min(run.canaries.values(), default=None))
                 STEP.labels(spec.name).set(rollout.step + 1)
+                if (rollout.phase, rollout.step) != saved:
+                    self._save(run)
+                    saved = (rollout.phase, rollout.step)
             if rollout.phase is Phase.PROMOTED:
                 self.promoted[spec.route] = run
                 self.active.pop(spec.route, None)
+                self._save(run)
                 await self._retire(run, spec.current.backend_model)
+                self._save(run)
                 STEP.labels(spec.name).set(len(spec.steps) + 1)
             else:
                 STEP.labels(spec.name).set(-1)
                 self.active.pop(spec.route, None)
+                self._save(run)
                 log.warning("rollout %s %s: %s", spec.name, rollout.phase, rollout.reason)
                 await self._retire(run, spec.candidate.backend_model)
         except asyncio.CancelledError:
@@ -430,6 +551,8 @@ class RolloutController:
             if rollout.phase in ACTIVE and rollout.phase is not Phase.PROMOTED:
                 rollout.roll_back(clock.now(), f"internal error: {type(exc).__name__}")
             self.active.pop(spec.route, None)
+            with contextlib.suppress(OSError):
+                self._save(run)
         finally:
             for line in rollout.timeline[-1:]:
                 log.info("rollout %s: %s", spec.name, line[1])

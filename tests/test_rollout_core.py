@@ -409,6 +409,22 @@ def test_hedge_budget_leaves_the_current_version_its_time() -> None:
     assert spec_from(example_data()).hedge.reserve_ms == 25.0
 
 
+def test_a_resumed_rollout_continues_at_its_saved_step_or_serves_its_candidate() -> None:
+    canary = Rollout(spec_from(example_data()))
+    canary.resumed(50.0, Phase.CANARY, 2)
+    assert canary.phase is Phase.CANARY and canary.step == 2 and canary.ready_at == 50.0
+    assert canary.timeline[0] == (50.0, "resumed after a gateway restart at step 3/4")
+    assert sum(canary.divert(LONG) for _ in range(4)) == 2  # step 3's cohorts, its weight
+    done = Rollout(spec_from(example_data()))
+    done.resumed(50.0, Phase.COMPLETE, 3)
+    assert done.serving and done.phase is Phase.COMPLETE
+    early = Rollout(spec_from(example_data()))
+    early.resumed(50.0, Phase.WARMING, -1)  # before readiness: starts over from the load
+    assert early.phase is Phase.LOADING
+    with pytest.raises(ValueError, match="already started"):
+        early.resumed(51.0, Phase.CANARY, 1)
+
+
 def test_operator_controls_and_their_refusals() -> None:
     rollout = started(example_data())
     rollout.promote(3.0)

@@ -475,6 +475,64 @@ def test_a_drifting_candidates_invalid_answers_never_reach_a_caller(
     assert any(a.version == "full-v19-drift" for a in answers)  # its valid answers did serve
 
 
+def test_a_gateway_restart_mid_rollout_resumes_it_from_its_durable_state(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A gateway with ``rollouts_state_dir`` starts a rollout and stops while its canary step
+    runs (no traffic yet: the step cannot pass). A new gateway on the same state resumes it
+    at that step (the candidate still READY in Triton, warmed again), and under load the
+    rollout completes: promoted, the old version drained and unloaded."""
+    with grpcclient.InferenceServerClient(stack.triton.address) as client:
+        client.load_model("full-v18", headers=REPOSITORY)  # a promotion earlier unloaded it
+        for name in CANDIDATES:
+            if repository_states(stack.triton.address).get(name) == "READY":
+                client.unload_model(name, headers=REPOSITORY)
+    config = rollout_config(stack.triton.address, rollouts_state_dir=tmp_path / "state")
+    path = rollout_file(tmp_path, "restarted", "full-v19", max_ratio=4.0)
+    first = ThreadedGateway(config)
+    first.start()
+    try:
+        rollout_call(first.address, OPS_KEY, "start", str(path))
+        gw = first.server.gateway
+        assert gw is not None
+        run = first.call_soon(lambda: gw.rollouts.run_named("restarted"))
+        while run.rollout.phase is not Phase.CANARY:
+            assert run.task is not None and not run.task.done(), run.rollout.report()
+            time.sleep(0.01)  # polls a condition, bounded by the task's own timeouts
+    finally:
+        first.stop()
+    saved = json.loads((tmp_path / "state" / "restarted.json").read_text())
+    assert (saved["phase"], saved["step"]) == ("canary", 0)
+    assert repository_states(stack.triton.address)["full-v19"] == "READY"  # nothing unloaded it
+    second = ThreadedGateway(config)
+    second.start()
+    load = SteadyLoad(second.address)
+    try:
+        gw2 = second.server.gateway
+        assert gw2 is not None
+        resumed = second.call_soon(lambda: gw2.rollouts.run_named("restarted"))
+        assert resumed is not run and resumed.task is not None
+        load.start()
+        second.call(asyncio.wait_for(asyncio.shield(resumed.task), 60))
+    finally:
+        answers = load.finish()
+        second.stop()
+        states = repository_states(stack.triton.address)
+        with grpcclient.InferenceServerClient(stack.triton.address) as client:  # as the others expect it
+            client.load_model("full-v18", headers=REPOSITORY)
+            client.unload_model("full-v19", headers=REPOSITORY)
+    rollout = resumed.rollout
+    assert rollout.phase is Phase.COMPLETE, rollout.report()
+    assert rollout.timeline[0][1] == "resumed after a gateway restart at step 1/2"
+    assert any(
+        text == "promoted (all steps passed): full-v19 serves full-v18" for _, text in rollout.timeline
+    )
+    no_failures(answers)
+    assert any(a.version == "full-v19" and a.reason == "canary" for a in answers)
+    assert json.loads((tmp_path / "state" / "restarted.json").read_text())["phase"] == "complete"
+    assert (states["full-v18"], states["full-v19"]) == ("UNAVAILABLE", "READY")  # the old one retired
+
+
 def test_allocation_failure_at_load_routes_back(
     gateway: ThreadedGateway, stack: Stack, tmp_path: Path
 ) -> None:

@@ -459,6 +459,26 @@ class Rollout:
             now, f"step {index + 1}/{len(self.spec.steps)}: {step.kind} {step.weight:.0%} of {_cohorts(step)}"
         )
 
+    def resumed(self, now: float, phase: Phase, step: int) -> None:
+        """A rollout a restarted gateway found in its state (``phase`` and ``step`` as last
+        saved): a shadow or canary step starts again with fresh intervals (the runtime has
+        checked the candidate is still loaded and warm first); a promoted or complete one
+        serves the candidate. Anything earlier starts over from the load."""
+        if self.phase is not Phase.PENDING:
+            raise ValueError(f"rollout {self.spec.name!r} already started ({self.phase})")
+        self.started_at = now
+        if phase in (Phase.SHADOW, Phase.CANARY) and 0 <= step < len(self.spec.steps):
+            self.phase, self.loaded_at, self.ready_at = Phase.WARMING, now, now
+            self._log(now, f"resumed after a gateway restart at step {step + 1}/{len(self.spec.steps)}")
+            self._enter_step(now, step)
+        elif phase in (Phase.PROMOTED, Phase.COMPLETE):
+            self.phase, self.promoted_at, self.step = phase, now, len(self.spec.steps) - 1
+            self._log(
+                now, f"resumed after a gateway restart: {self.spec.candidate.name} serves {self.spec.route}"
+            )
+        else:
+            self.start(now)
+
     def promote(self, now: float, why: str = "operator") -> None:
         if self.phase not in (Phase.SHADOW, Phase.CANARY):
             raise ValueError(f"rollout {self.spec.name!r} cannot be promoted while {self.phase}")
