@@ -4,6 +4,7 @@ explicit times; the rollout files' validation and the two-version memory check
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +32,7 @@ from gateway.core.rollout import (
 )
 from gateway.evidence import EvidenceStore
 from gateway.outputs import check_outputs
-from gateway.rollouts import RolloutController, check_two_versions, load_rollouts
+from gateway.rollouts import RolloutController, RolloutRun, check_two_versions, load_rollouts
 from gateway.server import repository_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -423,6 +424,34 @@ def test_a_resumed_rollout_continues_at_its_saved_step_or_serves_its_candidate()
     assert early.phase is Phase.LOADING
     with pytest.raises(ValueError, match="already started"):
         early.resumed(51.0, Phase.CANARY, 1)
+
+
+def test_rollout_state_is_saved_and_a_complete_one_is_resumed_serving_its_candidate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The controller's durable state without Triton: a complete rollout found in the state
+    directory serves its candidate again; a rolled-back one and an unreadable file do not."""
+    spec = spec_from(example_data())
+    route = ROUTES.models[spec.route]
+    writer = RolloutController(SimpleNamespace(routes=ROUTES, backends={}))  # type: ignore[arg-type]
+    writer.state_dir = tmp_path
+    done = RolloutRun(spec, route, [])
+    done.rollout.resumed(1.0, Phase.COMPLETE, 3)
+    writer._save(done)
+    other = RolloutRun(spec.model_copy(update={"name": "gone"}), route, [])
+    other.rollout.start(1.0)
+    other.rollout.load_failed(2.0, "CUDA out of memory")
+    writer._save(other)
+    (tmp_path / "torn.json").write_text("{not json")
+    saved = json.loads((tmp_path / "full-v19.json").read_text())
+    assert (saved["phase"], saved["step"], saved["spec"]["candidate"]["label"]) == ("complete", 3, "v19")
+    reader = RolloutController(SimpleNamespace(routes=ROUTES, backends={}))  # type: ignore[arg-type]
+    reader.state_dir = tmp_path
+    with caplog.at_level("WARNING", logger="orchid.rollout"):
+        runs = reader.resume()
+    assert [r.name for r in runs] == ["full-v19"] and set(reader.runs) == {"full-v19"}
+    assert reader.promoted_route("full-v18", route).backend_model == "full-v19"
+    assert "torn.json is unreadable, not resumed" in caplog.text
 
 
 def test_operator_controls_and_their_refusals() -> None:
