@@ -369,7 +369,9 @@ class Gateway:
         and it can still finish in time, or that refusal; its demand was offered once.
 
         ``canary``: false when the request was already tried on a rollout's candidate (it is
-        answered by the current version, see ``RolloutController.candidate_failed``)."""
+        answered by the current version, see ``RolloutController.candidate_failed``): that
+        is its one bounded recovery, so its class's variance reserve (R_fail), which the
+        canary's budget left for it, is not held back again."""
         logical = request.model_name
         # A promoted rollout's candidate serves the route (its old version may be unloaded).
         route = self.rollouts.promoted_route(logical, self.tenant_route(tenant, logical))
@@ -382,6 +384,8 @@ class Gateway:
         hints = read_hints(request)
         check_backend_controls(request)
         class_name, request_class = self.request_class(hints.request_class)
+        if not canary:  # a canary answered again: this is the request's one bounded recovery
+            request_class = request_class.model_copy(update={"reserve_fail_ms": 0.0})  # (R_fail)
         cell = tenant.config.home_cell
         handle, spec, queue = await self.bind_pool(route, cell, logical)
         shapes = validate_tensors(request, spec, model=logical)
