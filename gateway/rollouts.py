@@ -16,11 +16,17 @@ This module owns the I/O around the pure state machine ``gateway.core.rollout.Ro
 * **Routing** (``divert``, ``mirror``): the request path asks which version serves a request
   (a canary: privacy-eligible, in a declared cohort, the candidate idle in the request's
   cell); the shadow step mirrors matching requests off the caller's path.
-* **Evidence** (``settled``, ``candidate_failed``, ``quality_drop``): every finished request
-  of the route in the step's cohorts is a sample for its version (outputs of the candidate
-  checked against the declared checks); the published quality evaluations of both versions
-  are compared; a candidate's failure is retried on the
-  current version (the caller never sees it) and an allocation failure rolls back at once.
+* **Evidence** (``settled``, ``candidate_failed``, ``candidate_answered``, ``quality_drop``):
+  every finished request of the route in the step's cohorts is a sample for its version, in
+  its shape bucket; the published quality evaluations of both versions are compared.
+* **Hedge** (``divert``, ``dispatched``, ``candidate_failed``, ``candidate_answered``): a canary
+  runs under a budget that leaves the current version time to answer (``core.rollout.
+  hedge_budget_ms``); a timeout, an error or an answer outside the declared outputs
+  (``RolloutRun.output_checks``: the route's contract and the rollout's) is a failing sample
+  and the request is answered again by the current version (the caller never sees the
+  candidate's failure, lateness or invalid answer); the attempt's device time is the
+  rollout's (``hedge_device_ms``), refunded to the tenant. An allocation failure rolls back
+  at once.
 * **Retirement**: after promotion the old version's in-flight and queued work drains, then
   it is unloaded; after a rollback, the candidate's. The measured times are reported.
 * **Durable state** (``state_dir``, the config's ``rollouts_state_dir``): a rollout's spec,
@@ -33,7 +39,8 @@ This module owns the I/O around the pure state machine ``gateway.core.rollout.Ro
 
 Metrics: ``orchid_rollout_requests_total{rollout,version,outcome}``,
 ``orchid_rollout_latency_seconds{rollout,version,kind}``, ``orchid_rollout_step{rollout}``,
-``orchid_rollout_memory_high_water{rollout}``.
+``orchid_rollout_memory_high_water{rollout}``, ``orchid_rollout_hedged_total{rollout,why}``,
+``orchid_rollout_hedge_device_seconds_total{rollout}``.
 """
 
 from __future__ import annotations

@@ -17,9 +17,16 @@ drain bound) and ``Rollout``, the pure state machine that runs one:
   risk class match one of its cohorts, and of those a ``weight`` share, counted
   deterministically (``Selector``): by request class and shape, never by count alone.
 * **Guardrails**: every ``analysis.interval_s`` the samples of both versions in that
-  interval are compared (``guardrail_value``); a guardrail over its ``max`` for
+  interval are compared (``guardrail_value``), over the whole interval and over each shape
+  bucket with enough samples (the worst counts); a guardrail over its ``max`` for
   ``failures`` consecutive conclusive intervals rolls back at once. A step advances after
-  ``intervals`` conclusive intervals that all pass; ``promote`` ends the steps.
+  ``intervals`` conclusive intervals that all pass, once no canary dispatched before the
+  last of them is still without an outcome; ``promote`` ends the steps.
+* **Failing samples**: an error, a timeout (``Sample.timed_out``: the candidate ran out of
+  its budget) and an invalid output all count against the candidate, in their bucket.
+* **Hedge**: a canary's budget (``hedge_budget_ms``) leaves the current version time to
+  answer; the runtime answers a late, failed or invalid canary from the current version
+  and reports the device time the candidate held (``hedge``) as the rollout's cost.
 * **Drain**: after promotion (and after a rollback) the retired version is unloaded only
   once its in-flight and queued work is gone; the time until then is reported.
 
