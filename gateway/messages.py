@@ -17,6 +17,9 @@ another tenant's data or payload.
   degraded answer (fallback, or the output capped at the route's reduced length), the
   quality evidence it rests on: its evaluation population, its evaluation date (ISO 8601
   UTC, or ``undated`` for evidence a route file seeded without a date) and its owner.
+- ``orchid.operation_id``: the caller's operation id, when it sent one; an answer a retry
+  got from an earlier attempt of the same operation (``gateway.idempotent``) is that
+  attempt's, with ``orchid.operation_reused`` true.
 - ``orchid.complete``: false when the answer is partial: a stream's responses before
   its final one, a stream request that failed midway (its error reply), and any answer
   whose output limit policy or the overload ladder reduced below what the caller asked
@@ -106,6 +109,8 @@ def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
     }
     if decision.approximation is Approximation.FALLBACK:
         out["orchid.fallback_ladder_step"] = record.ladder_step
+    if record.identity.operation_id:
+        out["orchid.operation_id"] = record.identity.operation_id
     evidence = settled.evidence
     if evidence is not None:
         out["orchid.evidence_population"] = evidence.key.population

@@ -59,6 +59,7 @@ from gateway.core.record import (
 from gateway.core.risk import resolve_risk_class
 from gateway.core.rollout import HEDGE_REASON
 from gateway.evidence import DENIED_DEGRADATION, EvidenceStore
+from gateway.idempotent import OPERATION_ID, OnlineOperations
 from gateway.messages import attach_provenance, parse_infer_request
 from gateway.outputs import INVALID_OUTPUTS, check_outputs
 from gateway.policy.context import build_policy_context, quality_floor
@@ -235,6 +236,7 @@ class Gateway:
         self.pool_timing: dict[str, PoolTiming] = {}
         self._stats_samples: dict[str, StatsSample] = {}
         self.inflight: set[asyncio.Task[object]] = set()
+        self.operations = OnlineOperations()  # online requests' orchid.operation_id
         self.accepting = True
 
     # ------------------------------------------------------------------ lookup
@@ -870,6 +872,18 @@ class Gateway:
     async def infer(self, raw: bytes, call: CallContext) -> service_pb2.ModelInferResponse:
         tenant = self.tenants.authenticate(call.metadata, peer_subjects=call.peer_subjects)
         request = parse_infer_request(raw)
+        if OPERATION_ID in request.parameters:
+            # Online idempotency (gateway.idempotent): a retry joins or replays the first attempt.
+            operation_id = read_hints(request).operation_id
+            return await self.operations.run(
+                tenant.name,
+                operation_id,
+                request,
+                deadline_at=None
+                if call.time_remaining_s is None
+                else call.received_at + call.time_remaining_s,
+                attempt=lambda: self.infer_request(request, tenant, call),
+            )
         return await self.infer_request(request, tenant, call)
 
     async def infer_request(
