@@ -436,12 +436,12 @@ def test_a_candidate_slow_only_on_long_inputs_is_rolled_back_at_the_long_step_an
     assert rollout.step == 1, rollout.report()  # the second step: its cohort has long inputs
     assert rollout.reason.startswith("guardrail error_rate_delta"), rollout.reason
     assert "timed out" in rollout.reason, rollout.reason
-    # Every caller got an on-time, valid answer: the long canaries were answered again by
-    # the current version inside the caller's deadline, and say so.
+    # Every caller got an on-time, valid answer (a late one is the client's own
+    # DEADLINE_EXCEEDED, a failure): the long canaries were answered again by the current
+    # version inside the caller's deadline, and say so.
     no_failures(answers)
     hedged = [a for a in answers if a.reason == "canary_hedge"]
     assert hedged and {(a.tenant, a.bucket, a.version) for a in hedged} == {("orchid", "long", "1")}
-    assert all(a.received - a.sent < 1.0 for a in hedged)
     assert not any(a.version == "full-v19-slowlong" and a.bucket == "long" for a in answers)
     # The hedge's cost is the rollout's, and reported.
     report = rollout.report()
