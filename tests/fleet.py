@@ -136,7 +136,8 @@ class ReplicaProcess:
             if (k.endswith("_file") or k.endswith("_dir")) and isinstance(v, str)
         }
         config = {
-            **{k: v for k, v in base.items() if k != "local_triton"},
+            # No jobs: replicas here share a directory, and a SQLite job store is one gateway's.
+            **{k: v for k, v in base.items() if k not in ("local_triton", "jobs")},
             **paths,
             "listen": self.address,
             "tenants_file": str(tenants_file),
