@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Quickstart (a): install, start the local stack (Triton + gateway), drive the demo
-# workload through the gateway with unmodified tritonclient, print the summary, stop.
+# Quickstart (a): install, start the local stack (Triton + gateway + job store), drive the
+# four modes through the gateway at once (online and streaming requests with unmodified
+# tritonclient, async requests and a JSONL batch through orchid.jobs.v1.Operations, with a
+# progress bar), print a line per mode and the online detail, stop. Jobs are kept in
+# examples/orchid/state/jobs: a batch cut short (kill -9) completes on the next run.
+# Options pass through to `orchid-gateway demo` (--duration, --batch-items, --state-dir, ...).
 # `--replicas N`: the same workload on N gateway replicas sharing one Redis (started here,
 # on a free port) in front of one Triton (orchid_tools/fleet_demo.py; docs/operators.md
 # "Running a fleet").
