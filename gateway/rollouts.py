@@ -910,7 +910,10 @@ class RolloutController:
             run.rollout.roll_back(
                 now, f"allocation failure on {run.spec.candidate.backend_model}: {detail[:200]}"
             )
-        return now < admitted.deadline_at
+        if now >= admitted.deadline_at:  # no time left for the current version at all
+            self.hedge_unanswered(admitted, error)
+            return False
+        return True
 
     def hedge_unanswered(self, admitted: Admitted, error: BaseException) -> None:
         """A hedged canary whose current-version answer failed too (its caller got an error:
