@@ -27,6 +27,7 @@ from gateway.config import GatewayConfig, RequestClassConfig, RouteConfig, Route
 from gateway.core import admission, pricing, settlement
 from gateway.core import memory as device_memory
 from gateway.core.dispatch import LATE_RULE, BatchShape, CoBatch
+from gateway.core.dwell import dwell_sample_ms
 from gateway.core.errors import (
     DeadlineExpired,
     DeadlineInfeasible,
@@ -1121,7 +1122,11 @@ class Gateway:
         self.quotas.start(admitted.reservation, now=now)
         load = self.loads.get(admitted.queue.name)
         if load is not None:
-            load.dwell.add(now, dwell_ms)
+            # Judged against the request's own class's cap (gateway.core.dwell).
+            request_class = self.config.classes.get(admitted.record.identity.request_class)
+            cap_ms = request_class.max_dwell_ms if request_class is not None else load.dwell_budget_ms
+            sample_ms = dwell_sample_ms(dwell_ms, class_cap_ms=cap_ms, budget_ms=load.dwell_budget_ms)
+            load.dwell.add(now, sample_ms)
 
     async def sample_statistics(self) -> None:
         """Refresh per-pool Triton queue/compute timing from statistics deltas."""

@@ -77,7 +77,6 @@ def predict(
         prefill_ms=prefill * scale,
         decode_ms=decode * scale,
         host_cpu_ms=profile.host_cpu_ms,
-        transfer_bytes=profile.transfer_bytes(shape.input_tokens, shape.max_output_tokens) * shape.items,
         peak_memory_bytes=profile.peak_memory_bytes(shape.input_tokens, shape.max_output_tokens)
         * shape.items,
         live_token_ms=profile.live_token_ms(shape.input_tokens, shape.max_output_tokens)

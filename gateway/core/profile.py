@@ -38,8 +38,6 @@ class DemandProfile(BaseModel):
     weights_bytes: int = Field(default=0, ge=0, description="resident weights")
     workspace_reserve_bytes: int = Field(default=0, ge=0, description="runtime/workspace reserve per replica")
     live_cache_bytes_per_token: int = Field(default=0, ge=0, description="sequence state per live token")
-    bytes_per_input_token: int = Field(default=4, ge=0, description="transfer bytes per input token")
-    bytes_per_output_token: int = Field(default=4, ge=0, description="transfer bytes per output token")
     host_cpu_ms: float = Field(default=0.0, ge=0, description="gateway/host CPU per request")
 
     def phases(self, input_tokens: int, output_tokens: int, batch: int = 1) -> tuple[float, float]:
@@ -60,9 +58,6 @@ class DemandProfile(BaseModel):
 
     def peak_memory_bytes(self, input_tokens: int, output_tokens: int) -> int:
         return self.live_cache_bytes_per_token * (input_tokens + output_tokens)
-
-    def transfer_bytes(self, input_tokens: int, output_tokens: int) -> int:
-        return self.bytes_per_input_token * input_tokens + self.bytes_per_output_token * output_tokens
 
 
 @dataclass(frozen=True, slots=True)

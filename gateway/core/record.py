@@ -86,7 +86,6 @@ class Demand:
     prefill_ms: float
     decode_ms: float
     host_cpu_ms: float = 0.0
-    transfer_bytes: int = 0
     peak_memory_bytes: int = 0
     live_token_ms: float = 0.0
     correction: float = 1.0  # factor the estimator applied from observed work

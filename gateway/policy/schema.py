@@ -282,13 +282,6 @@ FIELDS: tuple[Field, ...] = (
         "predicted live-token-ms (sequence memory lifetime)",
         lambda r, c: float(r.demand.live_token_ms),
     ),
-    _req(
-        "demand.transfer_bytes",
-        INT,
-        _G,
-        "predicted transfer bytes",
-        lambda r, c: int(r.demand.transfer_bytes),
-    ),
     # budget
     _req(
         "budget.deadline_ms", DOUBLE, _C, "D: end-to-end deadline", lambda r, c: float(r.budget.deadline_ms)

@@ -102,7 +102,6 @@ BASE_GIVEN: Mapping[str, Any] = {
         "host_cpu_ms": 0.0,
         "peak_memory_bytes": 8 * 1024 * 1024,
         "live_token_ms": 0.0,
-        "transfer_bytes": 0,
     },
     "budget": {
         "deadline_ms": 200.0,
