@@ -849,7 +849,16 @@ class JobsRun:
         self.online: list[Outcome] = []  # the online workload's outcomes, for the bar's suffix
 
     async def run(self) -> JobsResult:
-        """Submit, follow until done or the timeout (counted from the submissions)."""
+        """Submit, follow until done or the timeout (counted from the submissions). A refusal
+        (say the tenant's bound on unfinished items) ends the jobs part and is reported."""
+        try:
+            return await self._run()
+        except grpc.aio.AioRpcError as error:
+            self.result.note = f"{error.code().name}: {error.details()}"
+            print(f"jobs: {self.result.note}", file=self.out, flush=True)
+            return self.result
+
+    async def _run(self) -> JobsResult:
         settings = self.settings
         earlier = await self.client.unfinished()
         if earlier:
@@ -865,13 +874,17 @@ class JobsRun:
             (await self.client.submit(salt), time.monotonic()) for salt in range(settings.async_jobs)
         ]
         batch = await self.client.submit_batch(settings.batch_items) if settings.batch_items else None
-        if batch is not None:
-            print(
-                f"batch {batch.id}: {settings.batch_items} items of {JOB_MODEL} submitted (SubmitBatch, "
-                f"class {batch.request_class}); async: {len(submitted)} requests submitted (Submit)",
-                file=self.out,
-                flush=True,
-            )
+        print(
+            f"submitted: {len(submitted)} async requests (Submit)"
+            + (
+                f", batch {batch.id} of {settings.batch_items} items of {JOB_MODEL} (SubmitBatch, "
+                f"class {batch.request_class})"
+                if batch is not None
+                else ""
+            ),
+            file=self.out,
+            flush=True,
+        )
         deadline = started + settings.timeout_s
         async_tasks = [asyncio.ensure_future(self._one_async(op, at, deadline)) for op, at in submitted]
         for op in earlier:
@@ -930,6 +943,8 @@ def summarize_modes(online: WorkloadResult, jobs: JobsResult | None) -> str:
         lines.append("  async      not run: the gateway serves no jobs (no `jobs:` block in its config)")
         lines.append("  batch      not run: the gateway serves no jobs (no `jobs:` block in its config)")
         return "\n".join(lines)
+    if jobs.note:
+        lines.append(f"  jobs       refused: {jobs.note}")
     if jobs.async_results:
         completed = [r for r in jobs.async_results if r.op.status == "completed"]
         waits = [r.latency_s for r in completed if r.latency_s is not None]
@@ -1087,6 +1102,9 @@ async def run_demo(
     code = 0
     if not any(o.admitted for o in result.outcomes):
         print("orchid-gateway demo: no request was admitted", file=sys.stderr)
+        code = 1
+    if jobs_result is not None and jobs_result.note:
+        print(f"orchid-gateway demo: the jobs part was refused: {jobs_result.note}", file=sys.stderr)
         code = 1
     if jobs_result is not None and jobs_result.unfinished:
         print(

@@ -24,7 +24,9 @@ from tritonclient.utils import InferenceServerException
 
 from gateway._proto import jobs_pb2
 from gateway.config import load_gateway_config
+from gateway.core.jobs import JobLimits
 from gateway.jobs.batch import parse_jsonl
+from gateway.jobs.store import SqliteJobStore
 from orchid_tools import cli, demo
 from orchid_tools.demo import OK, Outcome, Scenario, WorkloadResult, WorkloadSettings
 from orchid_tools.jobs import Progress
@@ -226,6 +228,19 @@ def test_state_dir_override(tmp_path: Path) -> None:
     assert enabled.jobs is not None and enabled.jobs.state_dir == (tmp_path / "s").resolve()
 
 
+def test_a_held_state_directory_says_so_and_how_to_run_beside_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    holder = SqliteJobStore(tmp_path, JobLimits())  # as a gateway started by hand would
+    try:
+        assert cli.main(["demo", "--state-dir", str(tmp_path), "--duration", "1"]) == 3
+    finally:
+        holder.close()
+    err = capsys.readouterr().err
+    assert f"job state directory {tmp_path} is in use by another gateway" in err
+    assert err.rstrip().endswith("(or pass --state-dir DIR)")
+
+
 def test_cli_rejects_bad_job_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     for flags in (
         ["--async-jobs", "-1"],
@@ -313,6 +328,10 @@ def test_modes_summary_has_a_line_per_mode() -> None:
     late = demo.JobsResult("s", async_results=[demo.AsyncResult(_op("op-l", "async", "queued", 1, 0), None)])
     assert late.unfinished == ["op-l (async: queued)"]
     assert "no `jobs:` block" in demo.summarize_modes(online, None)
+    refused = demo.JobsResult("s", note="RESOURCE_EXHAUSTED: too many unfinished items")
+    assert "  jobs       refused: RESOURCE_EXHAUSTED: too many unfinished items" in demo.summarize_modes(
+        online, refused
+    )
 
 
 def test_progress_is_bounded_off_a_terminal_and_redrawn_on_one() -> None:

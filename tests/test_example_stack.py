@@ -1,4 +1,5 @@
-"""The example stack as a user runs it: ``orchid-gateway serve`` on ``examples/orchid/gateway.yaml``
+"""The example stack as a user runs it (and a second one beside it: refused, exit 3, before it
+starts a Triton): ``orchid-gateway serve`` on ``examples/orchid/gateway.yaml``
 (a copy with its own port, job state directory and a fast emulator: ``tests.stack``), the
 embedded Triton it starts, the jobs it serves, and the CLI.
 
@@ -11,21 +12,41 @@ leaves nothing it started running."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
 import pytest
 
 from gateway._proto import jobs_pb2, jobs_pb2_grpc
-from gateway.jobs.store import DB_NAME
+from gateway.core.jobs import JobLimits
+from gateway.jobs.store import DB_NAME, SqliteJobStore
 from orchid_tools import cli, demo
-from tests.conftest import ORCHID_KEY
+from tests.conftest import ORCHID_KEY, ROOT
 from tests.stack import Proc, alive, cmdline, descendants, example_config, kill_all, wait_until
 from tests.test_jobs_restart import GatewayProcess, wait_done
 
 ITEMS = 300
 METADATA = (("authorization", f"Bearer {ORCHID_KEY}"),)
+
+
+def test_a_second_gateway_on_the_state_directory_exits_3_before_starting_triton(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    holder = SqliteJobStore(state, JobLimits())  # this process holds the directory
+    try:
+        config = example_config(tmp_path, state_dir=state, time_factor=0.05)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        serve = [sys.executable, "-m", "orchid_tools", "serve", "--config", str(config)]
+        serve += ["--log-level", "INFO"]
+        done = subprocess.run(serve, capture_output=True, text=True, env=env, timeout=120, check=False)
+    finally:
+        holder.close()
+    assert done.returncode == 3, done.stderr
+    assert f"job state directory {state} is in use by another gateway (pid {os.getpid()})" in done.stderr
+    assert "starting local Triton" not in done.stderr  # the store is opened first
 
 
 def _succeeded(state: Path) -> dict[str, str]:
