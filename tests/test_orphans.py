@@ -90,6 +90,9 @@ def test_a_released_reaper_exits_and_kills_nothing() -> None:
     finally:
         os.killpg(group.pid, signal.SIGKILL)
         group.wait(timeout=30)
+    unarmed = GroupReaper()  # a server that never started: nothing to guard, a clean exit
+    unarmed.release()
+    assert unarmed.process.returncode == 0
 
 
 def test_the_rest_of_the_group_dies_with_its_leader() -> None:

@@ -114,6 +114,8 @@ while b"\\n" not in data:
         sys.exit(0)
     data += chunk
 head, data = data.split(b"\\n", 1)
+if not head.strip():
+    sys.exit(0)
 pgid, done = int(head), False
 while not data.startswith(b"stopped"):
     if select.select([0], [], [], 1.0)[0]:
@@ -273,7 +275,11 @@ class LocalTriton:
             raise
         finally:
             log.close()
-        self._reaper.guard(self._process.pid)
+        try:
+            self._reaper.guard(self._process.pid)
+        except OSError as error:  # the reaper is gone: never run an unguarded server
+            self.stop()
+            raise TritonStartError(f"the process that guards tritonserver exited: {error}") from None
         self._wait_ready()
 
     @property
