@@ -297,6 +297,19 @@ class Answer:
     def degraded(self) -> bool:
         return self.ok and self.approximation not in ("", "none")
 
+    @property
+    def degraded_by_ladder(self) -> bool:
+        """Degraded because of the overload ladder: diverted to the fallback by the plan
+        (``fallback:overload``) or its shedding (``fallback:primary_shed``), or the primary's
+        output capped (``reduced_output`` on the primary). Not: a fallback because the primary
+        could not finish in time (``fallback:primary_infeasible`` / ``primary_late``), which a
+        CPU-starved machine causes at any step."""
+        if not self.degraded:
+            return False
+        return self.route_reason in ("fallback:overload", "fallback:primary_shed") or (
+            self.route_reason == "primary" and "reduced_output" in self.approximation
+        )
+
 
 @dataclass
 class Sample:
