@@ -194,7 +194,7 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
             raise InvalidArgument(str(error)) from None
         except ConfigError as error:
             raise InvalidArgument(str(error)) from None
-        return _rollout_status(gateway.rollouts.start(spec))
+        return _rollout_status(await gateway.rollouts.start_owned(spec))  # a fleet: one owner
 
     async def RolloutStatus(
         self, request: admin_pb2.RolloutRequest, context: grpc.aio.ServicerContext

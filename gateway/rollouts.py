@@ -86,6 +86,7 @@ if TYPE_CHECKING:
     from gateway.auth import Tenant
     from gateway.core.record import RequestRecord as PricedRecord
     from gateway.pipeline import Admitted, BackendHandle, Gateway, Settled
+    from gateway.rollout_fleet import FleetRollouts
     from gateway.scheduler import DispatchQueue
 
     # Prices this request on a route, in a pool: the request path's own pricing.
@@ -328,6 +329,11 @@ class RolloutRun:
         self.output_checks = {**route.outputs, **spec.warmup.outputs}
         self.task: asyncio.Task[None] | None = None
         self.canaries: dict[str, float] = {}  # request id -> dispatch time, until its outcome
+        # A fleet: this replica follows another's run of this rollout (gateway.rollout_fleet);
+        # its samples go to the owner, and it never loads, judges or retires anything.
+        self.follower = False
+        self.lost = False  # the owner's lease passed to another replica while this one ran it
+        self.resume_why = "after a gateway restart"  # or a fleet's take-over (``take_over``)
         self.shadow_inflight = 0
         self.mirrors: set[asyncio.Task[None]] = set()
 
@@ -346,6 +352,7 @@ class RolloutController:
         self.active: dict[str, RolloutRun] = {}  # route -> running rollout
         self.promoted: dict[str, RolloutRun] = {}  # route -> the rollout whose candidate serves it
         self.state_dir: Path | None = None  # durable state (``_save``, ``resume``); None: memory only
+        self.fleet: FleetRollouts | None = None  # a fleet's replicas: one owns each rollout
 
     # ------------------------------------------------------------------ control
 
@@ -376,6 +383,40 @@ class RolloutController:
         run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"rollout-{spec.name}")
         return run
 
+    async def start_owned(self, spec: RolloutSpec) -> RolloutRun:
+        """``start``, after taking the route's lease in a fleet (a rollout is owned by one
+        replica; another replica's start of it is refused, naming the owner)."""
+        if self.fleet is None:
+            return self.start(spec)
+        holder = await self.fleet.claim(spec.route)
+        if holder is not None:
+            raise FailedPrecondition(
+                f"route {spec.route!r} is rolling out on replica {holder}: start, promote or roll it "
+                "back there (or wait for its lease to expire if that replica is gone)"
+            )
+        try:
+            return self.start(spec)
+        except BaseException:
+            await self.fleet.release(spec.route)
+            raise
+
+    def take_over(self, spec: RolloutSpec, phase: Phase, step: int) -> RolloutRun | None:
+        """A fleet's rollout whose owner is gone: this replica holds its lease now and
+        resumes it from the owner's record (as after a restart)."""
+        route = self.gateway.routes.models.get(spec.route)
+        if route is None:
+            return None
+        run = RolloutRun(spec, route, self._control_backends(route))
+        run.resume_why = "by this replica, its owner replica gone,"
+        self.specs.setdefault(spec.name, spec)
+        self.runs[spec.name] = run
+        self.promoted.pop(spec.route, None)
+        self.active[spec.route] = run
+        run.task = asyncio.get_running_loop().create_task(
+            self._run(run, resume=(phase, step)), name=f"rollout-{spec.name}"
+        )
+        return run
+
     def _control_backends(self, route: RouteConfig) -> list[str]:
         gateway = self.gateway
         return [
@@ -386,18 +427,47 @@ class RolloutController:
 
     # ------------------------------------------------------------------ durable state
 
-    def _save(self, run: RolloutRun) -> None:
-        """Write the rollout's spec, phase and step (atomically: a crash leaves the old file)."""
-        if self.state_dir is None:
-            return
+    @staticmethod
+    def _record(run: RolloutRun) -> dict[str, object]:
         rollout = run.rollout
-        record = {
+        return {
             "spec": run.spec.model_dump(mode="json"),
             "phase": str(rollout.phase),
             "step": rollout.step,
             "reason": rollout.reason,
             "saved_at": clock.wall(),
         }
+
+    async def _persist(self, run: RolloutRun) -> None:
+        """The state where it is kept: the state directory, and a fleet's Redis (followers
+        route by it; a replica that takes the lease over resumes from it)."""
+        self._save(run)
+        if self.fleet is not None and not run.lost:
+            try:
+                await self.fleet.publish(run.spec.route, self._record(run))
+            except Exception as exc:  # Redis away: the followers keep the last step
+                log.warning("rollout %s: publishing its state failed: %s", run.name, exc)
+
+    async def _keep_lease(self, run: RolloutRun) -> None:
+        """Renew the route's lease while this replica runs the rollout (a third of its TTL)."""
+        assert self.fleet is not None
+        every = self.fleet.ttl_ms / 3000.0
+        while True:
+            await asyncio.sleep(every)
+            try:
+                held = await self.fleet.renew(run.spec.route)
+                if not held and await self.fleet.claim(run.spec.route) is not None:
+                    run.lost = True  # another replica took it over: stop acting
+                    log.warning("rollout %s: the route's lease passed to another replica", run.name)
+                    return
+            except Exception as exc:  # Redis away: keep going on the last lease
+                log.debug("rollout %s: renewing its lease failed: %s", run.name, exc)
+
+    def _save(self, run: RolloutRun) -> None:
+        """Write the rollout's spec, phase and step (atomically: a crash leaves the old file)."""
+        if self.state_dir is None:
+            return
+        record = self._record(run)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / f"{run.name}.json"
         temporary = path.with_suffix(".json.tmp")
@@ -457,7 +527,7 @@ class RolloutController:
                 break
             await asyncio.sleep(TICK_S)
         if phase is Phase.PROMOTED:
-            rollout.resumed(clock.now(), phase, step)
+            rollout.resumed(clock.now(), phase, step, run.resume_why)
             return
         problems: list[str] = []
         for name in run.backends:
@@ -477,7 +547,7 @@ class RolloutController:
             rollout.start(clock.now())
             rollout.load_failed(clock.now(), f"resumed after a gateway restart, but {problems[0]}")
             return
-        rollout.resumed(clock.now(), phase, step)
+        rollout.resumed(clock.now(), phase, step, run.resume_why)
 
     def run_named(self, name: str) -> RolloutRun:
         run = self.runs.get(name)
@@ -508,6 +578,8 @@ class RolloutController:
             raise FailedPrecondition(str(exc)) from None
 
     async def close(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.close()
         for run in list(self.runs.values()):
             for task in [run.task, *run.mirrors]:
                 if task is not None:
@@ -519,6 +591,11 @@ class RolloutController:
 
     async def _run(self, run: RolloutRun, resume: tuple[Phase, int] | None = None) -> None:
         rollout, spec = run.rollout, run.spec
+        keeper = (
+            asyncio.get_running_loop().create_task(self._keep_lease(run), name=f"rollout-lease-{spec.name}")
+            if self.fleet is not None
+            else None
+        )
         try:
             if resume is not None:
                 await self._resume(run, *resume)
@@ -527,28 +604,36 @@ class RolloutController:
                 if rollout.phase is Phase.WARMING:
                     problems = await self._warm(run)
                     rollout.warmed(clock.now(), problems)
-            self._save(run)
+            await self._persist(run)
             saved = (rollout.phase, rollout.step)
-            while rollout.phase in (Phase.SHADOW, Phase.CANARY):
+            while rollout.phase in (Phase.SHADOW, Phase.CANARY) and not run.lost:
                 await asyncio.sleep(TICK_S)
                 self._sample_memory(run)
                 run.rollout.quality_drop = self.quality_drop(run.spec)
+                if self.fleet is not None:  # the followers' samples, into this interval
+                    with contextlib.suppress(Exception):
+                        for candidate, sample in await self.fleet.drain(spec.route):
+                            rollout.observe(candidate, sample)
                 rollout.tick(clock.now(), min(run.canaries.values(), default=None))
                 STEP.labels(spec.name).set(rollout.step + 1)
                 if (rollout.phase, rollout.step) != saved:
-                    self._save(run)
+                    await self._persist(run)
                     saved = (rollout.phase, rollout.step)
+            if run.lost:  # another replica owns it now: it decides, this one follows
+                if self.active.get(spec.route) is run:
+                    self.active.pop(spec.route, None)
+                return
             if rollout.phase is Phase.PROMOTED:
                 self.promoted[spec.route] = run
                 self.active.pop(spec.route, None)
-                self._save(run)
+                await self._persist(run)
                 await self._retire(run, spec.current.backend_model)
-                self._save(run)
+                await self._persist(run)
                 STEP.labels(spec.name).set(len(spec.steps) + 1)
             else:
                 STEP.labels(spec.name).set(-1)
                 self.active.pop(spec.route, None)
-                self._save(run)
+                await self._persist(run)
                 log.warning("rollout %s %s: %s", spec.name, rollout.phase, rollout.reason)
                 await self._retire(run, spec.candidate.backend_model)
         except asyncio.CancelledError:
@@ -558,9 +643,14 @@ class RolloutController:
             if rollout.phase in ACTIVE and rollout.phase is not Phase.PROMOTED:
                 rollout.roll_back(clock.now(), f"internal error: {type(exc).__name__}")
             self.active.pop(spec.route, None)
-            with contextlib.suppress(OSError):
-                self._save(run)
+            with contextlib.suppress(Exception):
+                await self._persist(run)
         finally:
+            if keeper is not None:
+                keeper.cancel()
+                if self.fleet is not None and not run.lost:
+                    # Done, or this replica is stopping: another replica may take over at once.
+                    await asyncio.shield(self.fleet.release(spec.route))
             for line in rollout.timeline[-1:]:
                 log.info("rollout %s: %s", spec.name, line[1])
 
@@ -849,6 +939,10 @@ class RolloutController:
         if not sample.error:
             LATENCY.labels(run.name, version, "first_result").observe(sample.first_result_ms / 1000.0)
             LATENCY.labels(run.name, version, "completion").observe(sample.completion_ms / 1000.0)
+        if run.follower:
+            if self.fleet is not None and run.rollout.phase in (Phase.SHADOW, Phase.CANARY):
+                self.fleet.report(run.spec.route, candidate, sample)  # the owner judges
+            return
         run.rollout.observe(candidate, sample)
 
     def _canary_run(self, admitted: Admitted) -> RolloutRun | None:

@@ -57,6 +57,7 @@ from gateway.policy.decision_log import DecisionLog
 from gateway.policy.diagnostics import PolicyLoadError
 from gateway.policy.store import PolicyStore
 from gateway.protocol import SERVICE, InferenceServicer, add_to_server
+from gateway.rollout_fleet import FleetRollouts
 from gateway.rollouts import load_rollouts
 from gateway.state.base import QuotaStore
 from gateway.state.device_leases import FleetSlots
@@ -303,7 +304,11 @@ class GatewayServer:
         self.gateway.rollouts.specs.update(rollouts)
         # Rollouts a previous process left running continue (config rollouts_state_dir).
         self.gateway.rollouts.state_dir = config.rollouts_state_dir
+        if self.fleet is not None:  # a fleet: one replica owns each rollout, the others follow
+            self.gateway.rollouts.fleet = FleetRollouts(self.gateway.rollouts, self.fleet)
         self.gateway.rollouts.resume()
+        if self.gateway.rollouts.fleet is not None:
+            self.gateway.rollouts.fleet.start()
         self.telemetry.bind(self.gateway)
         self.status_board.bind(self.gateway)
         if config.telemetry.metrics_listen:

@@ -19,6 +19,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +28,14 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
 from gateway.backends.local import LocalTriton
 from gateway.backends.triton import REPOSITORY_KEY_HEADER
-from gateway.config import GatewayConfig, TelemetryConfig
+from gateway.config import GatewayConfig, StateConfig, TelemetryConfig
 from gateway.core.rollout import Phase
 from gateway.rollouts import LATENCY, REQUESTS, RolloutRun
 from orchid_tools import cli
@@ -48,8 +50,10 @@ from tests.conftest import (
     bearer,
     gateway_config,
 )
+from tests.redis_server import RedisServer, redis_server
 
 pytestmark = pytest.mark.slow
+__all__ = ["redis_server"]  # the fixture, imported
 
 CANDIDATES: dict[str, dict[str, str]] = {
     "full-v19": {"instances": "4"},  # as many devices as full-v18: it may be promoted
@@ -531,6 +535,90 @@ def test_a_gateway_restart_mid_rollout_resumes_it_from_its_durable_state(
     assert any(a.version == "full-v19" and a.reason == "canary" for a in answers)
     assert json.loads((tmp_path / "state" / "restarted.json").read_text())["phase"] == "complete"
     assert (states["full-v18"], states["full-v19"]) == ("UNAVAILABLE", "READY")  # the old one retired
+
+
+def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
+    stack: Stack, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Two replicas share a Redis. Replica A owns the rollout (B's start of it is refused,
+    naming A); B follows A's step, sends canaries by it and reports its samples, which A's
+    analysis counts (only B has traffic). A stops mid-rollout (its lease released); B takes
+    the lease, resumes at the step from the record in Redis and completes the rollout, with
+    no client failure; the record in Redis and B agree it is complete."""
+    reset_stack(stack)
+    state = StateConfig(
+        backend="redis",
+        url=redis_server.url,
+        key_prefix=f"rollout-{uuid.uuid4().hex[:8]}:",
+        lease_ttl_ms=1500,
+        call_timeout_ms=500,
+    )
+    config = rollout_config(stack.triton.address, state=state)
+    path = rollout_file(tmp_path, "fleet", "full-v19", max_ratio=4.0)
+    data = yaml.safe_load(path.read_text())
+    data["steps"][0]["intervals"] = 4
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    a, b = ThreadedGateway(config), ThreadedGateway(config)
+    a.start()
+    b.start()
+    running = [a, b]
+    load = SteadyLoad(b.address)
+    try:
+        gwa, gwb = a.server.gateway, b.server.gateway
+        assert gwa is not None and gwb is not None
+        rollout_call(a.address, OPS_KEY, "start", str(path))
+        with pytest.raises(grpc.RpcError) as refused:
+            rollout_call(b.address, OPS_KEY, "start", str(path))
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "is rolling out on replica" in refused.value.details()
+        owner = a.call_soon(lambda: gwa.rollouts.run_named("fleet"))
+        load.start()
+        # A's analysis fills with B's samples (A itself has no traffic).
+        while not any(i.conclusive and i.candidate_samples for i in owner.rollout.intervals):
+            assert owner.task is not None and not owner.task.done(), owner.rollout.report()
+            load.stop.wait(0.01)
+        assert owner.rollout.phase is Phase.CANARY
+        follower = b.call_soon(lambda: gwb.rollouts.run_named("fleet"))
+        assert follower.follower and follower.rollout.phase is Phase.CANARY
+        running.remove(a)
+        a.stop()  # mid-rollout: the owner goes away
+        taken = follower
+        while taken is follower or taken.task is None:
+            load.stop.wait(0.01)
+            taken = b.call_soon(lambda: gwb.rollouts.run_named("fleet"))
+        b.call(asyncio.wait_for(asyncio.shield(taken.task), 60))
+    finally:
+        answers = load.finish()
+        for gateway in running:
+            gateway.stop()
+        reset_stack(stack)
+    rollout = taken.rollout
+    assert rollout.phase is Phase.COMPLETE, rollout.report()
+    assert rollout.timeline[0][1] == "resumed by this replica, its owner replica gone, at step 1/2"
+    no_failures(answers)
+    assert any(a.version == "full-v19" and a.reason == "canary" for a in answers)
+    record = json.loads(
+        asyncio.run(_redis_get(redis_server.url, f"{state.key_prefix}rollout-state:full-v18")) or "{}"
+    )
+    assert (record.get("phase"), record.get("step")) == ("complete", 1)
+
+
+async def _redis_get(url: str, key: str) -> bytes | None:
+    client = aioredis.Redis.from_url(url)
+    try:
+        value: bytes | None = await client.get(key)
+        return value
+    finally:
+        await client.aclose()
+
+
+def reset_stack(stack: Stack) -> None:
+    """full-v18 loaded, no candidate: as every test here expects to begin."""
+    with grpcclient.InferenceServerClient(stack.triton.address) as client:
+        client.load_model("full-v18", headers=REPOSITORY)
+        for name in CANDIDATES:
+            if repository_states(stack.triton.address).get(name) == "READY":
+                client.unload_model(name, headers=REPOSITORY)
 
 
 def test_allocation_failure_at_load_routes_back(

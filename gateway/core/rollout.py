@@ -466,7 +466,7 @@ class Rollout:
             now, f"step {index + 1}/{len(self.spec.steps)}: {step.kind} {step.weight:.0%} of {_cohorts(step)}"
         )
 
-    def resumed(self, now: float, phase: Phase, step: int) -> None:
+    def resumed(self, now: float, phase: Phase, step: int, why: str = "after a gateway restart") -> None:
         """A rollout a restarted gateway found in its state (``phase`` and ``step`` as last
         saved): a shadow or canary step starts again with fresh intervals (the runtime has
         checked the candidate is still loaded and warm first); a promoted or complete one
@@ -476,15 +476,29 @@ class Rollout:
         self.started_at = now
         if phase in (Phase.SHADOW, Phase.CANARY) and 0 <= step < len(self.spec.steps):
             self.phase, self.loaded_at, self.ready_at = Phase.WARMING, now, now
-            self._log(now, f"resumed after a gateway restart at step {step + 1}/{len(self.spec.steps)}")
+            self._log(now, f"resumed {why} at step {step + 1}/{len(self.spec.steps)}")
             self._enter_step(now, step)
         elif phase in (Phase.PROMOTED, Phase.COMPLETE):
             self.phase, self.promoted_at, self.step = phase, now, len(self.spec.steps) - 1
-            self._log(
-                now, f"resumed after a gateway restart: {self.spec.candidate.name} serves {self.spec.route}"
-            )
+            self._log(now, f"resumed {why}: {self.spec.candidate.name} serves {self.spec.route}")
         else:
             self.start(now)
+
+    def follow(self, now: float, phase: Phase, step: int) -> None:
+        """Mirror the phase and step of the replica that owns this rollout (a fleet): routing
+        (``divert``, ``serving``) follows them; the analysis is the owner's, not run here."""
+        if (phase, step) == (self.phase, self.step):
+            return
+        if self.started_at is None:
+            self.started_at = now
+        self._log(now, f"following the owner: {phase}, step {step + 1}/{len(self.spec.steps)}")
+        self.phase, self.step = phase, step
+        if phase in (Phase.SHADOW, Phase.CANARY) and 0 <= step < len(self.spec.steps):
+            self._selector = Selector(self.spec.steps[step].weight)
+        if phase in (Phase.PROMOTED, Phase.COMPLETE) and self.promoted_at is None:
+            self.promoted_at = now
+        if phase in (Phase.ROLLED_BACK, Phase.ABORTED) and self.rolled_back_at is None:
+            self.rolled_back_at = now
 
     def promote(self, now: float, why: str = "operator") -> None:
         if self.phase not in (Phase.SHADOW, Phase.CANARY):
