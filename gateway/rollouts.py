@@ -572,6 +572,11 @@ class RolloutController:
 
     @staticmethod
     def _guard(run: RolloutRun, action: Callable[[float], None]) -> None:
+        if run.follower:  # a fleet: only the owner's state machine decides
+            raise FailedPrecondition(
+                f"rollout {run.name!r} is owned by another replica of the fleet: promote, roll back "
+                "or abort it there"
+            )
         try:
             action(clock.now())
         except ValueError as exc:

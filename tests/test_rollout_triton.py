@@ -580,6 +580,10 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
         assert owner.rollout.phase is Phase.CANARY
         follower = b.call_soon(lambda: gwb.rollouts.run_named("fleet"))
         assert follower.follower and follower.rollout.phase is Phase.CANARY
+        with pytest.raises(grpc.RpcError) as not_here:
+            rollout_call(b.address, OPS_KEY, "promote", "fleet")
+        assert not_here.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "owned by another replica" in not_here.value.details()
         running.remove(a)
         a.stop()  # mid-rollout: the owner goes away
         taken = follower
