@@ -24,7 +24,8 @@ from gateway.backends.local import LocalTriton
 from gateway.core.record import Decision, RequestRecord
 from gateway.policy.snapshot import PolicyResult
 from tests.conftest import ROOT, ThreadedGateway, gateway_config
-from tests.test_ladder_effects import AUTH, pin, request
+from tests.test_ladder_effects import AUTH, pin
+from tests.test_ladder_effects import request as model_infer_request
 
 FALLBACK_WINDOW = 512
 
@@ -61,7 +62,7 @@ def answers(stub: service_pb2_grpc.GRPCInferenceServiceStub, n: int, tokens: int
     for _ in range(n):
         try:
             reply = stub.ModelInfer(
-                request(tokens, **{"orchid.max_output_tokens": 16}), metadata=AUTH, timeout=10
+                model_infer_request(tokens, **{"orchid.max_output_tokens": 16}), metadata=AUTH, timeout=10
             )
             seen[f"ok:{reply.parameters['orchid.approximation'].string_param}"] += 1
         except grpc.RpcError as error:
@@ -70,7 +71,10 @@ def answers(stub: service_pb2_grpc.GRPCInferenceServiceStub, n: int, tokens: int
 
 
 def test_a_request_too_long_for_the_fallback_is_never_sent_there(
-    narrow: ThreadedGateway, triton: LocalTriton, monkeypatch: pytest.MonkeyPatch
+    narrow: ThreadedGateway,
+    triton: LocalTriton,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     core = narrow.server.gateway
     assert core is not None
@@ -86,8 +90,10 @@ def test_a_request_too_long_for_the_fallback_is_never_sent_there(
     handler = logging.Handler()
     handler.emit = lambda entry: log_lines.append(entry.getMessage())  # type: ignore[method-assign]
     decisions_log = logging.getLogger("orchid.decisions")
-    monkeypatch.setattr(decisions_log, "level", logging.INFO)
     monkeypatch.setattr(decisions_log, "handlers", [*decisions_log.handlers, handler])
+    level = decisions_log.level
+    decisions_log.setLevel(logging.INFO)  # setLevel: the logger caches isEnabledFor
+    request.addfinalizer(lambda: decisions_log.setLevel(level))
     with grpc.insecure_channel(narrow.address) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         assert answers(stub, 1, 256) == Counter({"ok:none": 1})  # creates the pool's load

@@ -22,6 +22,7 @@ ALLOWED = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ALREADY_EXISTS,  # an orchid.operation_id reused for another request
 }
 DTYPES = ["INT32", "FP32", "BYTES", "INT64", "BOOL", "", "INT32\x00", "FP16"]
 MODELS = ["full-v18", "compact-v11", "full-v18-stream", "", "../full-v18", "full-v18\n", "x" * 300]

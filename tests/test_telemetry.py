@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import logging
 from collections.abc import Iterator
@@ -61,6 +62,9 @@ def observed(
         running.stop()
 
 
+_OPERATIONS = itertools.count()
+
+
 def planted(n: int = 24, **overrides: str) -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name="full-v18", id=CANARY)
     tensor = request.inputs.add(name="INPUT_IDS", datatype="INT32")
@@ -68,7 +72,8 @@ def planted(n: int = 24, **overrides: str) -> service_pb2.ModelInferRequest:
     data = np.zeros(n, dtype=np.int32)
     data[: len(CANARY_WORDS)] = CANARY_WORDS
     request.raw_input_contents.append(data.tobytes())
-    request.parameters["orchid.operation_id"].string_param = CANARY
+    # Each call a new operation (the same id would replay the first answer: gateway.idempotent).
+    request.parameters["orchid.operation_id"].string_param = f"{CANARY}-{next(_OPERATIONS)}"
     request.parameters["user_note"].string_param = CANARY
     for key, value in overrides.items():
         request.parameters[key].string_param = value

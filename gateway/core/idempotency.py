@@ -112,16 +112,18 @@ class OperationTable:
             if entry.fingerprint != fingerprint:
                 return Begin(
                     Step.CONFLICT,
-                    message=f"orchid.operation_id {operation_id!r} was used for a different request "
-                    f"(held for {self.window_s:.0f} s after it completes); a new request needs a new id",
+                    # The id is not echoed: parameters may carry user data (docs/security.md).
+                    message="this orchid.operation_id was used for a different request (held for "
+                    f"{self.window_s:.0f} s after it completes); a new request needs a new id",
                 )
             if entry.done_at is None:
                 return Begin(Step.JOIN)
             if entry.answer is None:
                 return Begin(
                     Step.GONE,
-                    message=f"operation {operation_id!r} already completed; its answer is no longer "
-                    "held (too large, or given up for newer answers), and it is not run again",
+                    message="the operation with this orchid.operation_id already completed; its "
+                    "answer is no longer held (too large, or given up for newer answers), and it is "
+                    "not run again",
                 )
             return Begin(Step.REPLAY, answer=entry.answer)
         if len(self._entries) >= self.max_entries or self.held_bytes + ENTRY_BYTES > self.max_bytes:
