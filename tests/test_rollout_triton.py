@@ -537,12 +537,14 @@ def test_a_gateway_restart_mid_rollout_resumes_it_from_its_durable_state(
     assert (states["full-v18"], states["full-v19"]) == ("UNAVAILABLE", "READY")  # the old one retired
 
 
+@pytest.mark.parametrize("departure", ["stopped", "crashed"])
 def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
-    stack: Stack, tmp_path: Path, redis_server: RedisServer
+    stack: Stack, tmp_path: Path, redis_server: RedisServer, departure: str
 ) -> None:
     """Two replicas share a Redis. Replica A owns the rollout (B's start of it is refused,
     naming A); B follows A's step, sends canaries by it and reports its samples, which A's
-    analysis counts (only B has traffic). A stops mid-rollout (its lease released); B takes
+    analysis counts (only B has traffic). A goes away mid-rollout: stopped (its lease
+    released), or crashed as far as Redis can tell (its lease left to expire, 1.5 s); B takes
     the lease, resumes at the step from the record in Redis and completes the rollout, with
     no client failure; the record in Redis and B agree it is complete."""
     reset_stack(stack)
@@ -584,6 +586,14 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
             rollout_call(b.address, OPS_KEY, "promote", "fleet")
         assert not_here.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert "owned by another replica" in not_here.value.details()
+        if departure == "crashed":  # nothing tells Redis: the lease must expire
+
+            async def keep(route: str) -> None:
+                return None
+
+            fleet = gwa.rollouts.fleet
+            assert fleet is not None
+            a.call_soon(lambda: setattr(fleet, "release", keep))
         running.remove(a)
         a.stop()  # mid-rollout: the owner goes away
         taken = follower
