@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -100,3 +101,18 @@ def test_a_burst_moves_the_shared_correction_by_its_share_of_the_traffic(history
         estimator.observe(KEY, "understating", base_ms=BASE_MS, observed_ms=BASE_MS * UNDERSTATED, now=now)
     share = burst / (history + burst)
     assert math.log(estimator.model_correction(KEY, now)) <= share * math.log(UNDERSTATED) + 1e-6
+
+
+def test_the_shared_correction_is_the_traffic_weighted_mean_of_the_tenants_own() -> None:
+    """Even when one tenant's own mean is past the shared correction's bound (50x): the sums
+    behind the weighted mean stay exact, only the reading is bounded."""
+    estimator = Estimator()
+    now = 0.0
+    for tenant, ratio in (("absurd", 50.0), ("honest", 1.0)):
+        for _ in range(40):
+            now += 0.01
+            estimator.observe(KEY, tenant, base_ms=BASE_MS, observed_ms=BASE_MS * ratio, now=now)
+    assert estimator.correction(KEY, "absurd", now) == pytest.approx(50.0, rel=0.05)
+    assert estimator.correction(KEY, "honest", now) == pytest.approx(1.0, rel=0.05)
+    # Equal traffic: half of log(50), less the prior's small pull.
+    assert estimator.model_correction(KEY, now) == pytest.approx(math.sqrt(50.0), rel=0.05)

@@ -181,7 +181,8 @@ class Estimator:
         return total / weights
 
     def _shared_log(self, key: CorrectionKey, now: float) -> float:
-        return self._combined(self._models.get(key), self._fleet_models.get(key), now)
+        shared = self._combined(self._models.get(key), self._fleet_models.get(key), now)
+        return min(_BOUND, max(-_BOUND, shared))
 
     def _residual_log(self, tenant: str, model: str, now: float) -> float:
         key = (tenant, model)
@@ -246,7 +247,7 @@ class Estimator:
         volume += own.volume - old_volume
         if volume <= 1e-9:  # rounding only: the observing tenant's own volume is at least 1
             total, volume = own.volume * own.log_mean, own.volume
-        shared.log_mean = min(_BOUND, max(-_BOUND, total / volume))
+        shared.log_mean = total / volume  # unbounded here, so the sums stay exact; read bounded
         shared.volume = volume
         # Against the prior (ageing) and in the fleet it weighs as one mean, like the others.
         shared.weight = self._history(volume)
