@@ -168,31 +168,32 @@ class FleetRollouts:
                 phase, step = Phase(record["phase"]), int(record["step"])
             except (ValueError, KeyError, TypeError, ValidationError):
                 continue
+            run_id = str(record.get("run_id", ""))
             owner = await self.fleet.call(client.get(self._key("owner", route)))
             owner_id = owner.decode() if isinstance(owner, bytes) else owner
             if owner_id == self.me:
                 continue  # this replica's own run
-            mine = controller.active.get(route) or controller.promoted.get(route)
-            if mine is not None and mine.task is not None and not mine.task.done():
-                continue  # this replica runs it (it took the lease over)
+            own = controller.runs.get(spec.name)
+            if own is not None and not own.follower and not own.lost and own.id == run_id:
+                continue  # the record is of this replica's own run (running, or ended here)
             if owner_id is None and phase in ACTIVE:
                 if await self.claim(route) is None:
                     log.warning("rollout %s: its owner's lease expired; this replica resumes it", spec.name)
                     controller.take_over(spec, phase, step)
                 continue
-            self._follow(spec, phase, step)
+            self._follow(spec, phase, step, run_id)
 
-    def _follow(self, spec: RolloutSpec, phase: Phase, step: int) -> None:
+    def _follow(self, spec: RolloutSpec, phase: Phase, step: int, run_id: str) -> None:
         controller = self.controller
         run = controller.runs.get(spec.name)
-        if run is None or run.spec != spec or not run.follower:
+        if run is None or not run.follower or run.id != run_id:
             route = controller.gateway.routes.models.get(spec.route)
             if route is None:
                 return
             from gateway.rollouts import RolloutRun  # a cycle at import time otherwise
 
             run = RolloutRun(spec, route, controller._control_backends(route))
-            run.follower = True
+            run.follower, run.id = True, run_id
             controller.specs.setdefault(spec.name, spec)
             controller.runs[spec.name] = run
         run.rollout.follow(clock.now(), phase, step)

@@ -50,6 +50,7 @@ import contextlib
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,6 +333,7 @@ class RolloutRun:
         # A fleet: this replica follows another's run of this rollout (gateway.rollout_fleet);
         # its samples go to the owner, and it never loads, judges or retires anything.
         self.follower = False
+        self.id = uuid.uuid4().hex  # this run's identity in a fleet's record (a follower: the owner's)
         self.lost = False  # the owner's lease passed to another replica while this one ran it
         self.resume_why = "after a gateway restart"  # or a fleet's take-over (``take_over``)
         self.shadow_inflight = 0
@@ -431,6 +433,7 @@ class RolloutController:
     def _record(run: RolloutRun) -> dict[str, object]:
         rollout = run.rollout
         return {
+            "run_id": run.id,
             "spec": run.spec.model_dump(mode="json"),
             "phase": str(rollout.phase),
             "step": rollout.step,

@@ -544,7 +544,7 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
     """Two replicas share a Redis. Replica A owns the rollout (B's start of it is refused,
     naming A); B follows A's step, sends canaries by it and reports its samples, which A's
     analysis counts (only B has traffic). A goes away mid-rollout: stopped (its lease
-    released), or crashed as far as Redis can tell (its lease left to expire, 1.5 s); B takes
+    released), or crashed as far as Redis can tell (its lease left to expire, 3 s); B takes
     the lease, resumes at the step from the record in Redis and completes the rollout, with
     no client failure; the record in Redis and B agree it is complete."""
     reset_stack(stack)
@@ -552,7 +552,7 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
         backend="redis",
         url=redis_server.url,
         key_prefix=f"rollout-{uuid.uuid4().hex[:8]}:",
-        lease_ttl_ms=1500,
+        lease_ttl_ms=3000,
         call_timeout_ms=500,
     )
     config = rollout_config(stack.triton.address, state=state)
@@ -579,9 +579,9 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
         while not any(i.conclusive and i.candidate_samples for i in owner.rollout.intervals):
             assert owner.task is not None and not owner.task.done(), owner.rollout.report()
             load.stop.wait(0.01)
-        assert owner.rollout.phase is Phase.CANARY
+        assert owner.rollout.phase is Phase.CANARY, owner.rollout.report()
         follower = b.call_soon(lambda: gwb.rollouts.run_named("fleet"))
-        assert follower.follower and follower.rollout.phase is Phase.CANARY
+        assert follower.follower and follower.rollout.phase is Phase.CANARY, follower.rollout.report()
         with pytest.raises(grpc.RpcError) as not_here:
             rollout_call(b.address, OPS_KEY, "promote", "fleet")
         assert not_here.value.code() is grpc.StatusCode.FAILED_PRECONDITION
@@ -601,6 +601,11 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
             load.stop.wait(0.01)
             taken = b.call_soon(lambda: gwb.rollouts.run_named("fleet"))
         b.call(asyncio.wait_for(asyncio.shield(taken.task), 60))
+        # Its own record, ended here: a round of B's watcher does not make it follow itself.
+        fleet_b = gwb.rollouts.fleet
+        assert fleet_b is not None
+        b.call(fleet_b._round())
+        assert b.call_soon(lambda: gwb.rollouts.run_named("fleet")) is taken
     finally:
         answers = load.finish()
         for gateway in running:
@@ -608,7 +613,9 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
         reset_stack(stack)
     rollout = taken.rollout
     assert rollout.phase is Phase.COMPLETE, rollout.report()
-    assert rollout.timeline[0][1] == "resumed by this replica, its owner replica gone, at step 1/2"
+    assert rollout.timeline[0][1] == "resumed by this replica, its owner replica gone, at step 1/2", (
+        rollout.timeline
+    )
     no_failures(answers)
     assert any(a.version == "full-v19" and a.reason == "canary" for a in answers)
     record = json.loads(
