@@ -409,7 +409,7 @@ class RolloutController:
         if route is None:
             return None
         run = RolloutRun(spec, route, self._control_backends(route))
-        run.resume_why = "by this replica, its owner replica gone,"
+        run.resume_why = "by this replica (its owner replica gone)"
         self.specs.setdefault(spec.name, spec)
         self.runs[spec.name] = run
         self.promoted.pop(spec.route, None)

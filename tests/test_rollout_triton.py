@@ -617,8 +617,8 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
     # its rollout may pass its last intervals meanwhile) after A promoted: B then retires
     # full-v18. Either way B finishes what A started.
     assert rollout.timeline[0][1] in (
-        "resumed by this replica, its owner replica gone, at step 1/2",
-        "resumed by this replica, its owner replica gone,: full-v19 serves full-v18",
+        "resumed by this replica (its owner replica gone) at step 1/2",
+        "resumed by this replica (its owner replica gone): full-v19 serves full-v18",
     ), rollout.timeline
     no_failures(answers)
     assert any(a.version == "full-v19" and a.reason == "canary" for a in answers)
