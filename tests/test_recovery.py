@@ -1,0 +1,278 @@
+"""After a fault the fleet comes back (issue 25): recovery as a property, in virtual time.
+
+Hypothesis generates fleets (2-3 device groups of 2-3 devices, the fallback beside the
+primary on each group's devices), one or two tenants at 50-95 % of the protected envelope
+(Poisson arrivals), a surge of 5 or 8 s and a fault during it (a device group lost, a group
+flapping, long requests underpredicted, every request slow); ``orchid-gateway simulate``
+runs the production runtime through it. After the trigger ends, the fleet must come back to
+its *own* normal phase's behaviour within ``RECOVERY_S``: the same degraded share (+2 points,
+or two answers in a window of fewer than 100) and on-time share (-2 points, likewise), and no
+pool's ladder step above the normal phase's highest.
+While a device group is lost, admitted work stays on time, a tenant inside its weighted
+share of the surviving envelope keeps it, and refusals are early.
+
+The metastable loop of issue 25 (``gateway.core.placement`` describes it) needs groups of
+six or more devices and a surge that outlasts the fault: cases of that size cost 10-18 s
+each, so the generated fleets stay small and the loop's counterexample, found on the code
+before the fix, runs as an explicit example every time; the seed-scale scenario
+(``examples/orchid/simulate/surge-fault-recovery.yaml``) runs below. Small fleets did not
+show the loop before the fix (100 generated cases passed there): the generated cases guard
+recovery in general, the examples this loop.
+
+The default run is derandomized (the same 100 cases every run: CI stays deterministic) and
+does not shrink (a failure prints its case); ``ORCHID_RECOVERY_PROFILE=long`` runs 1,000
+random cases and shrinks (docs/simulate.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+from orchid_tools.simulate import simulate
+from tests.conftest import ROOT
+
+GATEWAY = ROOT / "examples" / "orchid" / "gateway.yaml"
+PROTECTED = 0.70  # the example gateway's protected_utilization
+SHORT = {"input_tokens": 256, "output_tokens": 64, "deadline_ms": 200}
+LONG = {"input_tokens": 4096, "output_tokens": 128, "deadline_ms": 1000}
+
+# During a device-group loss: missed answers plus late refusals (the seed-scale scenario
+# holds 2 %; a group of one or two devices loses a larger part of its work per request), and
+# what a tenant inside its weighted share of the surviving envelope gets answered in time.
+LATE_PCT = 6.0
+IN_SHARE_ON_TIME_PCT = 95.0
+# "Inside its share" with a margin: over a few seconds of Poisson arrivals a tenant offering
+# its whole share is above it about half the time (one generated case: 97 % of its share,
+# 92.8 % on time, its long requests behind a flooder's in the long lane).
+IN_SHARE_MARGIN = 0.8
+
+# Long work's share of a group's devices at normal load, of the protected envelope per device:
+# the short lane (limits.short_lane_devices: 2) leaves long work one device of 2-3.
+LONG_LANE_LOAD = 0.8
+
+# Phases (virtual seconds): normal, the surge (the fault inside it), settling, judged.
+NORMAL_S, RECOVERY_S, JUDGED_S = 4.0, 12.0, 4.0
+
+settings.register_profile(
+    "recovery-default",
+    max_examples=100,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],  # a failure prints its case; shrink it in the long run
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "recovery-long",
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+PROFILE = "recovery-long" if os.environ.get("ORCHID_RECOVERY_PROFILE") == "long" else "recovery-default"
+
+
+@dataclass(frozen=True)
+class Case:
+    groups: int
+    devices: int
+    load: float  # normal demand, of the protected envelope
+    long_share: float  # of the demand, in long requests
+    lumen_share: float  # of the demand, from lumen (weight 1); 0: orchid alone
+    surge: float  # everyone's multiplier in the surge
+    flood: float  # lumen's multiplier in the surge
+    fault: str  # lost | flap | underpredicted | slow
+    seed: int
+    surge_s: float = 5.0  # the surge's length; the fault lasts all of it but its first and last second
+
+
+cases = st.builds(
+    Case,
+    groups=st.integers(2, 3),
+    devices=st.integers(2, 3),
+    load=st.floats(0.5, 0.9),
+    long_share=st.sampled_from([0.0, 0.3, 0.6]),
+    lumen_share=st.sampled_from([0.0, 0.25, 0.4]),
+    surge=st.floats(1.0, 1.5),
+    flood=st.floats(1.0, 3.0),
+    fault=st.sampled_from(["lost", "flap", "underpredicted", "slow"]),
+    seed=st.integers(0, 2**16),
+    surge_s=st.sampled_from([5.0, 8.0]),
+)
+
+
+def scenario(case: Case) -> dict[str, Any]:
+    tenants: dict[str, Any] = {
+        "orchid": {"weight": 2, "share": 1.0 - case.lumen_share},
+        "lumen": {"weight": 1, "share": case.lumen_share},
+    }
+    # Long work runs on the devices the short lane leaves it (one per group here): at normal
+    # load it stays inside them, or it queues without bound and no phase is a steady "normal"
+    # to come back to (a generated case once loaded that lane to 110 % at "normal" load).
+    long_share = min(case.long_share, LONG_LANE_LOAD / (case.load * case.devices))
+    arrivals: dict[str, Any] = {}
+    for tenant, facts in tenants.items():
+        for kind, shape, share in (("short", SHORT, 1.0 - long_share), ("long", LONG, long_share)):
+            raw = case.load * PROTECTED * facts["share"] * share
+            if raw > 0:
+                arrivals[f"{tenant}-{kind}"] = {
+                    "tenant": tenant,
+                    "model": "full-v18",
+                    "class": "interactive",
+                    "raw_capacity_share": round(raw, 4),
+                    **shape,
+                }
+    surge = {name: case.flood if name.startswith("lumen") else case.surge for name in arrivals}
+    fault_at, fault_until = NORMAL_S + 1.0, NORMAL_S + case.surge_s - 1.0
+    lost = f"g{case.groups - 1}"
+    faults: list[dict[str, Any]]
+    if case.fault == "lost":
+        faults = [{"kind": "device_group_lost", "backend": lost, "at_s": fault_at, "until_s": fault_until}]
+    elif case.fault == "flap":
+        faults = [
+            {"kind": "device_group_lost", "backend": lost, "at_s": t, "until_s": t + 1.0}
+            for t in range(int(fault_at), int(fault_until), 2)
+        ]
+    else:
+        faults = [
+            {
+                "kind": "underprediction",
+                "model": "full-v18",
+                "factor": 2.0,
+                "at_s": fault_at,
+                "until_s": fault_until,
+                **({"longer_than_tokens": 0} if case.fault == "slow" else {}),
+            }
+        ]
+    quota = {"weight": 2, "max_concurrent": 512}
+    return {
+        "gateway": str(GATEWAY),
+        "seed": case.seed,
+        "tenants": {
+            "tenants": {
+                name: {
+                    "models": ["full-v18", "compact-v11"],
+                    "classes": ["interactive"],
+                    "cells": ["eu-restricted"],
+                    "weight": facts["weight"],
+                }
+                for name, facts in tenants.items()
+            },
+            "quotas": {
+                "classes": {"interactive": {"accelerator_ms_per_s": 24000}},
+                "tenants": {
+                    name: {"interactive": {**quota, "weight": facts["weight"]}}
+                    for name, facts in tenants.items()
+                },
+            },
+        },
+        "fleet": [
+            {
+                "name": f"g{index}",
+                "cell": "eu-restricted",
+                "devices": case.devices,
+                "shared_devices": True,
+                "models": {"full-v18": {}, "compact-v11": {}},
+            }
+            for index in range(case.groups)
+        ],
+        "arrivals": arrivals,
+        "phases": [
+            {"name": "normal", "duration_s": NORMAL_S},
+            {"name": "surge", "duration_s": case.surge_s, "multiplier": case.surge, "arrivals": surge},
+            {"name": "settle", "duration_s": RECOVERY_S},
+            {"name": "judged", "duration_s": JUDGED_S},
+        ],
+        "faults": faults,
+    }
+
+
+def run(case: Case, directory: Path) -> dict[str, dict[str, Any]]:
+    path = directory / f"recovery-{case.seed}.yaml"
+    path.write_text(yaml.safe_dump(scenario(case), sort_keys=False))
+    return {phase["name"]: phase for phase in simulate(path)["phases"]}
+
+
+def tolerance_pct(requests: int) -> float:
+    """The issue's 2 points, or two answers where the judged window holds fewer than 100: one
+    answer in 45 is 2.2 points, below what a few seconds of a small fleet can resolve."""
+    return max(2.0, 200.0 / max(1, requests))
+
+
+def max_step(phase: dict[str, Any]) -> int:
+    return max((pool["max_step"] for pool in phase["ladder"].values()), default=0)
+
+
+def check(case: Case, phases: dict[str, dict[str, Any]]) -> None:
+    normal, surge, judged = phases["normal"], phases["surge"], phases["judged"]
+    figures = {name: (p["totals"], max_step(p)) for name, p in phases.items()}
+    # Recovery: the fleet's own normal behaviour within RECOVERY_S of the trigger's end.
+    points = tolerance_pct(judged["totals"]["offered"])
+    assert judged["totals"]["degraded_pct"] <= normal["totals"]["degraded_pct"] + points, figures
+    assert max_step(judged) <= max_step(normal), {n: p["ladder"] for n, p in phases.items()}
+    assert judged["totals"]["on_time_pct"] >= normal["totals"]["on_time_pct"] - points, figures
+    if case.fault not in ("lost", "flap"):
+        # Underprediction is learned from observed work: until then admitted work runs longer
+        # than it was priced, so on-time figures during it are the estimator's (tests/
+        # test_estimation.py), not a promise of this property; recovery after it is.
+        return
+    # During the fault: admitted work on time, refusals early, in-share tenants keep theirs.
+    totals = surge["totals"]
+    assert totals["missed_pct"] <= 1.0, figures
+    assert totals["missed_pct"] + totals["rejected_late_pct"] <= LATE_PCT, figures
+    surviving = (case.groups - 1) * case.devices * PROTECTED * 1000.0
+    tenants = surge["tenants"]
+    weights = {name: figures_["weight"] for name, figures_ in tenants.items()}
+    for name, tenant in tenants.items():
+        share = surviving * weights[name] / sum(weights.values())
+        if tenant["offered_ms_per_s"] <= IN_SHARE_MARGIN * share:
+            assert tenant["on_time_pct"] >= IN_SHARE_ON_TIME_PCT, (name, share, tenants)
+
+
+# Counterexamples the property found on the code before the fix (kept as regressions): a pool
+# of the surviving groups still at step 2-3 in the judged window, with the normal phase at 0.
+PRE_FIX_COUNTEREXAMPLES = (
+    Case(
+        groups=3,
+        devices=8,
+        load=0.95,
+        long_share=0.3,
+        lumen_share=0.4,
+        surge=1.25,
+        flood=2.0,
+        fault="lost",
+        seed=23,
+        surge_s=8.0,
+    ),
+)
+
+
+@pytest.mark.slow
+@settings(settings.get_profile(PROFILE))
+@given(case=cases)
+@example(case=PRE_FIX_COUNTEREXAMPLES[0])
+def test_after_a_fault_the_fleet_returns_to_its_normal_behaviour(case: Case, tmp_path_factory: Any) -> None:
+    check(case, run(case, tmp_path_factory.mktemp("recovery")))
+
+
+@pytest.mark.slow
+def test_the_issues_scenario_recovers_within_20_s_of_the_surge() -> None:
+    """The seed's 24 devices as three groups, two tenants at 99.8 % of protected, a surge with
+    group-c lost in its middle (``surge-fault-recovery.yaml``). Before the fix, 77-93 % of the
+    answers stayed degraded 0-40 s after the surge and one pool sat at step 5-6 throughout."""
+    document = simulate(ROOT / "examples" / "orchid" / "simulate" / "surge-fault-recovery.yaml")
+    phases = {phase["name"]: phase for phase in document["phases"]}
+    normal, fault, recovered = phases["normal"], phases["surge-fault"], phases["recovered"]
+    # "recovered" starts 20 s after the surge's end.
+    assert recovered["start_s"] - phases["surge-after"]["end_s"] == 20.0
+    assert recovered["totals"]["degraded_pct"] <= normal["totals"]["degraded_pct"] + 2.0
+    assert max_step(recovered) <= max_step(normal), recovered["ladder"]
+    assert fault["totals"]["missed_pct"] + fault["totals"]["rejected_late_pct"] <= 2.0, fault["totals"]
+    assert document["expectations_held"], document["expectations"]  # the file's own expect: block
