@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.core.outputs import OutputCheck, OutputFacts, output_problems
 from gateway.policy.metrics import get_or_create
+from gateway.shape import NUMPY_DTYPES
 
 INVALID_OUTPUTS: Counter = get_or_create(
     "orchid_invalid_outputs",
@@ -32,21 +33,6 @@ INVALID_OUTPUTS: Counter = get_or_create(
     ),
 )
 
-_DTYPES: dict[str, type[np.generic]] = {
-    "INT8": np.int8,
-    "INT16": np.int16,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "UINT8": np.uint8,
-    "UINT16": np.uint16,
-    "UINT32": np.uint32,
-    "UINT64": np.uint64,
-    "FP16": np.float16,
-    "FP32": np.float32,
-    "FP64": np.float64,
-    "BOOL": np.bool_,
-}
-
 
 def output_facts(response: service_pb2.ModelInferResponse) -> list[OutputFacts]:
     """The facts a contract reads of each output tensor (raw contents; a tensor sent in the
@@ -56,7 +42,7 @@ def output_facts(response: service_pb2.ModelInferResponse) -> list[OutputFacts]:
     raw = response.raw_output_contents
     for index, output in enumerate(response.outputs):
         shape = tuple(int(d) for d in output.shape)
-        dtype = _DTYPES.get(output.datatype)
+        dtype = NUMPY_DTYPES.get(output.datatype)
         if dtype is None or index >= len(raw):
             facts.append(OutputFacts(output.name, output.datatype, shape, None, None, None))
             continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.triton import ModelSpec
@@ -47,6 +48,23 @@ DTYPE_BYTES: dict[str, int] = {
 # Far above any real tensor the gateway fronts, far below int64 overflow: a shape whose
 # element count passes this is refused before anything multiplies it by a dtype size.
 MAX_ELEMENTS = 1 << 31
+
+# numpy dtype per datatype, for reading raw output tensors (the one table: output checks and
+# jobs read it; BF16 has no numpy dtype)
+NUMPY_DTYPES: dict[str, type[np.generic]] = {
+    "BOOL": np.bool_,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}
 
 # typed `contents` field of InferTensorContents per datatype (the one table: jobs read it too)
 CONTENTS_FIELD = {

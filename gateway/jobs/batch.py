@@ -24,23 +24,9 @@ from tritonclient.grpc import service_pb2
 
 from gateway.core.errors import InvalidArgument
 from gateway.core.jobs import DTYPE_BYTES, MAX_CUSTOM_ID_CHARS, OutputFacts
-from gateway.shape import CONTENTS_FIELD
+from gateway.shape import CONTENTS_FIELD, NUMPY_DTYPES
 
 _CONTENTS = CONTENTS_FIELD  # JSON data travels typed
-_NUMPY = {
-    "BOOL": np.bool_,
-    "INT8": np.int8,
-    "INT16": np.int16,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "UINT8": np.uint8,
-    "UINT16": np.uint16,
-    "UINT32": np.uint32,
-    "UINT64": np.uint64,
-    "FP16": np.float16,
-    "FP32": np.float32,
-    "FP64": np.float64,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +158,7 @@ def _output_array(datatype: str, shape: list[int], raw: bytes) -> list[Any]:
             values.append(raw[offset : offset + length].decode("utf-8", "replace"))
             offset += length
         return values
-    dtype = _NUMPY.get(datatype)
+    dtype = NUMPY_DTYPES.get(datatype)
     if dtype is None:
         return []
     array: list[Any] = np.frombuffer(raw, dtype=dtype).tolist()
