@@ -81,7 +81,9 @@ settings.register_profile(
 )
 settings.register_profile(
     "recovery-long",
-    max_examples=1000,
+    # ORCHID_RECOVERY_EXAMPLES splits the run over processes (e.g. 2 x 500, each with its own
+    # --hypothesis-seed) on a machine with cores to spare.
+    max_examples=int(os.environ.get("ORCHID_RECOVERY_EXAMPLES", "1000")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -262,12 +264,23 @@ def check(case: Case, phases: dict[str, dict[str, Any]]) -> None:
             assert on_time_pct >= IN_SHARE_ON_TIME_PCT - allowance, (name, tenants)
 
 
-# Counterexamples the property found on the code before the fix (kept as regressions): a pool
-# of the surviving groups still at step 2-3 in the judged window, with the normal phase at 0.
-# Shrunk cases of the long profile's first run, kept as regressions: a fleet of two groups of
-# two losing one in a 1.5x surge (its late refusals measured 6.13 %, and an in-share tenant's
-# one refused early and one late of its 25 in the surge's 5 s: 92 %).
+# Cases the long profile found, kept as regressions: a 3x2 fleet whose judged window drew more
+# load than its normal phase by chance, and a 2x2 fleet losing a group in a 1.5x surge (late
+# refusals 6.13 %; an in-share tenant with one refusal early and one late of its 25: 92 %).
 SHRUNK_EXAMPLES = (
+    # The judged window drew 15 % more load than the normal phase (see tolerance_pct).
+    Case(
+        groups=3,
+        devices=2,
+        load=0.8558097020214159,
+        long_share=0.6,
+        lumen_share=0.0,
+        surge=1.490869193824996,
+        flood=1.0,
+        fault="lost",
+        seed=2,
+        surge_s=8.0,
+    ),
     Case(
         groups=2,
         devices=2,
@@ -293,6 +306,8 @@ SHRUNK_EXAMPLES = (
         surge_s=5.0,
     ),
 )
+# Counterexamples the property found on the code before the fix (kept as regressions): a pool
+# of the surviving groups still at step 2-3 in the judged window, with the normal phase at 0.
 PRE_FIX_COUNTEREXAMPLES = (
     Case(
         groups=3,
@@ -315,6 +330,7 @@ PRE_FIX_COUNTEREXAMPLES = (
 @example(case=PRE_FIX_COUNTEREXAMPLES[0])
 @example(case=SHRUNK_EXAMPLES[0])
 @example(case=SHRUNK_EXAMPLES[1])
+@example(case=SHRUNK_EXAMPLES[2])
 def test_after_a_fault_the_fleet_returns_to_its_normal_behaviour(case: Case, tmp_path_factory: Any) -> None:
     check(case, run(case, tmp_path_factory.mktemp("recovery")))
 
