@@ -178,7 +178,12 @@ def gateway(triton: LocalTriton) -> Iterator[ThreadedGateway]:
 def pinned(triton: LocalTriton) -> Iterator[ThreadedGateway]:
     """A gateway of the module's own whose ladder the test sets by hand: the background
     update is disabled, so a step set with ``test_ladder_effects.pin`` stays put."""
-    running = ThreadedGateway(gateway_config(triton.address))
+    yield from pinned_gateway(gateway_config(triton.address))
+
+
+def pinned_gateway(config: dict[str, Any]) -> Iterator[ThreadedGateway]:
+    """``pinned`` on a config of the caller's (a fixture of its own yields from it)."""
+    running = ThreadedGateway(config)
     running.start()
     gw = running.server.gateway
     assert gw is not None

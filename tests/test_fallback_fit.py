@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2_grpc
 from gateway.backends.local import LocalTriton
 from gateway.core.record import Decision, RequestRecord
 from gateway.policy.snapshot import PolicyResult
-from tests.conftest import ROOT, ThreadedGateway, gateway_config
+from tests.conftest import ROOT, ThreadedGateway, gateway_config, pinned_gateway
 from tests.test_ladder_effects import AUTH, pin
 from tests.test_ladder_effects import request as model_infer_request
 
@@ -37,15 +37,7 @@ def narrow(triton: LocalTriton, tmp_path_factory: pytest.TempPathFactory) -> Ite
     compact["shape"] = {**compact["shape"], "max_input_tokens": FALLBACK_WINDOW}  # its own copy
     directory = tmp_path_factory.mktemp("routes")
     (directory / "orchid.yaml").write_text(yaml.safe_dump(routes))
-    running = ThreadedGateway(gateway_config(triton.address, routes_dir=directory))
-    running.start()
-    gw = running.server.gateway
-    assert gw is not None
-    gw.update_ladders = lambda now: None  # type: ignore[method-assign]  # the test pins the step
-    try:
-        yield running
-    finally:
-        running.stop()
+    yield from pinned_gateway(gateway_config(triton.address, routes_dir=directory))
 
 
 def compact_inferences(triton: LocalTriton) -> int:
