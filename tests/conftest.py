@@ -11,6 +11,7 @@ tests can drive it with unmodified synchronous ``tritonclient`` as well as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import threading
 import time
@@ -147,21 +148,28 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
         server.stop()
 
 
-@pytest.fixture
-def triton_real_time(tmp_path: Path) -> Iterator[LocalTriton]:
-    """A Triton of the test's own at time factor 1 (request times as the benchmarks see them:
-    the emulator's per-call overhead small beside them), full-v18 and compact-v11 only
-    (faster to start)."""
-    repository = tmp_path / "repo" / "model_repository"
+@contextlib.contextmanager
+def own_triton(directory: Path, *, time_factor: float) -> Iterator[LocalTriton]:
+    """A Triton of a test's own at ``time_factor``: full-v18 and compact-v11 only (faster to
+    start), beside the session's."""
+    repository = directory / "repo" / "model_repository"
     for model in ("full-v18", "compact-v11"):
         shutil.copytree(MODEL_REPOSITORY / model, repository / model)
-    shutil.copytree(MODEL_REPOSITORY.parent / "emulator", tmp_path / "repo" / "emulator")
-    server = LocalTriton(repository, tmp_path / "triton", time_factor=1.0)
+    shutil.copytree(MODEL_REPOSITORY.parent / "emulator", directory / "repo" / "emulator")
+    server = LocalTriton(repository, directory / "triton", time_factor=time_factor)
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def triton_real_time(tmp_path: Path) -> Iterator[LocalTriton]:
+    """A Triton of the test's own at time factor 1 (request times as the benchmarks see them:
+    the emulator's per-call overhead small beside them)."""
+    with own_triton(tmp_path, time_factor=1.0) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
