@@ -152,6 +152,12 @@ class FleetBackend(_Strict):
     shared_devices: bool = False
     max_inflight_per_device: int = Field(default=2, ge=1)
     time_factor: float = Field(default=1.0, gt=0)
+    call_overhead_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="wall ms per execution beyond the profile (a measured server's or emulator's "
+        "own per-call cost), unscaled",
+    )
     device_memory_gib: float | None = Field(default=None, gt=0, description="default: the gateway's (80)")
     runtime_reserve_gib: float | None = Field(default=None, ge=0, description="default: the gateway's (6)")
     models: dict[str, FleetModel] = Field(min_length=1)
@@ -911,6 +917,7 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
             prepared.models[spec.name],
             devices=spec.devices if spec.shared_devices else None,
             time_factor=spec.time_factor,
+            call_overhead_ms=spec.call_overhead_ms,
             on_execution=executed,
             submitted=submitted,
             callers=callers,

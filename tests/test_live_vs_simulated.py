@@ -14,6 +14,18 @@ the order of the emulator's own per-call overhead, which the estimator learns as
 the simulator (whose devices take exactly their profile time) does not have; even at 0.5 that
 bias degraded about 8 % more of the surge live than simulated.
 
+The simulated fleet is calibrated on that Triton: before the run, the test times a few short
+requests straight at it and gives the simulator's devices the measured per-call overhead
+beyond the profile (``call_overhead_ms``; about 3.6 ms on a quiet 2-core machine, more on a
+busy one). Uncalibrated, the live estimator learns that overhead as work (short requests
+priced about 6 % up) and the simulator's does not; the plan diverts a flow's *excess*, a
+small difference of two large rates, so a few percent of price became 4-11 % more of the
+surge degraded live than simulated, growing with the machine's load. One measurement does not
+pin the overhead down (it moves with the machine's load during the run), and the simulated
+counts are sensitive to it: 4.41 against 4.46 ms moved a flow's degraded count by 7 of 266.
+So the schedule is simulated on the measured overhead and on 0.8, 0.9, 1.1 and 1.2 times it,
+and the live counts are held to that band widened by the tolerances below.
+
 Agreement, per class (the gateway's unit of decision: one tenant's requests of one request
 class on one model, a flow of the overload plan): admitted, degraded and refused counts within
 10 % of the class's requests of each other; for the timing-free arrival classes, the identical
@@ -32,16 +44,20 @@ that split, tight enough to catch a class the live gateway treats differently.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import textwrap
 import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.local import LocalTriton
+from gateway.config import load_routes
 from orchid_tools import simulate
 from tests.conftest import (
     LUMEN_KEY,
@@ -58,6 +74,7 @@ KEYS = {"orchid": ORCHID_KEY, "lumen": LUMEN_KEY}
 TOLERANCE = 0.10  # of a flow's requests
 SPLIT_TOLERANCE = 0.20  # of an arrival class's requests (see the module docstring)
 TIMING_FREE = ("lumen-compact", "orchid-impossible")
+OVERHEAD_BAND = (0.8, 0.9, 1.1, 1.2)  # factors on the measured overhead (see the module docstring)
 
 
 SCENARIO = f"""
@@ -72,6 +89,7 @@ fleet:
     devices: 4
     max_inflight_per_device: 2
     time_factor: {TIME_FACTOR}
+    call_overhead_ms: {{overhead_ms}}
     models:
       full-v18: {{instances: 4}}
       compact-v11: {{instances: 2}}
@@ -93,11 +111,14 @@ phases:
 """
 
 
-def simulated(tmp_path: Path) -> tuple[list[str], list[simulate.Arrival], list[str], dict[str, str]]:
+def simulated(
+    tmp_path: Path, overhead_ms: float
+) -> tuple[list[str], list[simulate.Arrival], list[str], dict[str, str]]:
     """The arrival classes, the schedule, each arrival's simulated decision, and each arrival
-    class's flow (tenant / request class / model)."""
+    class's flow (tenant / request class / model), on devices with ``overhead_ms`` per call."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "agreement.yaml"
-    path.write_text(textwrap.dedent(SCENARIO))
+    path.write_text(textwrap.dedent(SCENARIO).replace("{overhead_ms}", f"{overhead_ms:.3f}"))
     scenario, source = simulate.load_scenario(path)
     prepared = simulate.prepare(scenario, source)
     arrivals = simulate.schedule(prepared, scenario.seed)
@@ -164,9 +185,35 @@ async def drive(
     return results
 
 
+def call_overhead_ms(triton: LocalTriton) -> float:
+    """The Triton's wall time per short full-v18 call beyond the profile's price: the median of
+    ten sequential calls after two warm-ups (an instance's first execute is slow)."""
+    routes = load_routes(ROOT / "routes")
+    price_ms = routes.profiles[routes.models["full-v18"].profile].accelerator_ms(256, 64) * TIME_FACTOR
+    tokens = grpcclient.InferInput("INPUT_IDS", [1, 256], "INT32")
+    tokens.set_data_from_numpy(np.arange(256, dtype=np.int32)[None, :])
+    client = grpcclient.InferenceServerClient(triton.address)
+    try:
+        times = []
+        for _ in range(12):
+            sent = time.monotonic()
+            client.infer("full-v18", [tokens], parameters={"max_output_tokens": 64})
+            times.append((time.monotonic() - sent) * 1000.0)
+    finally:
+        client.close()
+    return max(0.0, statistics.median(times[2:]) - price_ms)
+
+
 @pytest.mark.slow
 def test_live_and_simulated_decisions_agree(triton_real_time: LocalTriton, tmp_path: Path) -> None:
-    names, arrivals, sim, flows = simulated(tmp_path)
+    overhead_ms = call_overhead_ms(triton_real_time)
+    print(f"\nmeasured per-call overhead: {overhead_ms:.2f} ms")
+    names, arrivals, sim, flows = simulated(tmp_path, overhead_ms)
+    # The simulator's sensitivity to what one measurement cannot pin down: the same schedule on
+    # devices with the overhead 20 % either way (the band the live counts are held to).
+    band = [sim] + [
+        simulated(tmp_path / f"overhead-{factor}", overhead_ms * factor)[2] for factor in OVERHEAD_BAND
+    ]
     config = gateway_config(triton_real_time.address)
     backends = tuple(b.model_copy(update={"time_scale": TIME_FACTOR}) for b in config.backends)
     running = ThreadedGateway(config.model_copy(update={"backends": backends}))
@@ -176,8 +223,20 @@ def test_live_and_simulated_decisions_agree(triton_real_time: LocalTriton, tmp_p
     finally:
         running.stop()
 
-    def counts(indices: list[int]) -> tuple[int, dict[str, int], dict[str, int]]:
-        return len(indices), dict(Counter(sim[i] for i in indices)), dict(Counter(live[i] for i in indices))
+    def counts(indices: list[int]) -> tuple[int, dict[str, tuple[int, int]], dict[str, int]]:
+        """Requests; per decision the simulated band (fewest, most); the live count."""
+        simulated_counts = [Counter(run[i] for i in indices) for run in band]
+        kinds = ("admitted", "degraded", "refused")
+        ranges = {
+            k: (min(c[k] for c in simulated_counts), max(c[k] for c in simulated_counts)) for k in kinds
+        }
+        return len(indices), ranges, dict(Counter(live[i] for i in indices))
+
+    def agrees(total: int, ranges: dict[str, tuple[int, int]], got: dict[str, int], tolerance: float) -> bool:
+        return all(
+            low - tolerance * total <= got.get(kind, 0) <= high + tolerance * total
+            for kind, (low, high) in ranges.items()
+        )
 
     per_class = {
         name: counts([i for i, a in enumerate(arrivals) if a.klass == k]) for k, name in enumerate(names)
@@ -186,16 +245,16 @@ def test_live_and_simulated_decisions_agree(triton_real_time: LocalTriton, tmp_p
         flow: counts([i for i, a in enumerate(arrivals) if flows[names[a.klass]] == flow])
         for flow in dict.fromkeys(flows.values())
     }
-    print("\nper flow: requests, simulated, live:", *(f"  {n}: {r}" for n, r in per_flow.items()), sep="\n")
+    print("\nper flow: requests, simulated (fewest, most), live:")
+    print(*(f"  {n}: {r}" for n, r in per_flow.items()), sep="\n")
     print("per arrival class:", *(f"  {n}: {r}" for n, r in per_class.items()), sep="\n")
     assert len(per_flow) < len(per_class)  # the scenario has a flow of two arrival classes
-    for name, (total, s, v) in per_flow.items():
-        for kind in ("admitted", "degraded", "refused"):
-            assert abs(s.get(kind, 0) - v.get(kind, 0)) <= TOLERANCE * total, (name, kind, per_flow)
+    for name, (total, ranges, got) in per_flow.items():
+        assert agrees(total, ranges, got, TOLERANCE), (name, per_flow)
     for k, name in enumerate(names):
-        total, s, v = per_class[name]
-        for kind in ("admitted", "degraded", "refused"):
-            assert abs(s.get(kind, 0) - v.get(kind, 0)) <= SPLIT_TOLERANCE * total, (name, kind, per_class)
+        total, ranges, got = per_class[name]
+        assert agrees(total, ranges, got, SPLIT_TOLERANCE), (name, per_class)
         if name in TIMING_FREE:
             indices = [i for i, a in enumerate(arrivals) if a.klass == k]
-            assert [sim[i] for i in indices] == [live[i] for i in indices], (name, per_class)
+            live_decisions = [live[i] for i in indices]
+            assert all([run[i] for i in indices] == live_decisions for run in band), (name, per_class)

@@ -73,6 +73,14 @@ async def test_time_factor_scales_device_time() -> None:
 
 
 @virtual_time
+async def test_call_overhead_adds_a_fixed_unscaled_time_per_execution() -> None:
+    backend = MemoryBackend("a", [full()], time_factor=0.5, call_overhead_ms=3.5)
+    assert await timed(backend, request(256, 64)) == pytest.approx(28.4 + 3.5)
+    with pytest.raises(ValueError, match="call_overhead_ms"):
+        MemoryBackend("a", [full()], call_overhead_ms=-1.0)
+
+
+@virtual_time
 async def test_waiting_requests_are_batched_and_padded_to_the_longest() -> None:
     executions: list[Execution] = []
     backend = MemoryBackend("a", [full()], on_execution=executions.append)

@@ -25,7 +25,10 @@ Theory of operation (the emulator's rules, per model):
   (padded prefill), then decode steps in lockstep: member ``i`` is done after
   ``decode_ms_per_token x its output tokens``; the batch holds the device until its
   last member is done, and every member's response leaves then (synchronized
-  completion). A batch of one costs the seed's per-request price.
+  completion). A batch of one costs the seed's per-request price. ``call_overhead_ms``
+  (default 0) adds a fixed wall time per execution beyond the profile: what a real
+  server or the capacity emulator measurably spends per call (a simulation calibrated
+  on a measured backend).
 * **Cancellation.** A request cancelled while queued leaves the queue; one
   cancelled while its batch runs stops decoding at once (prefill cannot be
   interrupted), which frees the device early when it was the longest member.
@@ -219,12 +222,16 @@ class MemoryBackend:
         *,
         devices: int | None = None,
         time_factor: float = 1.0,
+        call_overhead_ms: float = 0.0,
         on_execution: Callable[[Execution], None] | None = None,
     ) -> None:
         if time_factor < 0:
             raise ValueError(f"time_factor must be >= 0, got {time_factor}")
+        if not call_overhead_ms >= 0:
+            raise ValueError(f"call_overhead_ms must be >= 0, got {call_overhead_ms}")
         self.name = name
         self.time_factor = time_factor
+        self.call_overhead_ms = call_overhead_ms
         self.on_execution = on_execution
         self.shared_devices = devices is not None
         shared = _Devices(devices) if devices is not None else None
@@ -581,7 +588,11 @@ class MemoryBackend:
         rows = sum(w.rows for w in batch.members)
         longest = max(w.input_tokens for w in batch.members)
         batch.started = now
-        batch.prefill_end = now + (profile.fixed_ms + profile.prefill_ms_per_token * rows * longest) * scale
+        batch.prefill_end = (
+            now
+            + (profile.fixed_ms + profile.prefill_ms_per_token * rows * longest) * scale
+            + self.call_overhead_ms / 1000.0
+        )
         for work in batch.members:
             decode = profile.decode_ms_per_token * work.output_tokens * scale
             work.decode_end = batch.prefill_end if work.cancelled else batch.prefill_end + decode
