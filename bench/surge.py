@@ -206,16 +206,15 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import grpc
 import numpy as np
@@ -227,13 +226,20 @@ from gateway.config import load_routes
 from gateway.core.overload import DEFAULT_WINDOW_S as DEMAND_WINDOW_S
 from gateway.core.profile import DemandProfile
 from orchid_tools.capacity import compute_worksheet, workload_from_data
+from orchid_tools.harness import (
+    GatewayProcess,
+    example_config,
+    example_settings,
+    scaled_classes,
+    send_open_loop,
+)
+from orchid_tools.simulate import PhaseWindow as Phase  # name, start_s, end_s, multiplier
 from orchid_tools.simulate import degradation  # "fallback,reduced_output" counts as fallback
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "orchid"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 STATS = "/inference.GRPCInferenceService/ModelStatistics"
-READY = "/inference.GRPCInferenceService/ServerReady"
 PRIMARY, FALLBACK = "full-v18", "compact-v11"
 DEMO_KEY = "orchid-demo-key-orchid"
 CLASSES = ("short", "long")
@@ -267,27 +273,7 @@ LADDER_LINE = re.compile(
 LATE_RULES = frozenset({"queue.latest_start"})
 
 
-class _Scheduled(Protocol):
-    @property
-    def t(self) -> float: ...
-
-
-ArrivalT = TypeVar("ArrivalT", bound=_Scheduled)
-
-
 # --------------------------------------------------------------------------- scenario
-
-
-@dataclass(frozen=True)
-class Phase:
-    name: str
-    start_s: float
-    end_s: float
-    multiplier: float
-
-    @property
-    def duration_s(self) -> float:
-        return self.end_s - self.start_s
 
 
 @dataclass(frozen=True)
@@ -584,92 +570,30 @@ def gateway_config(
     """The example gateway config with the local Triton as a `backends:` entry and the
     classes' time constants scaled by f."""
     f = scenario.time_factor
-    base = yaml.safe_load((EXAMPLES / "gateway.yaml").read_text())
-    classes = {
-        name: {key: (value * f if key.endswith("_ms") else value) for key, value in settings.items()}
-        for name, settings in base["classes"].items()
+    example = example_settings()
+    local = example["local_triton"]
+    backend = {
+        "name": "surge",
+        "address": triton_address,
+        "labels": local["labels"],
+        "devices": local["devices"],
+        "max_inflight_per_device": inflight or local["max_inflight_per_device"],
+        "shared_devices": shared_devices,
+        "time_scale": f,
     }
-    local = base["local_triton"]
-    config: dict[str, Any] = {
-        "listen": listen,
-        "tenants_file": str(EXAMPLES / "tenants.yaml"),
-        "routes_dir": str(REPO / "routes"),
-        "policies_dir": str(REPO / "policies"),
-        "backends": [
-            {
-                "name": "surge",
-                "address": triton_address,
-                "labels": local["labels"],
-                "devices": local["devices"],
-                "max_inflight_per_device": inflight or local["max_inflight_per_device"],
-                "shared_devices": shared_devices,
-                "time_scale": f,
-            }
-        ],
-        "classes": classes,
-        "default_class": base["default_class"],
-        "limits": {**base.get("limits", {}), "drain_timeout_s": 2, **(limits or {})},
-    }
+    config = example_config(
+        [backend],
+        without=("jobs",),
+        listen=listen,
+        classes=scaled_classes(f),
+        limits={**example.get("limits", {}), "drain_timeout_s": 2, **(limits or {})},
+    )
     if ladder:
         config["ladder"] = ladder
     return config
 
 
 # --------------------------------------------------------------------------- processes
-
-
-class GatewayProcess:
-    """``python -m orchid_tools serve`` in its own process (its own core, its own GIL)."""
-
-    def __init__(self, config_path: Path, listen: str, log_path: Path, pythonpath: str | None) -> None:
-        self.config_path = config_path
-        self.listen = listen
-        self.log_path = log_path
-        self.pythonpath = pythonpath
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        env = dict(os.environ)
-        if self.pythonpath:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
-        args = [sys.executable, "-m", "orchid_tools", "serve", "--config", str(self.config_path)]
-        args += ["--listen", self.listen, "--log-level", "WARNING"]
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-            )
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.listen) as channel:
-            ready = channel.unary_unary(
-                READY,
-                request_serializer=service_pb2.ServerReadyRequest.SerializeToString,
-                response_deserializer=service_pb2.ServerReadyResponse.FromString,
-            )
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log_tail()}")
-                with contextlib.suppress(grpc.RpcError):
-                    if ready(service_pb2.ServerReadyRequest(), timeout=1.0).ready:
-                        return
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"gateway not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return "(no log)"
-
-    def stop(self) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
 
 
 # --------------------------------------------------------------------------- client
@@ -740,37 +664,6 @@ def classify_error(error: grpc.aio.AioRpcError) -> tuple[str, str, str]:
         if key == "orchid-rule":
             rule = value if isinstance(value, str) else value.decode()
     return error.code().name, rule, (error.details() or "")[:80]
-
-
-async def send_open_loop(
-    arrivals: Sequence[ArrivalT],
-    one: Callable[[ArrivalT], Coroutine[Any, Any, None]],
-    hooks: Sequence[tuple[float, Callable[[], Awaitable[None]]]],
-    t0: float,
-    lags: list[float],
-) -> None:
-    """Open loop: start ``one(arrival)`` at each arrival's scheduled time (``t0 + arrival.t``,
-    loop time) whatever is still outstanding, run each hook at its time, and wait for all.
-    The send lag (actual minus scheduled, ms) of every arrival goes into ``lags``."""
-    loop = asyncio.get_running_loop()
-
-    async def hook_at(t: float, fn: Callable[[], Awaitable[None]]) -> None:
-        await asyncio.sleep(max(0.0, t0 + t - loop.time()))
-        await fn()
-
-    hook_tasks = [loop.create_task(hook_at(t, fn)) for t, fn in hooks]
-    tasks: set[asyncio.Task[None]] = set()
-    for arrival in arrivals:
-        delay = t0 + arrival.t - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        lags.append((loop.time() - t0 - arrival.t) * 1000.0)
-        task = loop.create_task(one(arrival))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.wait(tasks)
-    await asyncio.gather(*hook_tasks)
 
 
 async def drive(
@@ -924,7 +817,6 @@ async def run_target(target: str, opts: Options, run: str | None = None) -> RunR
         await warm_instances(triton.address, scenario, scenario.fleet if opts.shared_devices else 2)
         if target.startswith("gateway"):
             listen = f"127.0.0.1:{opts.base_port + 8}"
-            config_path = work / "gateway.yaml"
             config = gateway_config(
                 scenario,
                 triton.address,
@@ -934,8 +826,7 @@ async def run_target(target: str, opts: Options, run: str | None = None) -> RunR
                 shared_devices=opts.shared_devices,
                 limits=opts.gateway_limits,
             )
-            config_path.write_text(yaml.safe_dump(config))
-            gateway = GatewayProcess(config_path, listen, work / "gateway.log", opts.gateway_pythonpath)
+            gateway = GatewayProcess(config, work, listen=listen, pythonpath=opts.gateway_pythonpath)
             await asyncio.to_thread(gateway.start)
             address = listen
         payloads = {cls: build_request(cls, target=target, scenario=scenario) for cls in CLASSES}

@@ -1,0 +1,263 @@
+"""The live harness shared by ``bench/`` and ``tests/``: one way to run the gateway as its own
+process in front of Triton(s) a test or benchmark started, and one open-loop sender.
+
+It owns:
+
+* :func:`example_config`: the example stack's ``gateway.yaml`` minus ``local_triton`` (the
+  caller starts its own Tritons), every relative ``*_file`` / ``*_dir`` path made absolute (the
+  config is written elsewhere), with the caller's ``backends`` and overrides.
+* :class:`GatewayProcess`: ``orchid-gateway serve --config`` (``python -m orchid_tools``) on such
+  a config, in its own session (its own GIL, its CPU measurable apart from the load
+  generator's, and ``kill -9`` takes all of it), output to a log file, ready when
+  ``ServerReady`` says so (a bounded wait), stopped with SIGTERM then SIGKILL; a context
+  manager.
+* :func:`send_open_loop`: start one coroutine per arrival at its scheduled time whatever is
+  still outstanding (an open loop), run hooks at their times, and wait for all.
+
+The scenario, phase and arrival models of a simulated run are :mod:`orchid_tools.simulate`'s.
+The runtime never imports this module (import-linter: ``gateway`` does not import
+``orchid_tools``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
+
+import grpc
+import yaml
+from tritonclient.grpc import service_pb2
+
+from gateway.backends.local import free_port, stop_process_group
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples" / "orchid"
+EXAMPLE_CONFIG = EXAMPLES / "gateway.yaml"
+READY = "/inference.GRPCInferenceService/ServerReady"
+
+
+def example_settings() -> dict[str, Any]:
+    """``examples/orchid/gateway.yaml`` as written (its paths relative to it)."""
+    settings: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    return settings
+
+
+def scaled_classes(time_factor: float) -> dict[str, Any]:
+    """The example's classes with every ``*_ms`` constant times ``time_factor`` (the
+    emulator's: the seed's world with time stretched by f)."""
+    return {
+        name: {key: (v * time_factor if key.endswith("_ms") else v) for key, v in settings.items()}
+        for name, settings in example_settings()["classes"].items()
+    }
+
+
+def example_config(
+    backends: Iterable[Mapping[str, Any]] | None = None,
+    *,
+    without: Iterable[str] = (),
+    **overrides: Any,
+) -> dict[str, Any]:
+    """The example stack's gateway config for a gateway in front of Tritons of the caller's:
+    every key of ``examples/orchid/gateway.yaml`` but ``local_triton``, ``listen`` (a
+    :class:`GatewayProcess` takes a free port unless told) and ``without``, its
+    relative ``*_file`` / ``*_dir`` paths made absolute (tenants, routes and policies are the
+    repository's own wherever the config is written), then ``backends`` and ``overrides``."""
+    base = example_settings()
+    skip = {"local_triton", "listen", *without}
+    config: dict[str, Any] = {}
+    for key, value in base.items():
+        if key in skip:
+            continue
+        if (key.endswith("_file") or key.endswith("_dir")) and isinstance(value, str):
+            value = str((EXAMPLES / value).resolve())
+        config[key] = value
+    if backends is not None:
+        config["backends"] = [dict(backend) for backend in backends]
+    config.update(overrides)
+    return config
+
+
+class GatewayProcess:
+    """``python -m orchid_tools serve --config`` in its own process and session.
+
+    ``config`` is a config (written to ``<workdir>/<name>.yaml``) or the path of one; the
+    address is ``listen``, else the config's ``listen``, else a free port, and is passed as
+    ``--listen``. ``command`` replaces ``python -m orchid_tools`` (a diagnostic variant of the
+    gateway); ``log_level`` None leaves the gateway's default; ``env`` is added to this
+    process's environment (the repository and ``pythonpath`` go first on ``PYTHONPATH``). The
+    log is ``<workdir>/<name>.log``, appended to across restarts."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any] | Path,
+        workdir: Path,
+        *,
+        name: str = "gateway",
+        listen: str | None = None,
+        command: Sequence[str] | None = None,
+        log_level: str | None = "WARNING",
+        env: Mapping[str, str] | None = None,
+        pythonpath: str | None = None,
+        ready_timeout_s: float = 60.0,
+        stop_timeout_s: float = 15.0,
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        if isinstance(config, Path):
+            self.config_path = config
+            written = yaml.safe_load(config.read_text()) or {}
+            self.listen = listen or str(written.get("listen") or f"127.0.0.1:{free_port()}")
+        else:
+            self.listen = listen or str(config.get("listen") or f"127.0.0.1:{free_port()}")
+            self.config_path = workdir / f"{name}.yaml"
+            self.config_path.write_text(yaml.safe_dump({**config, "listen": self.listen}))
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+        self.command = list(command) if command is not None else [sys.executable, "-m", "orchid_tools"]
+        self.log_level = log_level
+        self.env = dict(env or {})
+        self.pythonpath = pythonpath
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return self.listen
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rsplit(":", 1)[1])
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.name} not started"
+        return self.process.pid
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout_s: float | None = None) -> None:
+        """Start the process and wait (at most ``timeout_s``, default the constructor's) until
+        ``ServerReady`` answers ready; on failure stop it and raise ``RuntimeError`` with the
+        log's tail."""
+        env = {**os.environ, **self.env}
+        paths = (self.pythonpath, str(REPO), env.get("PYTHONPATH"))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        args = [*self.command, "serve", "--config", str(self.config_path), "--listen", self.listen]
+        if self.log_level is not None:
+            args += ["--log-level", self.log_level]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        self.wait_ready(self.ready_timeout_s if timeout_s is None else timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        process = self.process
+        assert process is not None
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.listen) as channel:
+            ready = channel.unary_unary(
+                READY,
+                request_serializer=service_pb2.ServerReadyRequest.SerializeToString,
+                response_deserializer=service_pb2.ServerReadyResponse.FromString,
+            )
+            while True:
+                if process.poll() is not None:
+                    self.process = None
+                    raise RuntimeError(f"{self.name} exited with {process.returncode}:\n{self.log_tail()}")
+                with contextlib.suppress(grpc.RpcError):
+                    if ready(service_pb2.ServerReadyRequest(), timeout=1.0).ready:
+                        return
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+                time.sleep(0.2)  # polling a condition (readiness), with a bound
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "(no log)"
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM (the gateway drains), SIGKILL after ``timeout_s`` (default the
+        constructor's), then SIGKILL whatever is left in its session."""
+        process, self.process = self.process, None
+        if process is not None:
+            stop_process_group(process, self.stop_timeout_s if timeout_s is None else timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL the whole session at once (a crash, not a stop)."""
+        process, self.process = self.process, None
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+    def __enter__(self) -> GatewayProcess:
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class Scheduled(Protocol):
+    @property
+    def t(self) -> float: ...
+
+
+ArrivalT = TypeVar("ArrivalT", bound=Scheduled)
+
+
+async def send_open_loop(
+    arrivals: Iterable[ArrivalT],
+    one: Callable[[ArrivalT], Coroutine[Any, Any, None]],
+    hooks: Sequence[tuple[float, Callable[[], Awaitable[None]]]] = (),
+    t0: float | None = None,
+    lags: list[float] | None = None,
+) -> None:
+    """Open loop: start ``one(arrival)`` at each arrival's scheduled time (``t0 + arrival.t``,
+    loop time; ``arrivals`` in order of ``t``; ``t0`` default now) whatever is still
+    outstanding, run each hook at its time, and wait for all. The send lag (actual minus
+    scheduled, ms) of every arrival goes into ``lags``."""
+    loop = asyncio.get_running_loop()
+    start = loop.time() if t0 is None else t0
+
+    async def hook_at(t: float, fn: Callable[[], Awaitable[None]]) -> None:
+        await asyncio.sleep(max(0.0, start + t - loop.time()))  # the hook's place in the schedule
+        await fn()
+
+    hook_tasks = [loop.create_task(hook_at(t, fn)) for t, fn in hooks]
+    tasks: set[asyncio.Task[None]] = set()
+    for arrival in arrivals:
+        delay = start + arrival.t - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the open-loop schedule, not synchronisation
+        if lags is not None:
+            lags.append((loop.time() - start - arrival.t) * 1000.0)
+        task = loop.create_task(one(arrival))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks)
+    await asyncio.gather(*hook_tasks)
