@@ -147,7 +147,6 @@ from surge import (
     REPO,
     SEED_DEADLINE_MS,
     SHAPES,
-    GatewayProcess,
     Outcome,
     StatsSnapshot,
     classify_error,
@@ -157,12 +156,18 @@ from surge import (
     kind,
     parse_ladder,
     reason,
-    send_open_loop,
     step_at,
 )
 
 from gateway.backends.local import LocalTriton
 from gateway.config import load_routes
+from orchid_tools.harness import (
+    GatewayProcess,
+    example_config,
+    example_settings,
+    scaled_classes,
+    send_open_loop,
+)
 from orchid_tools.simulate import degradation  # "fallback,reduced_output" counts as fallback
 
 SHAPE = "short"  # bench/surge.py's SHAPES key: 256 input / 64 output tokens
@@ -341,30 +346,23 @@ def gateway_config(scenario: Scenario, triton_address: str, listen: str) -> dict
     policies, the local Triton as a ``backends:`` entry (time_scale f) and the classes' time
     constants scaled by f (as bench/surge.py builds it)."""
     f = scenario.time_factor
-    base = yaml.safe_load((EXAMPLES / "gateway.yaml").read_text())
-    local = base["local_triton"]
-    return {
-        "listen": listen,
-        "tenants_file": str(EXAMPLES / "tenants.yaml"),
-        "routes_dir": str(REPO / "routes"),
-        "policies_dir": str(REPO / "policies"),
-        "backends": [
-            {
-                "name": "noisy",
-                "address": triton_address,
-                "labels": local["labels"],
-                "devices": local["devices"],
-                "max_inflight_per_device": local["max_inflight_per_device"],
-                "time_scale": f,
-            }
-        ],
-        "classes": {
-            name: {key: (value * f if key.endswith("_ms") else value) for key, value in settings.items()}
-            for name, settings in base["classes"].items()
-        },
-        "default_class": base["default_class"],
-        "limits": {**base.get("limits", {}), "drain_timeout_s": 2},
+    example = example_settings()
+    local = example["local_triton"]
+    backend = {
+        "name": "noisy",
+        "address": triton_address,
+        "labels": local["labels"],
+        "devices": local["devices"],
+        "max_inflight_per_device": local["max_inflight_per_device"],
+        "time_scale": f,
     }
+    return example_config(
+        [backend],
+        without=("jobs",),
+        listen=listen,
+        classes=scaled_classes(f),
+        limits={**example.get("limits", {}), "drain_timeout_s": 2},
+    )
 
 
 def instance_counts(repository: Path) -> dict[str, int]:
@@ -509,10 +507,7 @@ async def run_target(target: str, opts: Options) -> RunResult:
         address = triton.address
         if target == "gateway":
             listen = f"127.0.0.1:{opts.base_port + GATEWAY_PORT_OFFSET}"
-            config_path = work / "gateway.yaml"
-            config = gateway_config(scenario, triton.address, listen)
-            config_path.write_text(yaml.safe_dump(config))
-            gateway = GatewayProcess(config_path, listen, work / "gateway.log", None)
+            gateway = GatewayProcess(gateway_config(scenario, triton.address, listen), work, listen=listen)
             STARTED.append(gateway)
             await asyncio.to_thread(gateway.start)
             address = listen

@@ -33,10 +33,7 @@ import contextlib
 import json
 import os
 import random
-import signal
-import socket
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +43,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-import yaml
 from tritonclient.grpc import service_pb2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,10 +50,10 @@ sys.path.insert(0, str(REPO))
 
 from gateway._proto import admin_pb2, jobs_pb2  # noqa: E402
 from gateway.backends.local import LocalTriton  # noqa: E402
+from orchid_tools.harness import GatewayProcess, example_config, example_settings  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "orchid"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
-READY = "/inference.GRPCInferenceService/ServerReady"
 JOBS = "/orchid.jobs.v1.Operations/"
 LADDER = "/orchid.admin.v1.GatewayAdmin/LadderStatus"
 ORCHID = (("authorization", "Bearer orchid-demo-key-orchid"),)
@@ -66,12 +62,6 @@ PROTECTED_MS_PER_S = 4 * 0.70 * 1000.0
 REQUEST_MS = 56.8  # full-v18 at 256 input / 64 output tokens (profile ms)
 DEADLINE_S = 0.200
 POOL = "local/full-v18"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def interactive_request() -> bytes:
@@ -97,63 +87,20 @@ def batch_jsonl(n: int, tag: str) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-class Gateway:
-    def __init__(self, work: Path, triton_address: str, time_factor: float) -> None:
-        self.state = work / "jobs"
-        self.listen = f"127.0.0.1:{free_port()}"
-        base = yaml.safe_load((EXAMPLE / "gateway.yaml").read_text())
-        local = base.pop("local_triton")
-        for key in ("rollouts_dir",):  # other paths the example names, relative to it
-            if key in base:
-                base[key] = str((EXAMPLE / base[key]).resolve())
-        base.update(
-            tenants_file=str(EXAMPLE / "tenants.yaml"),
-            routes_dir=str(REPO / "routes"),
-            policies_dir=str(REPO / "policies"),
-            backends=[
-                {
-                    "name": "local",
-                    "address": triton_address,
-                    "labels": local["labels"],
-                    "devices": local["devices"],
-                    "max_inflight_per_device": local["max_inflight_per_device"],
-                    "time_scale": time_factor,
-                }
-            ],
-            jobs={"state_dir": str(self.state), "poll_s": 0.01},
-        )
-        self.config = work / "gateway.yaml"
-        self.config.write_text(yaml.safe_dump(base))
-        self.log = work / "gateway.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        args = [sys.executable, "-m", "orchid_tools", "serve", "--config", str(self.config)]
-        args += ["--listen", self.listen, "--log-level", "WARNING"]
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-        with grpc.insecure_channel(self.listen) as channel:
-            ready = channel.unary_unary(
-                READY,
-                request_serializer=service_pb2.ServerReadyRequest.SerializeToString,
-                response_deserializer=service_pb2.ServerReadyResponse.FromString,
-            )
-            for _ in range(60):
-                assert self.process.poll() is None, self.log.read_text()[-2000:]
-                with contextlib.suppress(grpc.RpcError):
-                    if ready(service_pb2.ServerReadyRequest(), timeout=1.0, wait_for_ready=True).ready:
-                        return
-        raise RuntimeError(f"gateway not ready:\n{self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+def troughs_gateway(work: Path, triton_address: str, time_factor: float) -> GatewayProcess:
+    """``orchid-gateway serve`` with jobs (a fresh state directory, ``work/jobs``) in front of
+    the bench's Triton."""
+    local = example_settings()["local_triton"]
+    backend = {
+        "name": "local",
+        "address": triton_address,
+        "labels": local["labels"],
+        "devices": local["devices"],
+        "max_inflight_per_device": local["max_inflight_per_device"],
+        "time_scale": time_factor,
+    }
+    config = example_config([backend], jobs={"state_dir": str(work / "jobs"), "poll_s": 0.01})
+    return GatewayProcess(config, work, stop_timeout_s=30.0)
 
 
 @dataclass
@@ -312,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         triton = LocalTriton(EXAMPLE / "model_repository", work / "triton", time_factor=args.time_factor)
         (work / "triton").mkdir()
         triton.start()
-        gateway = Gateway(work, triton.address, args.time_factor)
+        gateway = troughs_gateway(work, triton.address, args.time_factor)
         try:
             gateway.start()
             steady = arrivals([(args.seconds, args.load)], args.seed)
@@ -324,13 +271,13 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(drive(gateway.listen, steady, alone, None))
             mixed = Run("interactive+batch", args.seconds)
             asyncio.run(drive(gateway.listen, steady, mixed, batch_jsonl(args.batch_items, "mixed")))
-            mixed_items = batch_items(gateway.state, mixed.batch_id)
+            mixed_items = batch_items(work / "jobs", mixed.batch_id)
             cancel(gateway.listen, mixed.batch_id)  # the surge run starts with its own batch
             wait_done(gateway.listen, mixed.batch_id)
             surged = Run("surge", args.seconds)
             asyncio.run(drive(gateway.listen, surge, surged, batch_jsonl(args.batch_items, "surge")))
             final = wait_done(gateway.listen, surged.batch_id)
-            surge_items = batch_items(gateway.state, surged.batch_id)
+            surge_items = batch_items(work / "jobs", surged.batch_id)
         finally:
             gateway.stop()
             triton.stop()

@@ -89,8 +89,8 @@ class GatewayProcess:
     """``python -m orchid_tools serve --config`` in its own process and session.
 
     ``config`` is a config (written to ``<workdir>/<name>.yaml``) or the path of one; the
-    address is ``listen``, else the config's ``listen``, else a free port, and is passed as
-    ``--listen``. ``command`` replaces ``python -m orchid_tools`` (a diagnostic variant of the
+    address is ``listen``, else a free port (passed as ``--listen``: the config's is not
+    used). ``command`` replaces ``python -m orchid_tools`` (a diagnostic variant of the
     gateway); ``log_level`` None leaves the gateway's default; ``env`` is added to this
     process's environment (the repository and ``pythonpath`` go first on ``PYTHONPATH``). The
     log is ``<workdir>/<name>.log``, appended to across restarts."""
@@ -110,12 +110,10 @@ class GatewayProcess:
         stop_timeout_s: float = 15.0,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
+        self.listen = listen or f"127.0.0.1:{free_port()}"
         if isinstance(config, Path):
             self.config_path = config
-            written = yaml.safe_load(config.read_text()) or {}
-            self.listen = listen or str(written.get("listen") or f"127.0.0.1:{free_port()}")
         else:
-            self.listen = listen or str(config.get("listen") or f"127.0.0.1:{free_port()}")
             self.config_path = workdir / f"{name}.yaml"
             self.config_path.write_text(yaml.safe_dump({**config, "listen": self.listen}))
         self.name = name
@@ -177,7 +175,6 @@ class GatewayProcess:
             )
             while True:
                 if process.poll() is not None:
-                    self.process = None
                     raise RuntimeError(f"{self.name} exited with {process.returncode}:\n{self.log_tail()}")
                 with contextlib.suppress(grpc.RpcError):
                     if ready(service_pb2.ServerReadyRequest(), timeout=1.0).ready:
@@ -194,15 +191,15 @@ class GatewayProcess:
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM (the gateway drains), SIGKILL after ``timeout_s`` (default the
-        constructor's), then SIGKILL whatever is left in its session."""
-        process, self.process = self.process, None
-        if process is not None:
-            stop_process_group(process, self.stop_timeout_s if timeout_s is None else timeout_s)
+        constructor's), then SIGKILL whatever is left in its session. ``process`` stays (its
+        ``returncode``); stopping again does nothing."""
+        if self.process is not None:
+            stop_process_group(self.process, self.stop_timeout_s if timeout_s is None else timeout_s)
 
     def kill(self) -> None:
         """SIGKILL the whole session at once (a crash, not a stop)."""
-        process, self.process = self.process, None
-        if process is not None:
+        process = self.process
+        if process is not None and process.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
