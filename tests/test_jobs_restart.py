@@ -12,77 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
-import socket
 import sqlite3
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
-from tritonclient.grpc import service_pb2
 
 from gateway._proto import jobs_pb2, jobs_pb2_grpc
 from gateway.backends.local import LocalTriton
 from gateway.config import JobsConfig
 from gateway.jobs.store import DB_NAME
-from tests.conftest import ROOT, gateway_config
+from orchid_tools.harness import GatewayProcess
+from tests.conftest import gateway_config
 from tests.test_jobs import ORCHID, infer_request, jsonl
-
-READY = "/inference.GRPCInferenceService/ServerReady"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class GatewayProcess:
-    def __init__(self, config_path: Path, log_path: Path) -> None:
-        self.config_path = config_path
-        self.log_path = log_path
-        self.listen = f"127.0.0.1:{free_port()}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        args = [sys.executable, "-m", "orchid_tools", "serve", "--config", str(self.config_path)]
-        args += ["--listen", self.listen, "--log-level", "WARNING"]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-            )
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.listen) as channel:
-            ready = channel.unary_unary(
-                READY,
-                request_serializer=service_pb2.ServerReadyRequest.SerializeToString,
-                response_deserializer=service_pb2.ServerReadyResponse.FromString,
-            )
-            while time.monotonic() < deadline:
-                assert self.process.poll() is None, self.log_path.read_text(errors="replace")[-3000:]
-                with contextlib.suppress(grpc.RpcError):
-                    # wait_for_ready blocks until the port answers (bounded by the timeout)
-                    if ready(service_pb2.ServerReadyRequest(), timeout=2.0, wait_for_ready=True).ready:
-                        return
-        self.kill()
-        raise AssertionError(f"gateway not ready:\n{self.log_path.read_text(errors='replace')[-3000:]}")
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
-
-    def terminate(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=30)
 
 
 @pytest.fixture
@@ -95,8 +40,9 @@ def process_config(triton: LocalTriton, tmp_path: Path) -> Iterator[tuple[Path, 
 
 
 @contextlib.contextmanager
-def running(config: Path, log: Path) -> Iterator[GatewayProcess]:
-    gateway = GatewayProcess(config, log)
+def running(config: Path) -> Iterator[GatewayProcess]:
+    """The gateway on ``config`` (its log beside it, appended across restarts), killed at the end."""
+    gateway = GatewayProcess(config, config.parent)
     gateway.start()
     try:
         yield gateway
@@ -113,10 +59,10 @@ def wait_done(address: str, op_id: str) -> jobs_pb2.Operation:
 
 
 @pytest.mark.slow
-def test_submit_ack_survives_kill_9(process_config: tuple[Path, Path], tmp_path: Path) -> None:
+def test_submit_ack_survives_kill_9(process_config: tuple[Path, Path]) -> None:
     config, state = process_config
     ids = []
-    with running(config, tmp_path / "gateway.log") as gateway:
+    with running(config) as gateway:
         with grpc.insecure_channel(gateway.listen) as channel:
             stub = jobs_pb2_grpc.OperationsStub(channel)
             # Long-bucket jobs (4,096 tokens: ~23 ms of device time each at the session's time
@@ -132,7 +78,7 @@ def test_submit_ack_survives_kill_9(process_config: tuple[Path, Path], tmp_path:
     assert set(ids) <= set(stored)
     unfinished = [op_id for op_id in ids if stored[op_id] != "completed"]
     assert unfinished, "every job had finished before the kill: the test proves nothing"
-    with running(config, tmp_path / "gateway.log") as gateway:
+    with running(config) as gateway:
         for op_id in ids:
             done = wait_done(gateway.listen, op_id)
             assert done.status == "completed", (op_id, done.status, done.error)
@@ -141,14 +87,14 @@ def test_submit_ack_survives_kill_9(process_config: tuple[Path, Path], tmp_path:
 
 @pytest.mark.slow
 def test_batch_of_1000_killed_midway_completes_once(
-    process_config: tuple[Path, Path], tmp_path: Path
+    process_config: tuple[Path, Path],
 ) -> None:
     config, state = process_config
     n = 1000
     data = jsonl(n, prefix="row")
     before_kill: dict[str, str] = {}
     with (
-        running(config, tmp_path / "gateway.log") as gateway,
+        running(config) as gateway,
         grpc.insecure_channel(gateway.listen) as channel,
     ):
         stub = jobs_pb2_grpc.OperationsStub(channel)
@@ -167,7 +113,7 @@ def test_batch_of_1000_killed_midway_completes_once(
         ):
             before_kill[custom_id] = json.loads(prov)["orchid.request_id"]
     assert n // 3 <= len(before_kill) < n, "the kill did not land midway"
-    with running(config, tmp_path / "gateway.log") as gateway:
+    with running(config) as gateway:
         done = wait_done(gateway.listen, op.id)
         assert done.status == "completed", done.error
         with grpc.insecure_channel(gateway.listen) as channel:
@@ -184,7 +130,7 @@ def test_batch_of_1000_killed_midway_completes_once(
                 token = page.next_page_token
                 if not token:
                     break
-        gateway.terminate()
+        gateway.stop(timeout_s=30)
     assert manifest is not None
     assert (manifest["total"], manifest["completed"], manifest["failed"]) == (n, n, 0)
     custom_ids = [i.custom_id for i in items]
