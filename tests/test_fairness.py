@@ -14,6 +14,7 @@ from tritonclient.grpc import InferInput
 
 from gateway.backends.local import LocalTriton
 from gateway.core.overload import LadderConfig
+from gateway.pipeline import Settled, StageTimes
 from tests.conftest import LUMEN_KEY, ORCHID_KEY, ROOT, ThreadedGateway, bearer, gateway_config
 
 TOLERANCE = 0.20  # relative, on the 2 : 1 ratio; the machine is shared and noisy
@@ -96,9 +97,24 @@ def test_two_tenants_under_contention_get_their_weights(contended: ThreadedGatew
     assert done["orchid"] / done["lumen"] == pytest.approx(2.0, rel=TOLERANCE), (granted, done)
 
 
-def test_a_large_job_is_not_starved_by_another_tenants_flood(contended: ThreadedGateway) -> None:
-    """One large batch job from orchid while lumen floods the same pool with short requests:
-    the job's flow gets its turn (virtual-time fairness), well before its deadline."""
+def test_a_large_job_is_not_starved_by_another_tenants_flood(
+    contended: ThreadedGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One large batch job from orchid while lumen floods the same pool: the job's flow gets
+    its turn (virtual-time fairness) ahead of lumen's backlog, neither after it (FIFO) nor
+    after the flood (starvation): the gateway's own stage times of every request it ran say
+    which lumen requests were already waiting when the job arrived and were granted after it."""
+    core = contended.server.gateway
+    assert core is not None
+    ran: list[tuple[str, StageTimes]] = []  # (tenant, stages) of every request settled
+    original = core.listener.settled
+
+    def settled(done: Settled) -> None:
+        if done.stages is not None:
+            ran.append((done.record.identity.tenant, done.stages))
+        original(done)
+
+    monkeypatch.setattr(core.listener, "settled", settled)
 
     def queued(tenant: str) -> int:
         gw = contended.server.gateway
@@ -150,4 +166,16 @@ def test_a_large_job_is_not_starved_by_another_tenants_flood(contended: Threaded
 
     waited, flood_done = asyncio.run(scenario())
     assert flood_done > 0
-    assert waited < 20.0  # completed (not shed, not expired), while the flood went on
+    job = [stages for tenant, stages in ran if tenant == "orchid"]
+    assert len(job) == 1, job
+    arrived, granted = job[0].admitted_at, job[0].dispatched_at
+    lumen = [stages for tenant, stages in ran if tenant == "lumen"]
+    # Lumen requests waiting in the queue when the job arrived that the job went ahead of.
+    overtaken = [s for s in lumen if s.admitted_at < arrived and s.dispatched_at > granted]
+    # Lumen requests that arrived after the job and were granted before it.
+    overtook = [s for s in lumen if s.admitted_at > arrived and s.dispatched_at < granted]
+    print(
+        f"\njob waited {waited:.3f} s ({(granted - arrived) * 1000:.1f} ms in the queue); it went ahead "
+        f"of {len(overtaken)} lumen requests already waiting, {len(overtook)} later ones went ahead of it"
+    )
+    assert overtaken, "the job waited behind all of lumen's backlog (FIFO, or starved until the flood ended)"

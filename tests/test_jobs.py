@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway._proto import jobs_pb2, jobs_pb2_grpc
 from gateway.backends.local import LocalTriton
-from gateway.config import JobsConfig
+from gateway.config import JobsConfig, TelemetryConfig
 from gateway.core.overload import LadderState, LadderStep
 from gateway.jobs.store import DB_NAME
 from tests.conftest import OPS_KEY, ORCHID_KEY, ThreadedGateway, gateway_config
@@ -77,7 +77,14 @@ def jsonl(n: int, *, prefix: str = "item") -> bytes:
 @pytest.fixture(scope="module")
 def jobs_gateway(triton: LocalTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedGateway]:
     state = tmp_path_factory.mktemp("jobs") / "state"
-    running = ThreadedGateway(gateway_config(triton.address, jobs=JobsConfig(state_dir=state, poll_s=0.01)))
+    # Tenant labels on the metrics: a test reads what the gateway charged a tenant.
+    running = ThreadedGateway(
+        gateway_config(
+            triton.address,
+            jobs=JobsConfig(state_dir=state, poll_s=0.01),
+            telemetry=TelemetryConfig(tenant_labels=True),
+        )
+    )
     running.start()
     gw = running.server.gateway
     assert gw is not None
@@ -111,8 +118,22 @@ def set_step(running: ThreadedGateway, step: int) -> None:
 
 
 def test_submit_runs_through_the_request_path_and_get_returns_result(
-    stub: jobs_pb2_grpc.OperationsStub,
+    jobs_gateway: ThreadedGateway, stub: jobs_pb2_grpc.OperationsStub
 ) -> None:
+    registry = jobs_gateway.server.telemetry.metrics.registry
+
+    def settled() -> tuple[float, float]:
+        """The gateway's own count of settled batch-class full-v18 requests and of orchid's
+        charged accelerator-ms: the online path's settlement, read apart from the job's record."""
+        count = registry.get_sample_value(
+            "orchid_completion_seconds_count", {"request_class": "batch", "model": "full-v18"}
+        )
+        charged = registry.get_sample_value(
+            "orchid_charged_accelerator_ms_total", {"model": "full-v18", "tenant": "orchid"}
+        )
+        return count or 0.0, charged or 0.0
+
+    count_before, charged_before = settled()
     accepted = submit(stub)
     assert accepted.id.startswith("op-")
     assert accepted.kind == "async" and accepted.request_class == "batch"
@@ -123,11 +144,14 @@ def test_submit_runs_through_the_request_path_and_get_returns_result(
     got = stub.Get(jobs_pb2.GetRequest(id=accepted.id), metadata=ORCHID, timeout=10)
     response = service_pb2.ModelInferResponse.FromString(got.infer_response)
     assert response.outputs[0].name == "OUTPUT_IDS"
-    # Provenance and charge of the same path as online work, in the job's class.
+    # Provenance and charge of the same path as online work, in the job's class: the gateway
+    # settled one batch-class request, and charged orchid exactly what the job reports.
     assert got.provenance["orchid.model"] == "full-v18"
     assert got.provenance["orchid.policy_version"] == got.policy_version != ""
-    assert float(got.provenance["orchid.charged_accelerator_ms"]) == pytest.approx(got.charged_accelerator_ms)
+    count_after, charged_after = settled()
+    assert count_after - count_before == 1
     assert got.charged_accelerator_ms > 0
+    assert got.charged_accelerator_ms == pytest.approx(charged_after - charged_before, abs=1e-3)
     assert got.attempts == 0
 
 

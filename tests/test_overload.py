@@ -14,7 +14,6 @@ from pydantic import ValidationError
 from gateway.core.overload import (
     DEFAULT_LADDER,
     DEFAULT_SPANS_S,
-    EFFECTS,
     DemandReading,
     DemandWindow,
     DwellWindow,
@@ -612,7 +611,17 @@ def test_effects_are_cumulative_per_step() -> None:
         (False, True, True, True, True, False),
         (False, True, True, True, True, True),
     ]
-    assert [e.step for e in EFFECTS] == list(LadderStep)
+    # The steps are the seed's ladder, in its order, and effects(n) is step n's.
+    assert [(int(s), s.name) for s in LadderStep] == [
+        (0, "NORMAL"),
+        (1, "SHED_OPTIONAL"),
+        (2, "REDUCE_OUTPUT"),
+        (3, "FALLBACK"),
+        (4, "DEFER_BATCH"),
+        (5, "REJECT_INTERACTIVE"),
+        (6, "PROTECT_ADMITTED"),
+    ]
+    assert [effects(step).step for step in range(7)] == list(range(7))
     for bad in (-1, 7):
         with pytest.raises(ValueError):
             effects(bad)
