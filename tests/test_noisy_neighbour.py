@@ -24,32 +24,24 @@ What must hold, measured in the run:
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-import yaml
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.local import LocalTriton
 from gateway.config import load_routes
 from gateway.core.overload import LadderConfig
 from gateway.core.profile import DemandProfile
-from tests.conftest import EXAMPLE_CONFIG, LUMEN_KEY, ORCHID_KEY, ROOT, own_triton
+from orchid_tools.harness import GatewayProcess, example_config
+from tests.conftest import LUMEN_KEY, ORCHID_KEY, ROOT, own_triton
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
-READY = "/inference.GRPCInferenceService/ServerReady"
 INPUT_TOKENS, OUTPUT_TOKENS = 8192, 256
 DEVICES = 4
 BEFORE_S, FLOOD_S, AFTER_S = 1.0, 12.0, 2.0
@@ -64,12 +56,6 @@ def price_ms() -> float:
     return profile.accelerator_ms(INPUT_TOKENS, OUTPUT_TOKENS) * NOISY_TIME_FACTOR
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def triton_noisy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
     with own_triton(tmp_path_factory.mktemp("noisy-triton"), time_factor=NOISY_TIME_FACTOR) as server:
@@ -80,50 +66,17 @@ def triton_noisy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTrit
 def gateway_process(triton_noisy: LocalTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``orchid-gateway serve`` in front of the module's Triton, on the example's tenants,
     routes and policies."""
-    triton = triton_noisy
-    base = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    here = EXAMPLE_CONFIG.parent
-    port = free_port()
-    config = {
-        **{k: v for k, v in base.items() if k != "local_triton"},
-        "listen": f"127.0.0.1:{port}",
-        "tenants_file": str((here / base["tenants_file"]).resolve()),
-        "routes_dir": str((here / base["routes_dir"]).resolve()),
-        "policies_dir": str((here / base["policies_dir"]).resolve()),
-        "backends": [
-            {
-                "name": "local",
-                "address": triton.address,
-                "labels": {"cell": "eu-restricted", "device_group": "local-a"},
-                "devices": DEVICES,
-                "max_inflight_per_device": 2,
-                "time_scale": NOISY_TIME_FACTOR,
-            }
-        ],
+    backend = {
+        "name": "local",
+        "address": triton_noisy.address,
+        "labels": {"cell": "eu-restricted", "device_group": "local-a"},
+        "devices": DEVICES,
+        "max_inflight_per_device": 2,
+        "time_scale": NOISY_TIME_FACTOR,
     }
     workdir = tmp_path_factory.mktemp("noisy")
-    path = workdir / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    exe = shutil.which("orchid-gateway", path=str(Path(sys.executable).parent)) or "orchid-gateway"
-    log = (workdir / "gateway.log").open("wb")
-    process = subprocess.Popen(
-        [exe, "serve", "--config", str(path)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-        with grpc.insecure_channel(address) as channel:
-            ready = channel.unary_unary(READY)
-            grpc.channel_ready_future(channel).result(timeout=30)
-            ready(service_pb2.ServerReadyRequest().SerializeToString(), timeout=10)
-        yield address
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
+    with GatewayProcess(example_config([backend]), workdir, log_level=None) as gateway:
+        yield gateway.address
 
 
 def infer_request() -> bytes:
