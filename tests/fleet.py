@@ -1,19 +1,14 @@
 """Helpers for tests of a fleet of gateway replicas on one Redis, against the real Triton.
 
-A replica is a ``ThreadedGateway`` (in-process) or ``orchid-gateway serve`` (a process a
-test can kill -9). ``flood`` drives replicas open-loop with raw gRPC and records every
-answer: status, deciding rule, charged accelerator-ms and whether the gateway (not the
-client's deadline) answered.
+A replica is a ``ThreadedGateway`` (in-process) or ``orchid-gateway serve`` (the harness's
+``GatewayProcess``, which a test can kill -9). ``flood`` drives replicas open-loop with raw
+gRPC and records every answer: status, deciding rule, charged accelerator-ms and whether the
+gateway (not the client's deadline) answered.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +20,11 @@ import yaml
 from tritonclient.grpc import service_pb2
 
 from gateway.config import GatewayConfig, StateConfig
+from orchid_tools.harness import GatewayProcess, example_config
 from tests.conftest import EXAMPLE_CONFIG, TIME_FACTOR, gateway_config
 from tests.redis_server import free_port
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
-READY = "/inference.GRPCInferenceService/ServerReady"
 LUMEN_KEY = "orchid-demo-key-lumen"
 
 
@@ -121,67 +116,25 @@ async def flood(
     return answers
 
 
-class ReplicaProcess:
-    """``orchid-gateway serve`` as its own process (its own session: kill -9 takes it all)."""
+class ReplicaProcess(GatewayProcess):
+    """``orchid-gateway serve`` as a replica of the fleet on ``state`` (the harness's process:
+    its own session, so kill -9 takes it all), on the example's settings without jobs (replicas
+    here share a directory, and a SQLite job store is one gateway's)."""
 
     def __init__(self, triton_address: str, tenants_file: Path, state: StateConfig, workdir: Path) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        base = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-        here = EXAMPLE_CONFIG.parent
-        # Every relative *_file / *_dir of the example is made absolute (the config moves).
-        paths = {
-            k: str((here / v).resolve())
-            for k, v in base.items()
-            if (k.endswith("_file") or k.endswith("_dir")) and isinstance(v, str)
+        backend = {
+            "name": "local",
+            "address": triton_address,
+            "labels": {"cell": "eu-restricted", "device_group": "local-a"},
+            "devices": 4,
+            "max_inflight_per_device": 2,
+            "time_scale": TIME_FACTOR,
         }
-        config = {
-            # No jobs: replicas here share a directory, and a SQLite job store is one gateway's.
-            **{k: v for k, v in base.items() if k not in ("local_triton", "jobs")},
-            **paths,
-            "listen": self.address,
-            "tenants_file": str(tenants_file),
-            "backends": [
-                {
-                    "name": "local",
-                    "address": triton_address,
-                    "labels": {"cell": "eu-restricted", "device_group": "local-a"},
-                    "devices": 4,
-                    "max_inflight_per_device": 2,
-                    "time_scale": TIME_FACTOR,
-                }
-            ],
-            "state": state.model_dump(mode="json"),
-        }
-        self.config_path = workdir / f"replica-{self.port}.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.log_path = workdir / f"replica-{self.port}.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        exe = shutil.which("orchid-gateway", path=str(Path(sys.executable).parent)) or "orchid-gateway"
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [exe, "serve", "--config", str(self.config_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        with grpc.insecure_channel(self.address) as channel:
-            grpc.channel_ready_future(channel).result(timeout=30)
-            channel.unary_unary(READY)(service_pb2.ServerReadyRequest().SerializeToString(), timeout=10)
-
-    def kill(self) -> None:
-        if self.process is not None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-            self.process = None
-
-    def stop(self) -> None:
-        if self.process is not None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-            self.process = None
+        config = example_config(
+            [backend],
+            without=("jobs",),
+            tenants_file=str(tenants_file),
+            state=state.model_dump(mode="json"),
+        )
+        port = free_port()
+        super().__init__(config, workdir, name=f"replica-{port}", listen=f"127.0.0.1:{port}", log_level=None)
