@@ -16,9 +16,6 @@ import contextlib
 import os
 import re
 import shutil
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,14 +24,13 @@ from typing import Any
 
 import grpc
 import numpy as np
-import yaml
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.local import LocalTriton, free_port
-from tests.conftest import EXAMPLE_CONFIG, MODEL_REPOSITORY
+from orchid_tools import harness
+from tests.conftest import MODEL_REPOSITORY
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
-READY = "/inference.GRPCInferenceService/ServerReady"
 MODELS = ("full-v18", "compact-v11")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -106,32 +102,6 @@ def start_all(groups: Sequence[DeviceGroup]) -> None:
         raise errors[0]
 
 
-def example_paths() -> dict[str, Any]:
-    """The example gateway config with its relative ``*_file`` / ``*_dir`` paths made absolute,
-    without its embedded Triton and without its job store (a SQLite state directory is one
-    gateway's; a test that wants jobs adds a ``jobs:`` block of its own)."""
-    base = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    here = EXAMPLE_CONFIG.parent
-    paths = {
-        k: str((here / v).resolve())
-        for k, v in base.items()
-        if (k.endswith("_file") or k.endswith("_dir")) and isinstance(v, str)
-    }
-    return {**{k: v for k, v in base.items() if k not in ("local_triton", "jobs")}, **paths}
-
-
-def scaled_classes(time_factor: float) -> dict[str, Any]:
-    """The example classes with every ``*_ms`` constant times the emulator's time factor (the
-    seed's world with time stretched by f, as ``bench/surge.py`` scales it)."""
-    base = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    return {
-        name: {
-            key: (value * time_factor if key.endswith("_ms") else value) for key, value in settings.items()
-        }
-        for name, settings in base["classes"].items()
-    }
-
-
 def proc_cpu_s(pid: int) -> float:
     """User + system CPU seconds of one process (0 when it is gone)."""
     try:
@@ -163,48 +133,15 @@ def machine_busy() -> tuple[float, float]:
     return float(sum(values) - idle), float(sum(values))
 
 
-class GatewayProcess:
-    """``python -m orchid_tools serve`` on a config of the test's own, in its own process (its
-    own GIL, its CPU measurable apart from the load generator's), with /metrics on a free port."""
+class GatewayProcess(harness.GatewayProcess):
+    """The harness's ``orchid-gateway serve`` process on a config of the test's own, with
+    /metrics on a free port."""
 
     def __init__(self, config: dict[str, Any], workdir: Path) -> None:
-        self.port = free_port()
         self.metrics_port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.config = {
-            **config,
-            "listen": self.address,
-            "telemetry": {**config.get("telemetry", {}), "metrics_listen": f"127.0.0.1:{self.metrics_port}"},
-        }
-        self.config_path = workdir / "gateway.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.config))
-        self.log_path = workdir / "gateway.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        args = [sys.executable, "-m", "orchid_tools", "serve", "--config", str(self.config_path)]
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [*args, "--log-level", "WARNING"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            ready = channel.unary_unary(READY)
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log_tail()}")
-                with contextlib.suppress(grpc.RpcError):
-                    raw = ready(service_pb2.ServerReadyRequest().SerializeToString(), timeout=1.0)
-                    if service_pb2.ServerReadyResponse.FromString(raw).ready:
-                        return
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"gateway not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
-                time.sleep(0.2)  # polling a condition (readiness), with a bound
+        telemetry = {**config.get("telemetry", {}), "metrics_listen": f"127.0.0.1:{self.metrics_port}"}
+        super().__init__({**config, "telemetry": telemetry}, workdir)
+        self.config = {**config, "listen": self.address, "telemetry": telemetry}
 
     def cpu_s(self) -> float:
         return proc_cpu_s(self.process.pid) if self.process is not None else 0.0
@@ -219,25 +156,6 @@ class GatewayProcess:
             if match:
                 out[(match.group(1), match.group(2))] = float(match.group(3))
         return out
-
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return "(no log)"
-
-    def stop(self) -> None:
-        process = self.process
-        if process is None:
-            return
-        self.process = None
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, 9)
-                process.wait(timeout=10)
 
 
 def infer_request(model: str, input_tokens: int, output_tokens: int) -> bytes:

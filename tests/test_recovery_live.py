@@ -66,6 +66,7 @@ import pytest
 import yaml
 
 from gateway.backends.local import TritonStartError
+from orchid_tools.harness import example_config, scaled_classes
 from tests.conftest import EXAMPLE_CONFIG, LUMEN_KEY, ORCHID_KEY
 from tests.multi_triton import (
     ArrivalClass,
@@ -75,10 +76,8 @@ from tests.multi_triton import (
     Run,
     drive,
     emulator_repository,
-    example_paths,
     group_cpu_s,
     machine_busy,
-    scaled_classes,
     start_all,
     warm_instances,
 )
@@ -146,7 +145,7 @@ def fleet(tmp_path: Path) -> Iterator[tuple[list[DeviceGroup], GatewayProcess]]:
     try:
         start_all(groups)
         config: dict[str, Any] = {
-            **example_paths(),
+            **example_config(without=("jobs",)),
             "tenants_file": str(tenants_file(tmp_path)),
             "classes": scaled_classes(TIME_FACTOR),
             "backends": [g.backend(TIME_FACTOR) for g in groups],
