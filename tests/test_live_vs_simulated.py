@@ -50,6 +50,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -74,6 +75,17 @@ KEYS = {"orchid": ORCHID_KEY, "lumen": LUMEN_KEY}
 TOLERANCE = 0.10  # of a flow's requests
 SPLIT_TOLERANCE = 0.20  # of an arrival class's requests (see the module docstring)
 TIMING_FREE = ("lumen-compact", "orchid-impossible")
+# The statuses a refusal or a miss can be: shed or out of quota, a deadline no pool could meet
+# (or the caller's own timeout), a model the tenant may not call (NOT_FOUND, like a missing
+# one), a policy's denial.
+REFUSED = frozenset(
+    {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
 OVERHEAD_BAND = (0.8, 0.9, 1.1, 1.2)  # factors on the measured overhead (see the module docstring)
 
 
@@ -175,7 +187,14 @@ async def drive(
                     metadata=tuple(bearer(KEYS[facts.tenant]).items()),
                     timeout=facts.deadline_ms / 1000.0,
                 )
-            except Exception:  # any refusal or miss: "refused", as the simulator counts it
+            except grpc.RpcError as error:
+                # A refusal or a missed deadline: "refused", as the simulator counts it. Any
+                # other status (or any other exception) is a failure of the run, not a decision.
+                if error.code() not in REFUSED:
+                    raise AssertionError(
+                        f"arrival {index} ({names[arrivals[index].klass]}): {error.code().name} is "
+                        f"not a refusal or a miss: {error.details()}"
+                    ) from error
                 return
             approximation = response.parameters["orchid.approximation"].string_param
             results[index] = "admitted" if approximation in ("", "none") else "degraded"
