@@ -163,6 +163,7 @@ from gateway.backends.local import LocalTriton
 from gateway.config import load_routes
 from orchid_tools.harness import (
     GatewayProcess,
+    example_backend,
     example_config,
     example_settings,
     scaled_classes,
@@ -346,22 +347,12 @@ def gateway_config(scenario: Scenario, triton_address: str, listen: str) -> dict
     policies, the local Triton as a ``backends:`` entry (time_scale f) and the classes' time
     constants scaled by f (as bench/surge.py builds it)."""
     f = scenario.time_factor
-    example = example_settings()
-    local = example["local_triton"]
-    backend = {
-        "name": "noisy",
-        "address": triton_address,
-        "labels": local["labels"],
-        "devices": local["devices"],
-        "max_inflight_per_device": local["max_inflight_per_device"],
-        "time_scale": f,
-    }
     return example_config(
-        [backend],
+        [example_backend("noisy", triton_address, f)],
         without=("jobs",),
         listen=listen,
         classes=scaled_classes(f),
-        limits={**example.get("limits", {}), "drain_timeout_s": 2},
+        limits={**example_settings().get("limits", {}), "drain_timeout_s": 2},
     )
 
 

@@ -98,16 +98,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
-import yaml
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.local import LocalTriton, stop_process_group
 from gateway.core.outputs import OutputCheck
 from gateway.outputs import check_outputs
+from orchid_tools.harness import GatewayProcess, example_config
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "orchid"
@@ -572,41 +572,21 @@ def render(rows: list[Row]) -> str:
 # --------------------------------------------------------------------------- main
 
 
-def write_gateway_config(path: Path, listen_port: int, triton_address: str, time_scale: float | None) -> None:
-    """The example stack's settings (classes, limits, policies, ...) with one external backend.
-
-    Every key of examples/orchid/gateway.yaml is kept except ``local_triton`` (the bench
-    starts its own Triton) and ``listen``; its relative ``*_file``/``*_dir`` paths are
-    made absolute, so tenants, routes and policies are the repository's own. ``time_scale``
-    tells the gateway that the backend's devices run ``time_scale`` x the profiles'
-    milliseconds (the emulator's time factor); ``None`` leaves the key out (real devices)."""
-    example_path = EXAMPLES / "gateway.yaml"
-    config = yaml.safe_load(example_path.read_text())
-    config.pop("local_triton", None)
-    for key, value in list(config.items()):
-        if (key.endswith("_file") or key.endswith("_dir")) and isinstance(value, str):
-            config[key] = str((example_path.parent / value).resolve())
-    config["listen"] = f"127.0.0.1:{listen_port}"
-    config["tenants_file"] = str(EXAMPLES / "tenants.yaml")
-    config["routes_dir"] = str(REPO / "routes")
-    config["backends"] = [
-        {
-            "name": "bench",
-            "address": triton_address,
-            "labels": {"cell": "eu-restricted", "device_group": "bench"},
-            "devices": 4,
-            **({"time_scale": time_scale} if time_scale is not None else {}),
-        }
-    ]
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-
-
-def gateway_command() -> str:
-    local = Path(sys.executable).parent / "orchid-gateway"
-    found = str(local) if local.exists() else shutil.which("orchid-gateway")
-    if not found:
-        raise RuntimeError("orchid-gateway is not on PATH: `pip install -e .` in the repository")
-    return found
+def gateway_config(triton_address: str, time_scale: float | None) -> dict[str, Any]:
+    """The example stack's settings (classes, limits, policies, ...) with one external backend:
+    :func:`orchid_tools.harness.example_config` (every key of examples/orchid/gateway.yaml but
+    ``local_triton`` and ``listen``, tenants, routes and policies the repository's own).
+    ``time_scale`` tells the gateway that the backend's devices run ``time_scale`` x the
+    profiles' milliseconds (the emulator's time factor); ``None`` leaves the key out (real
+    devices)."""
+    backend = {
+        "name": "bench",
+        "address": triton_address,
+        "labels": {"cell": "eu-restricted", "device_group": "bench"},
+        "devices": 4,
+        **({"time_scale": time_scale} if time_scale is not None else {}),
+    }
+    return example_config([backend])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -732,7 +712,7 @@ def bench(
     frames["plain"].write_bytes(grpc_frame(plain))
     frames["gateway"].write_bytes(grpc_frame(hinted))
 
-    proxies: dict[str, Child] = {}
+    proxies: dict[str, Child | GatewayProcess] = {}
     if "passthrough" in args.targets:
         proxies["passthrough"] = Child(
             "passthrough",
@@ -759,21 +739,21 @@ def bench(
             "passthrough ready on",
         )
     if "gateway" in args.targets:
-        config_path = work / "gateway.yaml"
         time_scale = args.gateway_time_scale
         if time_scale is None:
             time_scale = args.time_factor if args.time_factor > 0 else MIN_TIME_SCALE
-        write_gateway_config(config_path, ports["gateway"], triton.address, time_scale or None)
+        config = gateway_config(triton.address, time_scale or None)
         print(f"gateway backend time_scale: {time_scale or 'unset (1.0)'}", flush=True)
-        command = [gateway_command()]
+        command = None
         if args.ablate:  # a diagnostic: what the ablated parts cost in the live process
             command = [sys.executable, str(REPO / "bench" / "ablate.py"), "--ablate", args.ablate]
             print(f"gateway ABLATED (diagnostic, not a gateway): without {args.ablate}", flush=True)
-        proxies["gateway"] = Child(
-            "gateway",
-            [*command, "serve", "--config", str(config_path), "--log-level", args.gateway_log_level],
-            work / "gateway.log",
-            "orchid-gateway ready on",
+        proxies["gateway"] = GatewayProcess(
+            config,
+            work,
+            listen=f"127.0.0.1:{ports['gateway']}",
+            command=command,
+            log_level=args.gateway_log_level,
         )
     for child in proxies.values():
         started.append(child)

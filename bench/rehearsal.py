@@ -44,11 +44,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +61,7 @@ from tritonclient.utils import InferenceServerException
 
 from gateway.backends.local import free_port
 from orchid_tools.evidence import publish_evidence
+from orchid_tools.harness import GatewayProcess
 from orchid_tools.rollout import rollout_call
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -338,25 +337,22 @@ def main(argv: list[str] | None = None) -> int:
     faults.mkdir()
     port = free_port()
     config = write_config(work, args, port)
-    env = dict(os.environ, ORCHID_FAULT_DIR=str(faults))
-    binary = Path(sys.executable).parent / "orchid-gateway"
-    log = (work / "gateway.log").open("wb")
-    gateway = subprocess.Popen(
-        [str(binary), "serve", "--config", str(config), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        env=env,
+    # The gateway starts its own Triton (local_triton) and loads four models before it is ready.
+    gateway = GatewayProcess(
+        config,
+        work,
+        listen=f"127.0.0.1:{port}",
+        env={"ORCHID_FAULT_DIR": str(faults)},
+        ready_timeout_s=180.0,
+        stop_timeout_s=30.0,
     )
     try:
-        assert gateway.stdout is not None
-        line = gateway.stdout.readline().decode()
-        if "ready" not in line:
-            print(
-                f"gateway did not start: {line}\n{(work / 'gateway.log').read_text()[-2000:]}",
-                file=sys.stderr,
-            )
+        try:
+            gateway.start()
+        except RuntimeError as error:
+            print(f"gateway did not start: {error}", file=sys.stderr)
             return 3
-        address = f"127.0.0.1:{port}"
+        address = gateway.address
         answers: list[Answer] = []
         events: list[tuple[float, str]] = []
 
@@ -374,9 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
         reports = asyncio.run(run())
     finally:
-        gateway.terminate()
-        gateway.wait(timeout=30)
-        log.close()
+        gateway.stop()
     ok = print_results(answers, events, reports, args)
     shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1

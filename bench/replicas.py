@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from overhead import (  # type: ignore[import-not-found]
     _DATA,
     _FINISHED,
@@ -61,27 +59,20 @@ from overhead import (  # type: ignore[import-not-found]
     METHOD,
     MIN_TIME_SCALE,
     REPO,
-    Child,
     build_request,
-    gateway_command,
+    gateway_config,
     grpc_frame,
     h2load_args,
     tree_cpu_s,
     verify,
-    write_gateway_config,
 )
 
 from gateway.backends.local import LocalTriton
 from orchid_tools.fleet_demo import start_redis
+from orchid_tools.harness import GatewayProcess
 
 SETUPS = (("memory x1", "memory", 1), ("redis x1", "redis", 1), ("redis x2", "redis", 2))
 CPU_BUDGET = 1.15  # redis x1 may cost at most 15 % more gateway CPU per request than memory x1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -96,7 +87,7 @@ class Result:
 
 def measure(
     name: str,
-    replicas: list[Child],
+    replicas: list[GatewayProcess],
     addresses: list[str],
     args: argparse.Namespace,
     h2load: str,
@@ -169,7 +160,7 @@ def main() -> int:
         print(f"h2load not found; install it with:\n    {INSTALL_H2LOAD}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="orchid-replicas-"))
-    started: list[Child] = []
+    started: list[GatewayProcess] = []
     triton = LocalTriton(
         REPO / "examples/orchid/model_repository", work / "triton", time_factor=args.time_factor
     )
@@ -184,21 +175,18 @@ def main() -> int:
         for index, (name, backend, count) in enumerate(SETUPS):
             replicas, addresses = [], []
             for r in range(count):
-                port = free_port()
-                path = work / f"gateway-{index}-{r}.yaml"
-                write_gateway_config(path, port, triton.address, time_scale)
+                config = gateway_config(triton.address, time_scale)
                 if backend == "redis":
-                    config = yaml.safe_load(path.read_text())
                     config["state"] = {"backend": "redis", "url": redis_url, "key_prefix": f"bench{index}:"}
                     if args.quota_slice is not None:
                         config["state"]["quota_slice"] = args.quota_slice
-                    path.write_text(yaml.safe_dump(config, sort_keys=False))
-                child = Child(f"{name}-{r}", [gateway_command(), "serve", "--config", str(path)],
-                              work / f"gateway-{index}-{r}.log", "orchid-gateway ready on")  # fmt: skip
+                # Its own directory: the example's jobs.state_dir is relative to the config, and
+                # a job store is one gateway's (two replicas in one directory: the second exits).
+                child = GatewayProcess(config, work / f"gateway-{index}-{r}", log_level=None)
                 started.append(child)
                 child.start()
                 replicas.append(child)
-                addresses.append(f"127.0.0.1:{port}")
+                addresses.append(child.address)
             ok_frame = min(verify(a, message, [("authorization", f"Bearer {DEMO_KEY}")]) for a in addresses)
             result = measure(
                 name, replicas, addresses, args, h2load, frame, ok_frame,

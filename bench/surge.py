@@ -228,6 +228,7 @@ from gateway.core.profile import DemandProfile
 from orchid_tools.capacity import compute_worksheet, workload_from_data
 from orchid_tools.harness import (
     GatewayProcess,
+    example_backend,
     example_config,
     example_settings,
     scaled_classes,
@@ -570,23 +571,15 @@ def gateway_config(
     """The example gateway config with the local Triton as a `backends:` entry and the
     classes' time constants scaled by f."""
     f = scenario.time_factor
-    example = example_settings()
-    local = example["local_triton"]
-    backend = {
-        "name": "surge",
-        "address": triton_address,
-        "labels": local["labels"],
-        "devices": local["devices"],
-        "max_inflight_per_device": inflight or local["max_inflight_per_device"],
-        "shared_devices": shared_devices,
-        "time_scale": f,
-    }
+    changes: dict[str, Any] = {"shared_devices": shared_devices}
+    if inflight:
+        changes["max_inflight_per_device"] = inflight
     config = example_config(
-        [backend],
+        [example_backend("surge", triton_address, f, **changes)],
         without=("jobs",),
         listen=listen,
         classes=scaled_classes(f),
-        limits={**example.get("limits", {}), "drain_timeout_s": 2, **(limits or {})},
+        limits={**example_settings().get("limits", {}), "drain_timeout_s": 2, **(limits or {})},
     )
     if ladder:
         config["ladder"] = ladder

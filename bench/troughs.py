@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from gateway._proto import admin_pb2, jobs_pb2  # noqa: E402
 from gateway.backends.local import LocalTriton  # noqa: E402
-from orchid_tools.harness import GatewayProcess, example_config, example_settings  # noqa: E402
+from orchid_tools.harness import GatewayProcess, example_backend, example_config  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "orchid"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -90,15 +90,7 @@ def batch_jsonl(n: int, tag: str) -> bytes:
 def troughs_gateway(work: Path, triton_address: str, time_factor: float) -> GatewayProcess:
     """``orchid-gateway serve`` with jobs (a fresh state directory, ``work/jobs``) in front of
     the bench's Triton."""
-    local = example_settings()["local_triton"]
-    backend = {
-        "name": "local",
-        "address": triton_address,
-        "labels": local["labels"],
-        "devices": local["devices"],
-        "max_inflight_per_device": local["max_inflight_per_device"],
-        "time_scale": time_factor,
-    }
+    backend = example_backend("local", triton_address, time_factor)
     config = example_config([backend], jobs={"state_dir": str(work / "jobs"), "poll_s": 0.01})
     return GatewayProcess(config, work, stop_timeout_s=30.0)
 

@@ -5,7 +5,9 @@ It owns:
 
 * :func:`example_config`: the example stack's ``gateway.yaml`` minus ``local_triton`` (the
   caller starts its own Tritons), every relative ``*_file`` / ``*_dir`` path made absolute (the
-  config is written elsewhere), with the caller's ``backends`` and overrides.
+  config is written elsewhere), with the caller's ``backends`` and overrides;
+  :func:`example_backend` (a backend entry like the example's local Triton) and
+  :func:`scaled_classes` (the classes' ``*_ms`` times the emulator's time factor) to go in it.
 * :class:`GatewayProcess`: ``orchid-gateway serve --config`` (``python -m orchid_tools``) on such
   a config, in its own session (its own GIL, its CPU measurable apart from the load
   generator's, and ``kill -9`` takes all of it), output to a log file, ready when
@@ -57,6 +59,25 @@ def scaled_classes(time_factor: float) -> dict[str, Any]:
         name: {key: (v * time_factor if key.endswith("_ms") else v) for key, v in settings.items()}
         for name, settings in example_settings()["classes"].items()
     }
+
+
+def example_backend(
+    name: str, address: str, time_scale: float | None = None, **changes: Any
+) -> dict[str, Any]:
+    """A ``backends:`` entry for a Triton at ``address`` standing for the example's local one:
+    its labels, devices and ``max_inflight_per_device``, then ``time_scale`` (the emulator's
+    time factor; None: left out) and ``changes``."""
+    local = example_settings()["local_triton"]
+    backend: dict[str, Any] = {
+        "name": name,
+        "address": address,
+        "labels": local["labels"],
+        "devices": local["devices"],
+        "max_inflight_per_device": local["max_inflight_per_device"],
+    }
+    if time_scale is not None:
+        backend["time_scale"] = time_scale
+    return {**backend, **changes}
 
 
 def example_config(
