@@ -25,6 +25,7 @@ TIME_FACTOR = 0.5
 # 4,096 input / 128 output tokens: 467.6 device-ms on full-v18, 239.2 on compact-v11.
 FULL_MS = 467.6 * TIME_FACTOR
 COMPACT_MS = 239.2 * TIME_FACTOR
+CALL_TIMEOUT_S = 30.0  # a bound on every call: a hung Triton fails the test, never hangs it
 
 
 def _long_request() -> list[InferInput]:
@@ -37,15 +38,17 @@ def _both_at_once(address: str) -> float:
     def call(model: str) -> None:
         client = grpcclient.InferenceServerClient(address)
         try:
-            client.infer(model, _long_request(), parameters={"max_output_tokens": 128})
+            client.infer(
+                model, _long_request(), parameters={"max_output_tokens": 128}, client_timeout=CALL_TIMEOUT_S
+            )
         finally:
             client.close()
 
     with ThreadPoolExecutor(2) as pool:
         for model in ("full-v18", "compact-v11"):  # warm both instances' first call
-            pool.submit(call, model).result()
+            pool.submit(call, model).result(timeout=CALL_TIMEOUT_S)
         started = time.monotonic()
-        list(pool.map(call, ("full-v18", "compact-v11")))
+        list(pool.map(call, ("full-v18", "compact-v11"), timeout=2 * CALL_TIMEOUT_S))
     return (time.monotonic() - started) * 1000.0
 
 

@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from gateway.core.errors import Unavailable
 from gateway.policy import metrics
+from gateway.policy import store as store_module
 from gateway.policy.store import PolicyStore
 from gateway.policy.suites import build_inputs
 
@@ -116,10 +117,20 @@ def test_good_edit_changes_the_version(tmp_path: Path) -> None:
     assert third.changed and store.current().label == "tuesday"
 
 
-async def test_watch_reloads_on_change_and_reports_a_bad_edit_once(tmp_path: Path) -> None:
+async def test_watch_reloads_on_change_and_reports_a_bad_edit_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     directory = tmp_path / "policies"
     write(directory, GOOD.format(limit=2048))
     store = PolicyStore(directory)
+    polls = [0]  # the watcher's rounds: each reads the directory's hash once
+    read_hash = store_module.directory_hash
+
+    def counted(path: Path) -> str | None:
+        polls[0] += 1
+        return read_hash(path)
+
+    monkeypatch.setattr(store_module, "directory_hash", counted)
     stop = asyncio.Event()
     task = asyncio.create_task(store.watch(0.02, stop=stop))
 
@@ -134,7 +145,8 @@ async def test_watch_reloads_on_change_and_reports_a_bad_edit_once(tmp_path: Pat
         first = store.version
         write(directory, GOOD.format(limit="'x'"))
         await until(lambda: store.failures == 1)
-        await asyncio.sleep(0.1)
+        seen = polls[0]
+        await until(lambda: polls[0] >= seen + 3)  # three more rounds over the same bad edit
         assert store.failures == 1 and store.version == first  # reported once, last good kept
         write(directory, GOOD.format(limit=512))
         await until(lambda: store.version != first)

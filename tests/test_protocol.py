@@ -270,24 +270,31 @@ def test_client_cancel_frees_queued_and_running_work(gateway: ThreadedGateway) -
                 )
                 for k in range(24)
             ]
-            await asyncio.sleep(0.03)
-            during = gateway.call_soon(occupancy)
+            # Cancel once the gateway holds both kinds of work: some running, some queued (24
+            # long requests, 8 slots). Polled, bounded; off this loop, which sends the requests.
+            deadline = time.monotonic() + 30.0
+            while True:
+                during = await asyncio.to_thread(gateway.call_soon, occupancy)
+                if during[0] > 0 and during[1] > 0:
+                    break
+                assert time.monotonic() < deadline, f"never both running and queued work: {during}"
+                await asyncio.sleep(0.005)  # the poll interval of a bounded condition wait
             for task in tasks:
                 task.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
         return during, sum(isinstance(r, asyncio.CancelledError) for r in results)
 
     during, cancelled = asyncio.run(scenario())
-    assert sum(during) > 0 and cancelled > 0
+    assert cancelled > 0, during
 
     async def settle() -> tuple[int, int]:
-        for _ in range(100):
-            if occupancy() == (0, 0):
-                break
+        """Occupancy once it is (0, 0), or after 2 s (a bounded condition wait)."""
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while occupancy() != (0, 0) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
         return occupancy()
 
-    assert gateway.call(settle()) == (0, 0)
+    assert gateway.call(settle()) == (0, 0), "cancelled work still holds a slot or a queue entry"
     # ... and every quota reservation was settled or released: nothing leaks.
     assert gateway.call_soon(lambda: gw.quotas.outstanding().count) == 0
 

@@ -295,13 +295,28 @@ def test_losing_redis_under_load_follows_the_fail_mode(
         fleets = [r.server.fleet for r in replicas]
         # Each sees the other from its next heartbeat on (a third of the lease TTL).
         assert _wait_for(lambda: all(f is not None and not f.degraded and f.size == 2 for f in fleets), 5.0)
+        # Warm first (as the overshoot tests do): a cold replica's first requests take many
+        # times their price, and killed early in the load they would settle on the local share
+        # and put it in debt (the outage below comes once the load reserves in Redis).
+        _warm(replicas)
         marks: dict[str, float] = {}
+        stores = [r.server.shared_quotas for r in replicas]
+        opened_before = [q.remote_reservations if q is not None else 0 for q in stores]
 
         async def with_outage() -> list[Answer]:
             load = asyncio.ensure_future(
                 flood(addresses, rate_per_replica=60.0, seconds=2.0, deadline_s=1.0, marks=marks)
             )
-            await asyncio.sleep(0.7)  # the open-loop schedule: Redis dies 0.7 s into the load
+            # Redis dies under the load: once every replica has reserved in it for this load
+            # (polled, bounded), with most of the 2 s schedule still to come.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 1.0
+            while not all(
+                q is not None and q.remote_reservations > before
+                for q, before in zip(stores, opened_before, strict=True)
+            ):
+                assert loop.time() < deadline, "the replicas did not reserve in Redis under the load"
+                await asyncio.sleep(0.01)  # the poll interval of a bounded condition wait
             server.kill()
             marks["killed"] = time.monotonic()
             return await load
@@ -329,7 +344,6 @@ def test_losing_redis_under_load_follows_the_fail_mode(
             lambda: all(f is not None and not f.degraded and f.size == 2 for f in fleets), timeout_s=5.0
         )
         assert all(f is not None and f.resyncs == 2 for f in fleets)  # at start, and now
-        stores = [r.server.shared_quotas for r in replicas]
         opened_before = sum(q.remote_reservations for q in stores if q is not None)
         recovered = asyncio.run(flood(addresses, rate_per_replica=40.0, seconds=0.5))
         assert all(a.status == "OK" for a in recovered), {(a.status, a.rule) for a in recovered}
@@ -408,11 +422,13 @@ def test_a_surge_split_across_replicas_climbs_the_same_ladder(
         for r, share in zip(replicas, (0.75, 0.75, 1.5), strict=True)
     ]
     history: list[tuple[float, list[tuple[int, float]]]] = []
-    while not all(f.done() for f in futures):  # bounded: the feeders end after SURGE_S
+    deadline = time.monotonic() + SURGE_S + 30.0
+    while not all(f.done() for f in futures):  # the feeders end after SURGE_S
+        assert time.monotonic() < deadline, "a replica's feeder did not end"
         history.append((time.monotonic(), [_plan_and_step(r, pool) for r in replicas]))
-        time.sleep(0.05)
+        time.sleep(0.05)  # the sampling period of the step history
     for future in futures:
-        future.result()
+        future.result(timeout=0)
     top = max(step for _, row in history for step, _ in row[:2])
     first_at = [next((t for t, row in history if row[i][0] == top), None) for i in range(2)]
     assert top >= 4, f"the fleet's 1.5x surge did not climb (each replica alone sees 0.75x): {top}"

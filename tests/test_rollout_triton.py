@@ -20,7 +20,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,8 +302,7 @@ def rehearse(
     load = SteadyLoad(gateway.address, long_timeout_s=long_timeout_s)
     load.start()
     try:
-        while len(load.answers) < 20:  # the load is running before the rollout starts
-            load.stop.wait(0.01)
+        wait_until(lambda: len(load.answers) >= 20, "the load running before the rollout starts")
         reply = rollout_call(gateway.address, OPS_KEY, "start", str(path))
         gw = gateway.server.gateway
         assert gw is not None
@@ -312,11 +311,21 @@ def rehearse(
         gateway.call(asyncio.wait_for(asyncio.shield(run.task), 60))
         # The load keeps going a while after the end: what is served now is the outcome.
         settled = len(load.answers)
-        while len(load.answers) < settled + 20:
-            load.stop.wait(0.01)
+        wait_until(lambda: len(load.answers) >= settled + 20, "20 answers after the rollout's end")
     finally:
         answers = load.finish()
     return run, answers
+
+
+WAIT_S = 60.0  # the longest any wait here may take (a rollout's task is awaited as long)
+
+
+def wait_until(condition: Callable[[], bool], what: str, *, timeout_s: float = WAIT_S) -> None:
+    """Poll ``condition`` (every 10 ms) until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.01)  # the poll interval of a bounded condition wait
 
 
 def no_failures(answers: list[Answer]) -> None:
@@ -500,9 +509,12 @@ def test_a_gateway_restart_mid_rollout_resumes_it_from_its_durable_state(
         gw = first.server.gateway
         assert gw is not None
         run = first.call_soon(lambda: gw.rollouts.run_named("restarted"))
-        while run.rollout.phase is not Phase.CANARY:
+
+        def in_canary() -> bool:
             assert run.task is not None and not run.task.done(), run.rollout.report()
-            time.sleep(0.01)  # polls a condition, bounded by the task's own timeouts
+            return run.rollout.phase is Phase.CANARY
+
+        wait_until(in_canary, "the rollout in its canary step")
     finally:
         first.stop()
     saved = json.loads((tmp_path / "state" / "restarted.json").read_text())
@@ -576,9 +588,12 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
         owner = a.call_soon(lambda: gwa.rollouts.run_named("fleet"))
         load.start()
         # A's analysis fills with B's samples (A itself has no traffic).
-        while not any(i.conclusive and i.candidate_samples for i in owner.rollout.intervals):
+
+        def analysed() -> bool:
             assert owner.task is not None and not owner.task.done(), owner.rollout.report()
-            load.stop.wait(0.01)
+            return any(i.conclusive and i.candidate_samples for i in owner.rollout.intervals)
+
+        wait_until(analysed, "a conclusive interval of B's samples in A's analysis")
         assert owner.rollout.phase is Phase.CANARY, owner.rollout.report()
         follower = b.call_soon(lambda: gwb.rollouts.run_named("fleet"))
         assert follower.follower and follower.rollout.phase is Phase.CANARY, follower.rollout.report()
@@ -597,9 +612,15 @@ def test_two_replicas_on_redis_run_one_rollout_and_the_survivor_finishes_it(
         running.remove(a)
         a.stop()  # mid-rollout: the owner goes away
         taken = follower
-        while taken is follower or taken.task is None:
-            load.stop.wait(0.01)
+
+        def took_over() -> bool:
+            nonlocal taken
             taken = b.call_soon(lambda: gwb.rollouts.run_named("fleet"))
+            return taken is not follower and taken.task is not None
+
+        # Within the lease (3 s, crashed) and a watcher round; bounded like every wait here.
+        wait_until(took_over, "B's take-over of the rollout")
+        assert taken.task is not None
         b.call(asyncio.wait_for(asyncio.shield(taken.task), 60))
         # Its own record, ended here: a round of B's watcher does not make it follow itself.
         fleet_b = gwb.rollouts.fleet
@@ -728,8 +749,12 @@ def test_shadow_step_mirrors_off_the_callers_path_until_an_operator_rolls_back(
         reply = rollout_call(gateway.address, OPS_KEY, "start", str(path))
         assert reply.phase == "loading"
         run = gateway.call_soon(lambda: gw.rollouts.run_named("shadowed"))
-        while (run.rollout.shadowed < 10 or not run.rollout.intervals) and run.task and not run.task.done():
-            load.stop.wait(0.01)
+
+        def shadowing() -> bool:
+            assert run.task is not None and not run.task.done(), run.rollout.report()
+            return run.rollout.shadowed >= 10 and bool(run.rollout.intervals)
+
+        wait_until(shadowing, "10 mirrored requests and an interval of the shadow step")
         status = rollout_call(gateway.address, OPS_KEY, "status", "shadowed")
         assert status.phase == "shadow"
         reply = rollout_call(gateway.address, OPS_KEY, "rollback", str(path))  # the file names it
@@ -765,9 +790,12 @@ def test_a_smaller_candidate_is_held_before_promotion_until_an_operator_promotes
         rollout_call(gateway.address, OPS_KEY, "start", str(path))
         run = gateway.call_soon(lambda: gw.rollouts.run_named("small"))
         held = "promotion held: full-v19-small has 1 device(s) on backend 'local', full-v18 has 4"
-        while not any(text.startswith(held) for _, text in run.rollout.timeline):
+
+        def holding() -> bool:
             assert run.task is not None and not run.task.done(), run.rollout.report()
-            load.stop.wait(0.01)
+            return any(text.startswith(held) for _, text in run.rollout.timeline)
+
+        wait_until(holding, "promotion held for the smaller candidate")
         assert rollout_call(gateway.address, OPS_KEY, "status", "small").phase == "canary"
         reply = rollout_call(gateway.address, OPS_KEY, "promote", "small")
         assert reply.phase == "promoted"

@@ -94,7 +94,9 @@ async def _drain(waiting: dict[asyncio.Future[CoreSlot], str], grants: int) -> l
     order: list[str] = []
     pending = set(waiting)
     while len(order) < grants:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        # Bounded (virtual time: a deadlock fails at once instead of hanging the run).
+        done, pending = await asyncio.wait(pending, timeout=60.0, return_when=asyncio.FIRST_COMPLETED)
+        assert done, f"no grant within 60 s after {order}"
         for future in done:
             order.append(waiting[future])
             future.result().release(now())
@@ -353,7 +355,8 @@ async def test_a_full_queue_makes_room_by_refusing_the_flooders_least_urgent_wai
     held.release()
     pending: set[asyncio.Future[CoreSlot]] = {*flood[:2], mine}
     while pending:  # each granted in turn as the one before releases
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        done, pending = await asyncio.wait(pending, timeout=60.0, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "a waiter was never granted"
         for task in done:
             task.result().release(now())
     assert queue.inflight == 0 and queue.queued == 0
