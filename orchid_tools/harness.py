@@ -210,20 +210,37 @@ class GatewayProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return "(no log)"
 
-    def stop(self, timeout_s: float | None = None) -> None:
+    def stop(self, timeout_s: float | None = None, *, session: bool = True) -> None:
         """SIGTERM (the gateway drains), SIGKILL after ``timeout_s`` (default the
-        constructor's), then SIGKILL whatever is left in its session. ``process`` stays (its
-        ``returncode``); stopping again does nothing."""
-        if self.process is not None:
-            stop_process_group(self.process, self.stop_timeout_s if timeout_s is None else timeout_s)
-
-    def kill(self) -> None:
-        """SIGKILL the whole session at once (a crash, not a stop)."""
+        constructor's), then SIGKILL whatever is left in its session; ``session=False``: the
+        gateway alone, nothing after it exits (a test of what it stops itself). ``process``
+        stays (its ``returncode``); stopping again does nothing."""
         process = self.process
-        if process is not None and process.poll() is None:
+        if process is None:
+            return
+        wait_s = self.stop_timeout_s if timeout_s is None else timeout_s
+        if session:
+            stop_process_group(process, wait_s)
+        elif process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+    def kill(self, *, session: bool = True) -> None:
+        """SIGKILL the whole session at once (a crash, not a stop); ``session=False``: the
+        gateway process alone (a test that what it started does not outlive it)."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        if session:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        else:
+            process.kill()
+        process.wait(timeout=10)
 
     def __enter__(self) -> GatewayProcess:
         if self.process is None:

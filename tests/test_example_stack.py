@@ -25,9 +25,10 @@ from gateway._proto import jobs_pb2, jobs_pb2_grpc
 from gateway.core.jobs import JobLimits
 from gateway.jobs.store import DB_NAME, SqliteJobStore
 from orchid_tools import cli, demo
+from orchid_tools.harness import GatewayProcess
 from tests.conftest import ORCHID_KEY, ROOT
 from tests.stack import Proc, alive, cmdline, descendants, example_config, kill_all, wait_until
-from tests.test_jobs_restart import GatewayProcess, wait_done
+from tests.test_jobs_restart import wait_done
 
 ITEMS = 300
 METADATA = (("authorization", f"Bearer {ORCHID_KEY}"),)
@@ -66,7 +67,7 @@ def test_batch_on_the_example_stack_survives_kill_9_once_per_item(
     rows = tmp_path / "rows.jsonl"
     rows.write_bytes(demo.batch_jsonl(ITEMS, "row"))
     monkeypatch.setenv("ORCHID_API_KEY", ORCHID_KEY)
-    first = GatewayProcess(config, tmp_path / "gateway.log")
+    first = GatewayProcess(config, tmp_path)
     started: set[Proc] = set()
     try:
         first.start(timeout_s=180.0)
@@ -81,16 +82,16 @@ def test_batch_on_the_example_stack_survives_kill_9_once_per_item(
             for update in stub.Wait(jobs_pb2.GetRequest(id=op_id), metadata=METADATA, timeout=120):
                 if update.counts.completed >= ITEMS // 3:
                     break
-        first.kill()  # mid-batch
+        first.kill(session=False)  # mid-batch
         # Nothing the killed gateway started runs on: Triton, its stubs, the reaper.
         assert wait_until(lambda: not alive(started), 30.0), [cmdline(p) for p, _ in alive(started)]
     finally:
-        first.kill()
+        first.kill(session=False)
         kill_all(started)
     before_kill = _succeeded(state)
     assert ITEMS // 3 <= len(before_kill) < ITEMS, "the kill did not land mid-batch"
 
-    second = GatewayProcess(config, tmp_path / "gateway.log")
+    second = GatewayProcess(config, tmp_path)
     restarted: set[Proc] = set()
     try:
         second.start(timeout_s=180.0)
@@ -100,11 +101,12 @@ def test_batch_on_the_example_stack_survives_kill_9_once_per_item(
         assert done.status == "completed", done.error
         assert cli.main(["batch", "get", op_id, "--json", "--target", second.listen]) == 0
         manifest = json.loads(capsys.readouterr().out)
-        second.terminate()  # a clean stop (SIGTERM): exit 0, and it stopped what it started
+        # A clean stop (SIGTERM): exit 0, and it stopped what it started.
+        second.stop(timeout_s=30, session=False)
         assert second.process.returncode == 0
         assert wait_until(lambda: not alive(restarted), 30.0), [cmdline(p) for p, _ in alive(restarted)]
     finally:
-        second.kill()
+        second.kill(session=False)
         kill_all(restarted)
     assert (manifest["total"], manifest["completed"], manifest["failed"]) == (ITEMS, ITEMS, 0)
     with sqlite3.connect(state / DB_NAME) as db:

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from gateway.backends.local import GroupReaper, LocalTriton
+from orchid_tools.harness import GatewayProcess
 from tests.conftest import MODEL_REPOSITORY
 from tests.stack import Proc, alive, cmdline, descendants, example_config, kill_all, wait_until
-from tests.test_jobs_restart import GatewayProcess
 
 GONE_WITHIN_S = 30.0  # bound of the poll for the processes to leave the table
 
@@ -138,7 +138,7 @@ def test_the_stubs_die_with_triton(tmp_path: Path) -> None:
 @pytest.mark.triton
 def test_kill_9_of_the_gateway_leaves_no_triton(tmp_path: Path) -> None:
     config = example_config(tmp_path, state_dir=tmp_path / "state", time_factor=0.05)
-    gateway = GatewayProcess(config, tmp_path / "gateway.log")
+    gateway = GatewayProcess(config, tmp_path)
     started: set[Proc] = set()
     try:
         gateway.start(timeout_s=180.0)
@@ -149,9 +149,9 @@ def test_kill_9_of_the_gateway_leaves_no_triton(tmp_path: Path) -> None:
         stubs = [p for p, c in commands.items() if "triton_python_backend_stub" in c]
         # Otherwise the test proves nothing: one server, and the stubs of its model instances.
         assert len(tritons) == 1 and len(stubs) >= 4, commands
-        gateway.kill()
+        gateway.kill(session=False)
         assert gateway.process.returncode == -signal.SIGKILL
         assert wait_until(lambda: not alive(started), GONE_WITHIN_S), {p: commands[p] for p in alive(started)}
     finally:
-        gateway.kill()
+        gateway.kill(session=False)
         kill_all(started)
