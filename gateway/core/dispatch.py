@@ -569,10 +569,6 @@ class DispatchQueue:
     def inflight(self) -> int:
         return len(self._inflight)
 
-    def queued_for(self, tenant: str) -> int:
-        """How many of ``tenant``'s requests wait in this queue (every class)."""
-        return sum(flow.live for (_, owner), flow in self._flows.items() if owner == tenant)
-
     def inflight_remaining_ms(self, now: float) -> float:
         """Predicted work still to execute in the pool's slots (bound to the backend)."""
         return sum(max(0.0, s.cost_ms - max(0.0, now - s.predicted_start) * 1000.0) for s in self._inflight)

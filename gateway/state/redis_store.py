@@ -606,34 +606,6 @@ class RedisQuotaStore:
     def release(self, reservation: Reservation, *, now: float) -> Settlement | None:
         return self._close(reservation, 0.0, 0.0, now, "released")
 
-    # ------------------------------------------------------------------ awaitable forms (tests, tools)
-
-    async def settle_now(
-        self,
-        reservation: Reservation,
-        *,
-        charged_ms: float,
-        charged_live_token_ms: float | None = None,
-        redis_now: float | None = None,
-    ) -> bool:
-        """Settle and wait for Redis's answer. False: the reservation was already closed."""
-        entry = self._remote(reservation)
-        if entry is None:
-            return False
-        live = reservation.live_token_ms if charged_live_token_ms is None else charged_live_token_ms
-        del self._open[(reservation.request_class, reservation.id)]
-        keys, args = self._settle_keys_args(entry[1], reservation, charged_ms, live, redis_now)
-        answer = await self.fleet.call(self.fleet.run_script(self._settle, keys, args))
-        return bool(answer[0] in (b"ok", "ok"))
-
-    async def start_now(self, reservation: Reservation, *, redis_now: float | None = None) -> bool:
-        entry = self._remote(reservation)
-        if entry is None:
-            return False
-        keys = self.keys(entry[1])
-        answer = self.fleet.run_script(self._start, keys[:2], [_num(redis_now), str(reservation.id)])
-        return bool(await self.fleet.call(answer))
-
     async def fleet_outstanding(self, *, redis_now: float | None = None) -> FleetOutstanding:
         """Every replica's open reservations in Redis, after reaping expired leases."""
         calls = [
