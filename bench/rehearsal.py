@@ -50,6 +50,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ from tritonclient.utils import InferenceServerException
 
 from gateway.backends.local import free_port
 from orchid_tools.evidence import publish_evidence
-from orchid_tools.harness import GatewayProcess
+from orchid_tools.harness import GatewayProcess, send_open_loop
 from orchid_tools.rollout import rollout_call
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,19 +179,22 @@ async def one_request(
 
 
 async def traffic(address: str, t0: float, stop: asyncio.Event, answers: list[Answer], args: Any) -> None:
+    """Poisson arrivals at ``args.rate`` until ``stop`` is set, open loop."""
     rng = random.Random(args.seed)
-    pending: set[asyncio.Task[Answer]] = set()
-    async with aioclient.InferenceServerClient(address) as client:
-        next_at = time.monotonic()
+    loop = asyncio.get_running_loop()
+
+    def schedule() -> Iterator[float]:
+        next_at = 0.0
         while not stop.is_set():
             next_at += rng.expovariate(args.rate)
-            delay = next_at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            task = asyncio.create_task(one_request(client, t0, rng, args))
-            pending.add(task)
-            task.add_done_callback(lambda done: (pending.discard(done), answers.append(done.result())))
-        await asyncio.gather(*pending, return_exceptions=True)
+            yield next_at
+
+    async with aioclient.InferenceServerClient(address) as client:
+
+        async def one(_: float) -> None:
+            answers.append(await one_request(client, t0, rng, args))
+
+        await send_open_loop(schedule(), one, t0=loop.time(), at=float)
 
 
 async def status(address: str, name: str) -> tuple[str, dict[str, Any]]:

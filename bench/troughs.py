@@ -50,7 +50,12 @@ sys.path.insert(0, str(REPO))
 
 from gateway._proto import admin_pb2, jobs_pb2  # noqa: E402
 from gateway.backends.local import LocalTriton  # noqa: E402
-from orchid_tools.harness import GatewayProcess, example_backend, example_config  # noqa: E402
+from orchid_tools.harness import (  # noqa: E402
+    GatewayProcess,
+    example_backend,
+    example_config,
+    send_open_loop,
+)
 
 EXAMPLE = REPO / "examples" / "orchid"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -161,7 +166,6 @@ async def drive(address: str, times: list[float], run: Run, batch: bytes | None)
         run.wall_start = time.time()
 
         async def one(at: float) -> None:
-            await asyncio.sleep(max(0.0, t0 + at - loop.time()))
             sent = loop.time()
             try:
                 raw = await infer(payload, timeout=DEADLINE_S, metadata=ORCHID)
@@ -180,7 +184,7 @@ async def drive(address: str, times: list[float], run: Run, batch: bytes | None)
                             run.ladder.append((time.time(), pool.step))
                 await asyncio.sleep(0.2)
 
-        await asyncio.gather(sample(), *(one(t) for t in times))
+        await asyncio.gather(sample(), send_open_loop(times, one, t0=t0, at=float))
         run.wall_end = time.time()
 
 

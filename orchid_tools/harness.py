@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import yaml
@@ -256,25 +256,27 @@ class GatewayProcess:
         self.stop()
 
 
-class Scheduled(Protocol):
-    @property
-    def t(self) -> float: ...
+T = TypeVar("T")
 
 
-ArrivalT = TypeVar("ArrivalT", bound=Scheduled)
+def _scheduled_t(arrival: Any) -> float:
+    return float(arrival.t)
 
 
 async def send_open_loop(
-    arrivals: Iterable[ArrivalT],
-    one: Callable[[ArrivalT], Coroutine[Any, Any, None]],
+    arrivals: Iterable[T],
+    one: Callable[[T], Coroutine[Any, Any, None]],
     hooks: Sequence[tuple[float, Callable[[], Awaitable[None]]]] = (),
     t0: float | None = None,
     lags: list[float] | None = None,
+    *,
+    at: Callable[[T], float] = _scheduled_t,
 ) -> None:
-    """Open loop: start ``one(arrival)`` at each arrival's scheduled time (``t0 + arrival.t``,
-    loop time; ``arrivals`` in order of ``t``; ``t0`` default now) whatever is still
-    outstanding, run each hook at its time, and wait for all. The send lag (actual minus
-    scheduled, ms) of every arrival goes into ``lags``."""
+    """Open loop: start ``one(arrival)`` at each arrival's scheduled time (``t0 + at(arrival)``,
+    loop time; ``at`` default the arrival's ``t``; ``arrivals`` in time order, drawn lazily: a
+    generator may end the schedule; ``t0`` default now) whatever is still outstanding, run each
+    hook at its time, and wait for all. The send lag (actual minus scheduled, ms) of every
+    arrival goes into ``lags``."""
     loop = asyncio.get_running_loop()
     start = loop.time() if t0 is None else t0
 
@@ -285,11 +287,12 @@ async def send_open_loop(
     hook_tasks = [loop.create_task(hook_at(t, fn)) for t, fn in hooks]
     tasks: set[asyncio.Task[None]] = set()
     for arrival in arrivals:
-        delay = start + arrival.t - loop.time()
+        scheduled = at(arrival)
+        delay = start + scheduled - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)  # the open-loop schedule, not synchronisation
         if lags is not None:
-            lags.append((loop.time() - start - arrival.t) * 1000.0)
+            lags.append((loop.time() - start - scheduled) * 1000.0)
         task = loop.create_task(one(arrival))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
