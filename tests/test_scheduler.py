@@ -6,6 +6,8 @@ import asyncio
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.core.dispatch import JOIN_LEAD_S, BatchShape, Waiter
 from gateway.core.dispatch import DispatchQueue as CoreQueue
@@ -642,3 +644,72 @@ def test_no_batch_while_another_pool_holds_a_device_or_the_batch_is_about_to_sta
     too_close = short_request(queue2, t + 0.0568 - JOIN_LEAD_S / 2)
     assert isinstance(too_close, Waiter) and too_close.slot is None and waiting.group is None
     assert queue2.co_batched == 0
+
+
+# ---------------------------------------------------------------- fair share without bias
+# Start-time fair queueing: a flow returning from idle starts at the system's virtual time, so
+# it is neither credited nor charged for capacity nobody else wanted; ties go by arrival.
+
+TENANT_NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    names=st.lists(TENANT_NAMES, min_size=2, max_size=2, unique=True),
+    history=st.lists(st.sampled_from((0, 1)), max_size=40),
+    arrivals=st.permutations([0] * 12 + [1] * 12),
+)
+def test_two_equal_flows_get_equal_service_whatever_their_names_and_histories(
+    names: list[str], history: list[int], arrivals: list[int]
+) -> None:
+    """Two tenants of equal weight, equal-cost requests: whoever ran alone before (``history``:
+    one request at a time, each granted at once), once both are backlogged their grants
+    alternate: at no point has one had more than one grant over the other."""
+    queue = CoreQueue("q", devices=1, slots=1, max_queued=100)
+    t = 0.0
+    for who in history:  # a tenant alone on an idle pool
+        slot = queue.request(
+            t, latest_start=t + 100.0, cost_ms=10, request_class="interactive", tenant=names[who]
+        )
+        assert isinstance(slot, CoreSlot)
+        t += 0.01
+        slot.release(t)
+    owner: dict[int, int] = {}
+    first: CoreSlot | None = None
+    for who in arrivals:  # then both at once, in some order
+        got = queue.request(
+            t, latest_start=t + 100.0, cost_ms=10, request_class="interactive", tenant=names[who]
+        )
+        if isinstance(got, CoreSlot):
+            first = got
+        else:
+            owner[id(got)] = who
+    assert first is not None
+    order: list[int] = []
+    running = first
+    while owner:
+        t += 0.01
+        running.release(t)
+        (granted_waiter,) = queue.device_set.take_changes()
+        assert granted_waiter.slot is not None
+        order.append(owner.pop(id(granted_waiter)))
+        running = granted_waiter.slot
+    served = [arrivals[0], *order]  # the first went at once, to whoever asked first
+    counts, remaining = [0, 0], [arrivals.count(0), arrivals.count(1)]
+    for who in served:
+        if min(remaining) == 0:
+            break  # one has nothing left waiting: the other takes the rest
+        counts[who] += 1
+        remaining[who] -= 1
+        assert abs(counts[0] - counts[1]) <= 1, (served, names)
+
+
+def test_at_equal_virtual_time_the_earlier_arrival_goes_first_not_the_earlier_name() -> None:
+    queue = CoreQueue("q", devices=1, slots=1, max_queued=10)
+    holder = queue.request(0.0, latest_start=9.0, cost_ms=10, request_class="c", tenant="holder")
+    assert isinstance(holder, CoreSlot)
+    zeta = queue.request(0.001, latest_start=9.0, cost_ms=10, request_class="c", tenant="zeta")
+    alpha = queue.request(0.002, latest_start=9.0, cost_ms=10, request_class="c", tenant="alpha")
+    assert isinstance(zeta, Waiter) and isinstance(alpha, Waiter)
+    holder.release(0.01)
+    assert queue.device_set.take_changes() == [zeta]

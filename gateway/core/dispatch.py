@@ -22,8 +22,13 @@ Rules (everything that decides who goes next lives here):
    time; each grant advances the chosen class's and tenant's virtual time by
    ``cost_ms / weight`` (start-time fair queuing). Under contention each
    tenant receives accelerator-ms in proportion to its weight, whatever the
-   size of its requests; a flow that wakes up starts at the current virtual
-   time, so idleness banks no credit.
+   size of its requests. A flow that wakes up starts at the system's virtual
+   time: the start tag of the latest grant while the pool is busy, the largest
+   finish tag granted once it is idle. So idleness banks no credit, and a flow
+   that ran alone on capacity nobody else wanted is not charged for it when
+   others arrive (with each flow's own clock it was: a newcomer took nearly
+   every grant until it caught up). Ties of virtual time go to the flow whose
+   waiting work arrived first, never by tenant name.
 2. **Least slack first inside a flow**: earliest latest-start (deadline minus
    predicted execution) first, FIFO among equals. Plain earliest-deadline-first
    would keep a long request behind every short one that arrives with a nearer
@@ -550,6 +555,12 @@ class DispatchQueue:
         self._inflight: set[Slot] = set()
         self._classes: dict[str, _Flow] = {}  # class -> its virtual time and weight (heap unused)
         self._flows: dict[tuple[str, str], _Flow] = {}
+        # The system virtual times (start-time fair queueing), among classes and, per class,
+        # among its tenants: while the pool is busy, the start tag of the latest grant; once it
+        # is idle, the largest finish tag granted. A flow returning from idle starts there:
+        # neither credited nor charged for capacity nobody else wanted (rule 1).
+        self._class_vclock = (0.0, 0.0)  # (latest start tag, largest finish tag)
+        self._tenant_vclock: dict[str, tuple[float, float]] = {}
         self._last_tenant: tuple[str, str] | None = None
         self._consecutive = 0
         self.granted_ms: dict[tuple[str, str], float] = {}  # accelerator-ms granted per flow
@@ -668,8 +679,7 @@ class DispatchQueue:
                     )
         if fair and flow is not None:
             own = self._flows.get(flow)
-            siblings = {k: f for k, f in self._flows.items() if k[0] == flow[0]}
-            start_vtime = self._active_vtime(siblings)
+            start_vtime = self._system_vtime(self._tenant_vclock.get(flow[0]))
             if own is not None and own.live:
                 start_vtime = own.vtime
             elif own is not None:
@@ -794,25 +804,20 @@ class DispatchQueue:
         self.pushed_out += 1
         return True
 
-    def _active_vtime(self, table: dict[str, _Flow] | dict[tuple[str, str], _Flow]) -> float:
-        active = [f.vtime for f in table.values() if f.live > 0]
-        return min(active) if active else 0.0
-
     def _enqueue(self, waiter: Waiter, weight: float, class_weight: float) -> None:
         request_class, _ = waiter.flow
         cls = self._classes.get(request_class)
         if cls is None:
             cls = self._classes[request_class] = _Flow()
-        if cls.live == 0:  # waking up: start at the current virtual time, bank no credit
-            cls.vtime = max(cls.vtime, self._active_vtime(self._classes))
+        if cls.live == 0:  # waking up: start at the system's virtual time, bank no credit
+            cls.vtime = max(cls.vtime, self._system_vtime(self._class_vclock))
         cls.weight = class_weight
         cls.live += 1
         flow = self._flows.get(waiter.flow)
         if flow is None:
             flow = self._flows[waiter.flow] = _Flow()
         if flow.live == 0:
-            siblings = {k: f for k, f in self._flows.items() if k[0] == request_class}
-            flow.vtime = max(flow.vtime, self._active_vtime(siblings))
+            flow.vtime = max(flow.vtime, self._system_vtime(self._tenant_vclock.get(request_class)))
         flow.weight = weight
         flow.live += 1
         heapq.heappush(flow.heap, waiter)
@@ -830,13 +835,38 @@ class DispatchQueue:
     def _charge(self, flow_key: tuple[str, str], cost_ms: float, weight: float, class_weight: float) -> None:
         cls = self._classes.setdefault(flow_key[0], _Flow())
         flow = self._flows.setdefault(flow_key, _Flow())
+        # Its start tag: its own virtual time, or the system's if it was idle (granted at once).
+        cls.vtime = max(cls.vtime, self._system_vtime(self._class_vclock))
+        tenant_clock = self._tenant_vclock.get(flow_key[0], (0.0, 0.0))
+        flow.vtime = max(flow.vtime, self._system_vtime(tenant_clock))
+        tenant_finish = tenant_clock[1]
+        class_start = cls.vtime
+        tenant_start = flow.vtime
         cls.vtime += cost_ms / max(class_weight, 1e-9)
         flow.vtime += cost_ms / max(weight, 1e-9)
+        self._class_vclock = (class_start, max(self._class_vclock[1], cls.vtime))
+        self._tenant_vclock[flow_key[0]] = (tenant_start, max(tenant_finish, flow.vtime))
         self.granted_ms[flow_key] = self.granted_ms.get(flow_key, 0.0) + cost_ms
         if flow_key == self._last_tenant:
             self._consecutive += 1
         else:
             self._last_tenant, self._consecutive = flow_key, 1
+
+    def _system_vtime(self, clock: tuple[float, float] | None) -> float:
+        """The system virtual time of a (start, finish) clock: the latest grant's start tag while
+        the pool has work in flight or waiting, the largest finish tag once it is idle."""
+        if clock is None:
+            return 0.0
+        start, finish = clock
+        return start if (self._inflight or self.queued) else finish
+
+    @staticmethod
+    def _head(flow: _Flow) -> Waiter | None:
+        """The flow's first waiter by latest start (withdrawn ones dropped from the heap's top)."""
+        heap = flow.heap
+        while heap and not heap[0].live:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
     def _next_waiter(
         self, *, long_ok: Callable[[Waiter], bool] | None = None, prefer_long: bool = False
@@ -846,23 +876,31 @@ class DispatchQueue:
         earliest short waiter; with ``prefer_long`` (a long request's device just freed) its
         earliest long waiter that may take it."""
         free_for_ordinary = self._free("") > 0
+        # Ties of virtual time go to the flow whose waiting work arrived first, never by name.
+        heads = {key: self._head(f) for key, f in self._flows.items() if f.live > 0}
+        first_seq: dict[str, int] = {}
+        for (name, _), head in heads.items():
+            if head is not None:
+                first_seq[name] = min(first_seq.get(name, head.seq), head.seq)
         classes = sorted(
-            (f.vtime, name)
+            (f.vtime, first_seq.get(name, 0), name)
             for name, f in self._classes.items()
             if f.live > 0 and (free_for_ordinary or name == CONTROL_CLASS)
         )
-        for _, name in classes:
-            flows = sorted((f.vtime, key) for key, f in self._flows.items() if key[0] == name and f.live > 0)
+        for _, _, name in classes:
+            flows = sorted(
+                (self._flows[key].vtime, head.seq, key)
+                for key, head in heads.items()
+                if key[0] == name and head is not None
+            )
             if (
                 len(flows) > 1
-                and flows[0][1] == self._last_tenant
+                and flows[0][2] == self._last_tenant
                 and self._consecutive >= self.max_consecutive
             ):
                 flows = flows[1:] + flows[:1]  # turn cap: someone else goes first
-            for _, key in flows:
+            for _, _, key in flows:
                 heap = self._flows[key].heap
-                while heap and not heap[0].live:
-                    heapq.heappop(heap)
                 if heap and prefer_long and not heap[0].long:
                     waiting_long = [w for w in heap if w.live and w.long and (long_ok is None or long_ok(w))]
                     if waiting_long:
