@@ -85,6 +85,10 @@ from gateway.streams import StreamSession
 
 log = logging.getLogger(__name__)
 
+# New work the ladder's shedder may refuse at step 5: online requests and new streams (a stream
+# already admitted runs on; async and batch work is deferred from step 4 instead).
+SHED_MODES = frozenset({Mode.ONLINE, Mode.STREAMING})
+
 # A random (version 4) UUID's bits: everything but the version and variant fields are random.
 _UUID4_RANDOM = ~((0xF000 << 64) | (0xC000 << 48))
 _UUID4_FIXED = (4 << 76) | (0x8000 << 48)
@@ -484,7 +488,7 @@ class Gateway:
                 ),
             )
         shed = False
-        if primary.policy.allowed and mode is Mode.ONLINE and load.shed(flow):
+        if primary.policy.allowed and mode in SHED_MODES and load.shed(flow):
             # Part of this flow's excess at step 5+: policy decides how it is refused.
             shed = True
             context = dataclasses.replace(context, load=dataclasses.replace(context.load, shed=True))
@@ -537,7 +541,7 @@ class Gateway:
             )
             # The fallback is judged on its own pool's load: a request shed on the primary is
             # not thereby shed on the fallback, and the fallback's own excess is its own.
-            f_shed = mode is Mode.ONLINE and fallback_load.shed(f_flow)
+            f_shed = mode in SHED_MODES and fallback_load.shed(f_flow)
             f_context = dataclasses.replace(
                 context,
                 load=LoadFacts(

@@ -41,14 +41,16 @@ def request(n: int = 64, **params: Any) -> service_pb2.ModelInferRequest:
     return req
 
 
-def pin(running: ThreadedGateway, step: int, utilization: float, *, lumen: float = 0.0) -> None:
+def pin(
+    running: ThreadedGateway, step: int, utilization: float, *, lumen: float = 0.0, pool: str = POOL
+) -> None:
     """Pin the pool's ladder at ``step`` and its flows' demand (orchid's interactive flow at
     ``utilization`` of the envelope, lumen's at ``lumen``), planned by the production planner."""
     gw = running.server.gateway
     assert gw is not None
 
     def apply() -> None:
-        load = gw.loads[POOL]
+        load = gw.loads[pool]
         now = time.monotonic()
         load.ladder.state = LadderState(LadderStep(step), False, "pinned by the test", False, now)
         load.evidence = LoadEvidence(
@@ -166,6 +168,35 @@ def test_each_step_has_its_effect(pinned: ThreadedGateway, monkeypatch: pytest.M
         # Admitted shares: step 5 (1 - 0.2) / 2.0 = 40 %, step 6 (2/3) / 2.0 = 33 %.
         assert 60 - shed5 == pytest.approx(24, abs=2) and 60 - shed6 == pytest.approx(20, abs=2)
         assert shed5 < shed6 < 60, (seen5, seen6)
+
+
+def test_step_5_sheds_the_excess_of_new_streams_as_of_online_work(pinned: ThreadedGateway) -> None:
+    """A new stream is new work: at step 5 the excess of a flow's new streams is refused early by
+    the ladder's own rule with retry guidance, the rest admitted (issue 28: streams were never
+    shed). The stream pool has no fallback."""
+    from tests.test_protocol import _stream_tokens
+
+    def stream() -> str:
+        replies = _stream_tokens(
+            pinned.address,
+            dict(AUTH),
+            "full-v18-stream",
+            16,
+            2,
+            parameters={"orchid.max_output_tokens": 2},
+        )
+        if any(isinstance(r, Exception) for r in replies):
+            (error,) = replies
+            return str(error)
+        return "ok"
+
+    assert stream() == "ok"  # creates the stream pool's load
+    pin(pinned, 5, 2.0, pool="local/full-v18-stream")
+    seen = Counter(stream() for _ in range(30))
+    shed = sum(n for text, n in seen.items() if "shedding new streaming work" in text)
+    assert "RESOURCE_EXHAUSTED" in next(text for text in seen if text != "ok"), seen
+    # Admitted share at twice the envelope: 1 / 2.0 = 50 %.
+    assert 8 <= shed <= 22 and seen["ok"] + shed == 30, seen
 
 
 def test_step_1_stops_shadow_traffic(pinned: ThreadedGateway, triton: LocalTriton) -> None:
