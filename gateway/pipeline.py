@@ -10,7 +10,6 @@ about gRPC servers: ``protocol`` adapts it to ``inference.GRPCInferenceService``
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -240,7 +239,6 @@ class Gateway:
         self.estimator = Estimator()
         self.pool_timing: dict[str, PoolTiming] = {}
         self._stats_samples: dict[str, StatsSample] = {}
-        self.inflight: set[asyncio.Task[object]] = set()
         self.operations = OnlineOperations()  # online requests' orchid.operation_id
         self.accepting = True
 

@@ -140,7 +140,7 @@ def test_seed_arithmetic_normal_and_surge() -> None:
     assert surge_state.step == LadderStep.DEFER_BATCH
     assert "offered 20461 ms/s = 121.8% of protected 16800 ms/s" in surge_state.reason
     relieved = evidence(offered=SEED_SURGE, capacity=capacity, relief=SEED_RELIEF)
-    assert relieved.effective_utilization == pytest.approx(0.90997, abs=1e-5)
+    assert relieved.utilization * relieved.relief_factor == pytest.approx(0.90997, abs=1e-5)
     assert OverloadLadder().update(relieved).step == LadderStep.FALLBACK
 
     # Over the 10 s span the surge's standard error is sqrt(1.25 x 10 x sum x^2 per s) / 10 =

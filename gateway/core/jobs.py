@@ -197,10 +197,6 @@ def operation_status(kind: Kind, counts: Counts, *, cancel_requested: bool, expi
     return OpStatus.QUEUED
 
 
-def is_expired(now: float, complete_by: float) -> bool:
-    return now >= complete_by
-
-
 def results_expire_at(finished_at: float, limits: JobLimits) -> float:
     return finished_at + limits.result_retention_s
 

@@ -451,11 +451,6 @@ class LoadEvidence:
         return max(self._over_capacity(r.lower_bound(z)) for r in self.readings)
 
     @property
-    def effective_utilization(self) -> float:
-        """Utilization after the fallback's relief: what steps 4-6 are judged by (rule 7)."""
-        return self.utilization * self.relief_factor
-
-    @property
     def relief_factor(self) -> float:
         return self.relief if math.isfinite(self.relief) and 0.0 < self.relief <= 1.0 else 1.0
 

@@ -429,9 +429,6 @@ class PolicySnapshot:
     def rule(self, rule_id: str) -> Rule:
         return self._by_id[rule_id]
 
-    def stage_rules(self, stage: Stage) -> tuple[Rule, ...]:
-        return self._stages[stage]
-
     # -- evaluation ----------------------------------------------------------
 
     def evaluate(
