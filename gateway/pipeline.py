@@ -467,7 +467,7 @@ class Gateway:
         context = self._policy_context(
             tenant, route, cell, load, quota, reduce_output=reduce_output, evidence=verdicts
         )
-        primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context))
+        primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context, policy))
         # Offered demand is admissible work, priced on the model asked for, before any ladder
         # action: a request its own tenant's quota, entitlement or policy refuses is not load
         # (the flooder's excess is its own problem); one refused for want of capacity is.
@@ -490,7 +490,7 @@ class Gateway:
             # Part of this flow's excess at step 5+: policy decides how it is refused.
             shed = True
             context = dataclasses.replace(context, load=dataclasses.replace(context.load, shed=True))
-            primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context))
+            primary = admission.Candidate(priced.record, self.policy.evaluate(priced.record, context, policy))
         effects = overload_effects(load.step)
         fallback: admission.Candidate | None = None
         fallback_priced: _Priced | None = None
@@ -550,7 +550,7 @@ class Gateway:
                 ),
             )
             fallback = admission.Candidate(
-                fallback_priced.record, policy.evaluate(fallback_priced.record, f_context)
+                fallback_priced.record, self.policy.evaluate(fallback_priced.record, f_context, policy)
             )
             if f_shed:
                 fallback_load.offer(now, f_flow, fallback_priced.record.demand.accelerator_ms)

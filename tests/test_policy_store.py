@@ -182,3 +182,20 @@ def test_metrics_module_can_be_imported_twice() -> None:
     before = metrics.POLICY_RELOADS
     reloaded = importlib.reload(metrics)
     assert reloaded.POLICY_RELOADS is before
+
+
+def test_a_request_is_judged_by_the_snapshot_it_took_across_a_reload(tmp_path: Path) -> None:
+    """Every candidate of one request (primary, fallback) is evaluated with the snapshot the
+    request took, and counted in the evaluation metrics, even when a reload lands in between."""
+    directory = tmp_path / "policies"
+    write(directory, GOOD.format(limit=2048))
+    store = PolicyStore(directory)
+    assert store.reload().ok
+    taken = store.current()
+    write(directory, GOOD.format(limit=8192))
+    assert store.reload().ok and store.current() is not taken
+    record, context = build_inputs({"shape": {"input_tokens": 4096}})
+    evaluated = REGISTRY.get_sample_value("orchid_policy_eval_seconds_count") or 0.0
+    assert store.evaluate(record, context, taken).rule == "deny-long"  # the request's snapshot
+    assert store.evaluate(record, context).rule != "deny-long"  # a new request: the live one
+    assert REGISTRY.get_sample_value("orchid_policy_eval_seconds_count") == evaluated + 2

@@ -105,9 +105,13 @@ class PolicyStore:
             raise Unavailable("policy is not loaded yet")
         return snapshot
 
-    def evaluate(self, record: RequestRecord, context: PolicyContext) -> PolicyResult:
-        """Evaluate with the live snapshot and record latency, errors and fail-open in metrics."""
-        result = self.current().evaluate(record, context, timer=time.perf_counter_ns)
+    def evaluate(
+        self, record: RequestRecord, context: PolicyContext, snapshot: PolicySnapshot | None = None
+    ) -> PolicyResult:
+        """Evaluate with ``snapshot`` (default: the live one) and record latency, errors and
+        fail-open in metrics. A request's candidates are all judged by the one snapshot it took
+        (``current``): a reload between them must not judge them by two policy versions."""
+        result = (snapshot or self.current()).evaluate(record, context, timer=time.perf_counter_ns)
         POLICY_EVAL_SECONDS.observe(result.eval_us / 1e6)
         for error in result.errors:
             POLICY_RULE_ERRORS.labels(error.rule).inc()
