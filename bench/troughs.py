@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import sqlite3
@@ -184,7 +185,7 @@ async def drive(address: str, times: list[float], run: Run, batch: bytes | None)
                             run.ladder.append((time.time(), pool.step))
                 await asyncio.sleep(0.2)
 
-        await asyncio.gather(sample(), send_open_loop(times, one, t0=t0, at=float))
+        await asyncio.gather(sample(), send_open_loop(times, one, t0=t0, at=float, lead_s=math.inf))
         run.wall_end = time.time()
 
 

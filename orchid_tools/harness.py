@@ -271,12 +271,18 @@ async def send_open_loop(
     lags: list[float] | None = None,
     *,
     at: Callable[[T], float] = _scheduled_t,
+    lead_s: float = 0.0,
 ) -> None:
     """Open loop: start ``one(arrival)`` at each arrival's scheduled time (``t0 + at(arrival)``,
-    loop time; ``at`` default the arrival's ``t``; ``arrivals`` in time order, drawn lazily: a
-    generator may end the schedule; ``t0`` default now) whatever is still outstanding, run each
-    hook at its time, and wait for all. The send lag (actual minus scheduled, ms) of every
-    arrival goes into ``lags``."""
+    loop time; ``at`` default the arrival's ``t``; ``t0`` default now) whatever is still
+    outstanding, run each hook at its time, and wait for all. The send lag (actual minus
+    scheduled, ms) of every arrival goes into ``lags``.
+
+    ``arrivals`` are in time order and drawn lazily (a generator may end the schedule). With
+    ``lead_s`` 0 one sender sleeps to each time and starts the arrival's task there; with
+    ``lead_s`` > 0 each arrival's task is started up to ``lead_s`` ahead and sleeps to its own
+    time (``math.inf``: every task at once, each on its own timer). An exception ``one`` lets
+    out is raised once every arrival is done."""
     loop = asyncio.get_running_loop()
     start = loop.time() if t0 is None else t0
 
@@ -284,18 +290,41 @@ async def send_open_loop(
         await asyncio.sleep(max(0.0, start + t - loop.time()))  # the hook's place in the schedule
         await fn()
 
-    hook_tasks = [loop.create_task(hook_at(t, fn)) for t, fn in hooks]
-    tasks: set[asyncio.Task[None]] = set()
-    for arrival in arrivals:
-        scheduled = at(arrival)
+    def sent(scheduled: float) -> None:
+        if lags is not None:
+            lags.append((loop.time() - start - scheduled) * 1000.0)
+
+    async def on_time(arrival: T, scheduled: float) -> None:
         delay = start + scheduled - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)  # the open-loop schedule, not synchronisation
-        if lags is not None:
-            lags.append((loop.time() - start - scheduled) * 1000.0)
-        task = loop.create_task(one(arrival))
+        sent(scheduled)
+        await one(arrival)
+
+    hook_tasks = [loop.create_task(hook_at(t, fn)) for t, fn in hooks]
+    tasks: set[asyncio.Task[None]] = set()
+    errors: list[BaseException] = []
+
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            errors.append(error)
+
+    for arrival in arrivals:
+        scheduled = at(arrival)
+        delay = start + scheduled - lead_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the open-loop schedule, not synchronisation
+        if lead_s > 0:
+            task = loop.create_task(on_time(arrival, scheduled))
+        else:
+            sent(scheduled)
+            task = loop.create_task(one(arrival))
         tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        task.add_done_callback(done)
     if tasks:
         await asyncio.wait(tasks)
     await asyncio.gather(*hook_tasks)
+    if errors:
+        raise errors[0]  # what ``one`` did not handle is the caller's, not lost

@@ -8,7 +8,7 @@ gateway (not the client's deadline) answered.
 
 from __future__ import annotations
 
-import asyncio
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +20,7 @@ import yaml
 from tritonclient.grpc import service_pb2
 
 from gateway.config import GatewayConfig, StateConfig
-from orchid_tools.harness import GatewayProcess, example_config
+from orchid_tools.harness import GatewayProcess, example_config, send_open_loop
 from tests.conftest import EXAMPLE_CONFIG, TIME_FACTOR, gateway_config
 from tests.redis_server import free_port
 
@@ -83,14 +83,12 @@ async def flood(
     answers: list[Answer] = []
     channels = [grpc.aio.insecure_channel(a) for a in addresses]
     calls = [c.unary_unary(INFER) for c in channels]
-    t0 = time.monotonic() + 0.1
+    t0 = time.monotonic() + 0.1  # the loop's clock: asyncio's loop.time() is time.monotonic()
     if marks is not None:
         marks["start"] = t0
 
-    async def one(replica: int, at: float) -> None:
-        delay = t0 + at - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)  # the open-loop schedule, not synchronisation
+    async def one(send: tuple[int, float]) -> None:
+        replica = send[0]
         sent = time.monotonic()
         try:
             raw = await calls[replica](
@@ -105,9 +103,12 @@ async def flood(
             answers.append(Answer(replica, sent, time.monotonic(), error.code().name, rule, 0.0, bool(rule)))
 
     count = int(seconds * rate_per_replica)
-    tasks = [one(replica, i / rate_per_replica) for replica in range(len(addresses)) for i in range(count)]
+    sends = sorted(
+        ((replica, i / rate_per_replica) for replica in range(len(addresses)) for i in range(count)),
+        key=lambda send: send[1],
+    )
     try:
-        await asyncio.gather(*tasks)
+        await send_open_loop(sends, one, t0=t0, at=lambda send: send[1], lead_s=math.inf)
     finally:
         for channel in channels:
             await channel.close()
