@@ -3,7 +3,7 @@
 This module runs its own Triton in explicit model-control mode (only full-v18 and
 compact-v11 loaded at start) over a copy of the example repository with candidate versions
 of full-v18 added: ``full-v19`` (the shipped candidate), ``full-v19-slow`` (the emulator's
-time factor raised 12x for it), ``full-v19-badload`` and ``full-v19-oom`` (forced allocation
+time factor raised 100x for it), ``full-v19-badload`` and ``full-v19-oom`` (forced allocation
 failures through the emulator's ``ORCHID_FAULT_DIR``: at load, and from the first execution
 after the warm-up). Rollouts are started through the admin RPC (``orchid_tools.rollout``),
 while three closed-loop clients keep sending: tenant orchid short (the canary cohort), tenant
@@ -57,7 +57,9 @@ __all__ = ["redis_server"]  # the fixture, imported
 
 CANDIDATES: dict[str, dict[str, str]] = {
     "full-v19": {"instances": "4"},  # as many devices as full-v18: it may be promoted
-    "full-v19-slow": {"time_factor_scale": "25"},
+    # 100x slower: a short canary (256 / 16 tokens, 1.8 ms at the tests' factor) takes 184 ms, so
+    # its p95 ratio stays over 2 unless the current version's p95 is over 92 ms (see the test).
+    "full-v19-slow": {"time_factor_scale": "100"},
     "full-v19-badload": {},
     "full-v19-oom": {},
     "full-v19-small": {},  # one instance: fewer devices than full-v18, never promoted on its own
@@ -257,7 +259,9 @@ class SteadyLoad:
         return list(self.answers)
 
 
-def rollout_file(tmp_path: Path, name: str, candidate: str, *, max_ratio: float) -> Path:
+def rollout_file(
+    tmp_path: Path, name: str, candidate: str, *, max_ratio: float, interval_s: float = 0.5
+) -> Path:
     spec: dict[str, Any] = {
         "name": name,
         "route": "full-v18",
@@ -282,7 +286,7 @@ def rollout_file(tmp_path: Path, name: str, candidate: str, *, max_ratio: float)
             },
             {"kind": "promote"},
         ],
-        "analysis": {"interval_s": 0.5, "min_samples": 5},
+        "analysis": {"interval_s": interval_s, "min_samples": 5},
         "guardrails": [
             {"metric": "completion_p95_ratio", "max": max_ratio, "failures": 2},
             {"metric": "error_rate_delta", "max": 0.0, "failures": 1},
@@ -328,6 +332,15 @@ def wait_until(condition: Callable[[], bool], what: str, *, timeout_s: float = W
         time.sleep(0.01)  # the poll interval of a bounded condition wait
 
 
+def verdicts(rollout: Any) -> list[tuple[int, int, dict[str, float], tuple[str, ...]]]:
+    """Each conclusive interval's samples (candidate, current), values and failed metrics."""
+    return [
+        (i.candidate_samples, i.current_samples, {k: round(v, 2) for k, v in i.values.items()}, i.failed)
+        for i in rollout.intervals
+        if i.conclusive
+    ]
+
+
 def no_failures(answers: list[Answer]) -> None:
     failed = [a for a in answers if a.error]
     assert not failed, f"{len(failed)} of {len(answers)} client requests failed: {failed[:3]}"
@@ -339,7 +352,11 @@ def no_failures(answers: list[Answer]) -> None:
 def test_good_candidate_warms_canaries_its_cohort_and_is_promoted_then_the_old_drains(
     gateway: ThreadedGateway, stack: Stack, tmp_path: Path
 ) -> None:
-    run, answers = rehearse(gateway, rollout_file(tmp_path, "good", "full-v19", max_ratio=4.0))
+    # Intervals of 2 s: each version's p95 over about 60 samples (the 4th largest), not the
+    # largest of 14-18 (0.5 s), which one stall of the loaded machine on the candidate's side
+    # put over 4x the current's (seen: [(), ('completion_p95_ratio',), ()]).
+    path = rollout_file(tmp_path, "good", "full-v19", max_ratio=4.0, interval_s=2.0)
+    run, answers = rehearse(gateway, path)
     rollout = run.rollout
     assert rollout.phase is Phase.COMPLETE, rollout.reason
     assert rollout.ready_at is not None and rollout.promoted_at is not None
@@ -365,12 +382,10 @@ def test_good_candidate_warms_canaries_its_cohort_and_is_promoted_then_the_old_d
     assert report["safe_to_remove_after_s"] is not None and report["unload_s"] is not None
     assert repository_states(stack.triton.address)["full-v18"] == "UNAVAILABLE"
     assert repository_states(stack.triton.address)["full-v19"] == "READY"
-    # Promotion at the canary step's second conclusive passing interval. (On a starved machine
-    # one interval's p95 ratio may exceed its max with 14-18 samples a side: the latency
-    # guardrail tolerates one such interval, failures: 2, and the step then takes one more.)
+    # Two conclusive passing intervals of the canary step, then promotion.
     conclusive = [i for i in rollout.intervals if i.conclusive]
-    passing = [i for i in conclusive if not i.failed]
-    assert len(passing) == 2 and conclusive[-1] is passing[-1], [i.failed for i in conclusive]
+    print(f"\ngood candidate's intervals: {verdicts(rollout)}")
+    assert len(conclusive) == 2 and not any(i.failed for i in conclusive), verdicts(rollout)
     # The status page's JSON shows it.
     board = gateway.server.status_board
     rollouts = gateway.call_soon(lambda: board.snapshot()["rollouts"])
@@ -399,17 +414,21 @@ def test_good_candidate_warms_canaries_its_cohort_and_is_promoted_then_the_old_d
 def test_slow_candidate_is_rolled_back_within_its_analysis_intervals(
     gateway: ThreadedGateway, stack: Stack, tmp_path: Path
 ) -> None:
-    run, answers = rehearse(gateway, rollout_file(tmp_path, "slow", "full-v19-slow", max_ratio=2.0))
+    # Intervals of 3 s: about 15 canaries of 184 ms a side (min_samples 5 even if every request
+    # took 100 ms more); an interval passes only if the current version's p95 (the largest of
+    # its ~15) is over 92 ms. At 25x (46 ms) and 0.5 s intervals, one current answer past 23 ms
+    # let an interval pass (ratios measured 4-10 per interval with 7-9 samples a side).
+    path = rollout_file(tmp_path, "slow", "full-v19-slow", max_ratio=2.0, interval_s=3.0)
+    run, answers = rehearse(gateway, path)
     rollout = run.rollout
     assert rollout.phase is Phase.ROLLED_BACK, rollout.report()
     assert rollout.reason.startswith("guardrail completion_p95_ratio"), rollout.reason
     no_failures(answers)
-    # Rolled back at the close of the second consecutive failing interval (failures: 2). (On a
-    # starved machine the p95 ratio of a 25x slower candidate measured 4-10 per interval with
-    # 7-9 samples a side; one interval under the max before the two is tolerated: a step
-    # needs two passes, so a second would have promoted it.)
+    # Rolled back at the close of the second consecutive failing interval (failures: 2).
     conclusive = [i for i in rollout.intervals if i.conclusive]
-    assert [i.failed for i in conclusive[-2:]] == [("completion_p95_ratio",)] * 2, conclusive
+    print(f"\nslow candidate's intervals: {verdicts(rollout)}")
+    assert len(conclusive) == 2, verdicts(rollout)
+    assert all(i.failed == ("completion_p95_ratio",) for i in conclusive), verdicts(rollout)
     assert rollout.intervals[-1] is conclusive[-1]  # no interval closed after the second
     assert rollout.rolled_back_at is not None and rollout.rolled_back_at >= conclusive[-1].ended_at
     # Routed back at once: nothing sent after the rollback went to the candidate.
