@@ -24,10 +24,11 @@ What must hold, measured in the run:
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -79,6 +80,22 @@ def gateway_process(triton_noisy: LocalTriton, tmp_path_factory: pytest.TempPath
         yield gateway.address
 
 
+def emulator_device_ms() -> Callable[[int], float]:
+    """Device-ms the capacity emulator holds an instance for one of these requests alone,
+    by output tokens: its own cost model (``fixed_ms + prefill_ms_per_token x input +
+    decode_ms_per_token x output``, times the time factor) with the parameters of full-v18's
+    ``config.pbtxt``, read independently of the gateway's routes, estimator and charges."""
+    config = (ROOT / "examples" / "orchid" / "model_repository" / "full-v18" / "config.pbtxt").read_text()
+
+    def param(key: str) -> float:
+        found = re.search(rf'key: "{key}", value: {{ string_value: "([0-9.]+)" }}', config)
+        assert found is not None, key
+        return float(found.group(1))
+
+    fixed, prefill, decode = param("fixed_ms"), param("prefill_ms_per_token"), param("decode_ms_per_token")
+    return lambda output_tokens: (fixed + prefill * INPUT_TOKENS + decode * output_tokens) * NOISY_TIME_FACTOR
+
+
 def infer_request() -> bytes:
     request = service_pb2.ModelInferRequest(model_name="full-v18")
     tensor = request.inputs.add(name="INPUT_IDS", datatype="INT32")
@@ -115,7 +132,7 @@ def drive(address: str, sends: list[tuple[float, str]], deadline_s: float) -> li
             reply = service_pb2.ModelInferResponse.FromString(future.result())
             outcome["status"] = "OK"
             outcome["approximation"] = reply.parameters["orchid.approximation"].string_param
-            outcome["charged_ms"] = reply.parameters["orchid.charged_accelerator_ms"].double_param
+            outcome["output_tokens"] = int(reply.outputs[0].shape[-1])  # what Triton generated
             outcome["model"] = reply.parameters["orchid.model"].string_param
         else:
             assert isinstance(error, grpc.Call)
@@ -172,17 +189,27 @@ def test_a_flooding_neighbour_costs_the_in_share_tenant_nothing(gateway_process:
     # own requests whose predicted start slipped (late) or that it could never finish in time.
     assert len(early) >= 0.9 * len(refused), flood_report
 
-    # Served accelerator-ms: lumen at most its share plus what orchid left idle of what the
-    # ladder plans to fill (plan_utilization of the devices' raw time; the example config
-    # keeps the default).
+    # Served accelerator-ms, by an independent ruler: the device time the emulator held for
+    # each answer (its own cost model from full-v18's config.pbtxt, on the tokens Triton
+    # actually generated), not the gateway's charge. Lumen at most its share plus what orchid
+    # left idle of what the ladder plans to fill (plan_utilization of the devices' raw time;
+    # the example config keeps the default).
+    device_ms = emulator_device_ms()
+
+    def held_ms(outcome: dict[str, object]) -> float:
+        tokens = outcome["output_tokens"]
+        assert isinstance(tokens, int)
+        return device_ms(tokens)
+
     envelope_ms = DEVICES * LadderConfig().plan_utilization * 1000.0 * FLOOD_S
     orchid_ms = sum(
-        float(r["charged_ms"])  # type: ignore[arg-type]
+        held_ms(r)
         for r in on_time
         if BEFORE_S <= float(r["at"]) < BEFORE_S + FLOOD_S  # type: ignore[arg-type]
+        and r["model"] == "full-v18"
     )
     lumen_ms = sum(
-        float(r["charged_ms"])  # type: ignore[arg-type]
+        held_ms(r)
         for r in flooder
         if r["status"] == "OK" and r["model"] == "full-v18"  # the fallback runs on its own devices
     )
