@@ -39,6 +39,7 @@ import yaml
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.local import free_port, stop_process_group
+from gateway.yaml_source import read_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "orchid"
@@ -48,7 +49,7 @@ READY = "/inference.GRPCInferenceService/ServerReady"
 
 def example_settings() -> dict[str, Any]:
     """``examples/orchid/gateway.yaml`` as written (its paths relative to it)."""
-    settings: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    settings: dict[str, Any] = read_yaml(EXAMPLE_CONFIG).value()
     return settings
 
 
