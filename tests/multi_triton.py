@@ -78,6 +78,17 @@ class DeviceGroup:
         }
 
 
+def stop_all(groups: Sequence[DeviceGroup]) -> None:
+    """Stop the groups' Tritons side by side (each may take its exit timeout to drain)."""
+    import threading
+
+    threads = [threading.Thread(target=g.triton.stop, daemon=True) for g in groups]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def start_all(groups: Sequence[DeviceGroup]) -> None:
     """Start the groups' Tritons side by side (each waits for its own readiness); on a
     failure, stop the ones that did start."""
@@ -97,8 +108,7 @@ def start_all(groups: Sequence[DeviceGroup]) -> None:
     for thread in threads:
         thread.join()
     if errors:
-        for group in groups:
-            group.triton.stop()
+        stop_all(groups)
         raise errors[0]
 
 

@@ -36,9 +36,9 @@ Within one flow, *which* of its requests carry the share the plan diverts is dec
 flow's credit picker over the flow's arrival order, re-planned every 100 ms; live, a re-plan
 falls between other arrivals than in virtual time, so the split of a flow's diversions between
 its short and long requests moves from run to run (live, 28 to 36 of 57 longs admitted at full
-quality in repeated runs against a simulated 36) while the flow's total holds within a few
-requests. The per-arrival-class counts are therefore held to a looser 20 %: wide enough for
-that split, tight enough to catch a class the live gateway treats differently.
+quality in repeated runs, against a single simulated 36 before the band). The simulated band
+moves with it (32 to 38 of those longs at the measured overhead 0.8-1.2x), so the
+per-arrival-class counts are held to the same 10 % beyond the band as the flows' totals.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ TIME_FACTOR = 1.0
 
 KEYS = {"orchid": ORCHID_KEY, "lumen": LUMEN_KEY}
 TOLERANCE = 0.10  # of a flow's requests
-SPLIT_TOLERANCE = 0.20  # of an arrival class's requests (see the module docstring)
+SPLIT_TOLERANCE = 0.10  # of an arrival class's requests, beyond the band (the module docstring)
 TIMING_FREE = ("lumen-compact", "orchid-impossible")
 # The statuses a refusal or a miss can be: shed or out of quota, a deadline no pool could meet
 # (or the caller's own timeout), a model the tenant may not call (NOT_FOUND, like a missing

@@ -79,6 +79,7 @@ from tests.multi_triton import (
     group_cpu_s,
     machine_busy,
     start_all,
+    stop_all,
     warm_instances,
 )
 
@@ -159,8 +160,7 @@ def fleet(tmp_path: Path) -> Iterator[tuple[list[DeviceGroup], GatewayProcess]]:
     finally:
         if gateway is not None:
             gateway.stop()
-        for group in groups:
-            group.triton.stop()
+        stop_all(groups)
 
 
 def share(part: int, whole: int) -> float:
