@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import shutil
 import threading
 import time
@@ -146,6 +147,13 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
         yield server
     finally:
         server.stop()
+
+
+def emulator_parameters(model: str) -> dict[str, str]:
+    """An example model's ``config.pbtxt`` parameters: what the capacity emulator itself runs
+    on (its cost model and device memory), read independently of the gateway's routes."""
+    text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+    return dict(re.findall(r'key: "([^"]+)", value: \{ string_value: "([^"]*)" \}', text))
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from gateway.core.profile import GIB
 from gateway.scheduler import DispatchQueue
 from orchid_tools.capacity import compute_worksheet, load_workload
 from orchid_tools.virtual_time import now, virtual_time
-from tests.conftest import EXAMPLE_CONFIG, MODEL_REPOSITORY, ROOT
+from tests.conftest import EXAMPLE_CONFIG, MODEL_REPOSITORY, ROOT, emulator_parameters
 
 WORKLOAD = ROOT / "examples" / "orchid" / "workload.yaml"
 
@@ -241,11 +241,6 @@ def test_a_model_that_cannot_fit_its_backends_devices_fails_to_load_at_its_line(
 # ---------------------------------------------------------------- the emulator's declared numbers
 
 
-def _parameters(model: str) -> dict[str, str]:
-    text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
-    return dict(re.findall(r'key: "([^"]+)", value: \{ string_value: "([^"]*)" \}', text))
-
-
 def test_the_example_emulator_declares_the_gateways_memory_numbers() -> None:
     """One truth, checked: every example model's device memory parameters are the route
     profile's and the example gateway's local backend's."""
@@ -262,7 +257,7 @@ def test_the_example_emulator_declares_the_gateways_memory_numbers() -> None:
     )
     for model in sorted(p.name for p in MODEL_REPOSITORY.iterdir() if (p / "config.pbtxt").exists()):
         profile = routes.profiles[backend_models[model]]
-        declared = _parameters(model)
+        declared = emulator_parameters(model)
         assert float(declared["device_memory_gib"]) == config.local_triton.device_memory_gib, model
         assert float(declared["runtime_reserve_gib"]) == config.local_triton.runtime_reserve_gib, model
         assert int(declared["weights_bytes"]) == resident_bytes(profile), model

@@ -24,7 +24,6 @@ What must hold, measured in the run:
 from __future__ import annotations
 
 import functools
-import re
 import threading
 import time
 from collections import Counter
@@ -40,7 +39,7 @@ from gateway.config import load_routes
 from gateway.core.overload import LadderConfig
 from gateway.core.profile import DemandProfile
 from orchid_tools.harness import GatewayProcess, example_config
-from tests.conftest import LUMEN_KEY, ORCHID_KEY, ROOT, own_triton
+from tests.conftest import LUMEN_KEY, ORCHID_KEY, ROOT, emulator_parameters, own_triton
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 INPUT_TOKENS, OUTPUT_TOKENS = 8192, 256
@@ -85,14 +84,10 @@ def emulator_device_ms() -> Callable[[int], float]:
     by output tokens: its own cost model (``fixed_ms + prefill_ms_per_token x input +
     decode_ms_per_token x output``, times the time factor) with the parameters of full-v18's
     ``config.pbtxt``, read independently of the gateway's routes, estimator and charges."""
-    config = (ROOT / "examples" / "orchid" / "model_repository" / "full-v18" / "config.pbtxt").read_text()
-
-    def param(key: str) -> float:
-        found = re.search(rf'key: "{key}", value: {{ string_value: "([0-9.]+)" }}', config)
-        assert found is not None, key
-        return float(found.group(1))
-
-    fixed, prefill, decode = param("fixed_ms"), param("prefill_ms_per_token"), param("decode_ms_per_token")
+    declared = emulator_parameters("full-v18")
+    fixed, prefill, decode = (
+        float(declared[key]) for key in ("fixed_ms", "prefill_ms_per_token", "decode_ms_per_token")
+    )
     return lambda output_tokens: (fixed + prefill * INPUT_TOKENS + decode * output_tokens) * NOISY_TIME_FACTOR
 
 
