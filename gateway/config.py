@@ -183,6 +183,23 @@ class LimitsConfig(_Strict):
         "when every device is busy and the padded batch still meets each member's deadline "
         "(1: never co-batch; also capped by the model's max_batch_size)",
     )
+    max_consecutive_grants: int = Field(
+        default=8,
+        ge=1,
+        description="most dispatch grants in a row one tenant of a class takes from a pool while "
+        "another of the class waits (dispatch rule 3)",
+    )
+    stream_share: bool = Field(
+        default=True,
+        description="bound each tenant's concurrently decoding streams and their live tokens, per "
+        "pool, by its weighted share (a tenant alone may use the whole pool; dispatch rule 9)",
+    )
+    max_decoding_streams_per_tenant: int | None = Field(
+        default=None,
+        ge=1,
+        description="most concurrently decoding streams per tenant and pool, whatever its share "
+        "(unset: the share alone)",
+    )
 
 
 class TlsConfig(_Strict):

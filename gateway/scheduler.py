@@ -23,6 +23,7 @@ import asyncio
 from typing import Protocol
 
 from gateway import clock
+from gateway.config import LimitsConfig
 from gateway.core import dispatch
 from gateway.core.dispatch import CONTROL_CLASS, DeviceSet, Waiter
 
@@ -43,6 +44,12 @@ class Slot(dispatch.Slot):
     """A core slot released on the event loop's clock."""
 
     fleet: tuple[FleetBinding, str | None] | None = None  # the fleet's slot it binds on, if any
+
+    def grow_live(self, live_bytes: int, now: float | None = None) -> bool:
+        """A stream's live state grows by its new tokens' ``live_bytes`` (core rule 9): True when
+        charged, False (``live_exhausted`` set, nothing charged) when its device has no live
+        room left for it; the caller then ends the stream."""
+        return super().grow_live(live_bytes, clock.now() if now is None else now)
 
     def release(self, now: float | None = None) -> None:
         if not self.released and self.fleet is not None:
@@ -69,6 +76,13 @@ class DispatchQueue(dispatch.DispatchQueue):
 
     fleet: FleetBinding | None = None  # set by the gateway when replicas share the backends
 
+    def apply_limits(self, limits: LimitsConfig) -> None:
+        """The config's turn cap and stream share (core rules 3 and 9): ``max_consecutive_grants``,
+        ``stream_share`` and ``max_decoding_streams_per_tenant``."""
+        self.max_consecutive = limits.max_consecutive_grants
+        self.decode.enabled = limits.stream_share
+        self.decode.max_per_tenant = limits.max_decoding_streams_per_tenant
+
     def _make_slot(
         self, cost_ms: float, now: float, start: float, *, long: bool, live_bytes: int = 0
     ) -> dispatch.Slot:
@@ -86,11 +100,15 @@ class DispatchQueue(dispatch.DispatchQueue):
         long: bool = False,
         live_bytes: int = 0,
         batch: dispatch.BatchShape | None = None,
+        stream: bool = False,
     ) -> asyncio.Future[dispatch.Slot]:
         """Ask for a slot now; the future resolves to it (see the module docstring).
         ``latest_start`` is in event-loop seconds; ``live_bytes`` the live sequence state the
         request will hold on its device; ``batch`` its shape when it may be co-batched with
-        compatible work (core rule 6). A full queue raises ResourceExhausted here."""
+        compatible work (core rule 6). ``stream``: a decoding stream (core rule 9): granted
+        within its tenant's decode share only onto a device free now, ``live_bytes`` its
+        prompt's live state, grown as tokens come with ``Slot.grow_live``. A full queue raises
+        ResourceExhausted here."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dispatch.Slot] = loop.create_future()
         try:
@@ -105,6 +123,7 @@ class DispatchQueue(dispatch.DispatchQueue):
                 long=long,
                 live_bytes=live_bytes,
                 batch=batch,
+                stream=stream,
             )
         finally:
             _settle(self.device_set)  # waiters pushed out to make room
@@ -148,6 +167,7 @@ class DispatchQueue(dispatch.DispatchQueue):
         long: bool = False,
         live_bytes: int = 0,
         batch: dispatch.BatchShape | None = None,
+        stream: bool = False,
     ) -> Slot:
         """``submit``, then wait for the slot (a caller cancelled while waiting holds nothing)."""
         future = self.submit(
@@ -160,6 +180,7 @@ class DispatchQueue(dispatch.DispatchQueue):
             long=long,
             live_bytes=live_bytes,
             batch=batch,
+            stream=stream,
         )
         try:
             slot = await future

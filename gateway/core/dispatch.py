@@ -37,8 +37,9 @@ Rules (everything that decides who goes next lives here):
 3. **No starvation.** A large job's flow is charged by its cost, so it waits
    while its virtual time is ahead, but every other flow's time advances with
    each grant: its turn comes after a bounded amount of others' work (aging
-   by virtual time). ``max_consecutive`` additionally caps how many grants in
-   a row one tenant may take while others wait.
+   by virtual time). ``max_consecutive`` (``limits.max_consecutive_grants``)
+   additionally caps how many grants in a row one flow may take while another
+   flow of its class waits.
 4. **A reserved slice for control traffic.** With ``reserved_control`` > 0 the
    last free slot(s) go only to the ``control`` class (recovery and health
    work must not queue behind a flood).
@@ -111,6 +112,32 @@ Rules (everything that decides who goes next lives here):
    work whose memory a request running past its prediction still holds. The memory wait is
    not added to predicted waits: it ends when the device it waits for frees.
 
+9. **Streams: decode turns by weighted share, no binding ahead, memory by tokens.** A
+   stream (``stream=True``: a decoupled model's request, decoding token by token until it
+   ends) holds its slot for as long as it decodes. Per pool, each tenant's concurrently
+   decoding streams and their live state are bounded by its weighted share of the pool's
+   slots and live room (``gateway.core.decode.DecodeShare``, ``limits.stream_share``,
+   ``limits.max_decoding_streams_per_tenant``): a tenant alone may use them all; under
+   contention an over-share tenant's new streams wait while an in-share tenant's start.
+
+   A stream **never binds ahead** into the backend's queue: it binds only onto a device free
+   now (``bind_start(stream=True)``). Bound ahead, its first result would wait in Triton's
+   FIFO for the whole remaining run of the work on the device it lands on (for another
+   stream: until that stream ends, which no prediction bounds), and every stream that
+   arrives after it, an in-share tenant's included, would wait behind it there where no
+   share can reorder them. Waiting here instead costs one round trip when a device frees,
+   and the fair order (rule 1 and the decode share) still decides who takes it. Binding
+   ahead would pay off only when the bound stream's predicted first result meets its own
+   first-result deadline and no other flow's waiting stream is delayed by it; with streams'
+   unbounded run lengths the gateway cannot predict the first and the second fails whenever
+   another tenant waits, so the simplest correct rule is the one kept.
+
+   A stream's **memory charge grows with its tokens** (live-token-ms): it binds holding its
+   prompt's live state (``live_bytes``: input tokens, not the peak) and each generated
+   token's state is added as it is produced (``Slot.grow_live``), while the device it runs
+   on has live room beside the work bound there; ``grow_live`` refuses (returns False and
+   flags ``Slot.live_exhausted``) once it has not. ``Slot.release`` frees it all.
+
 Several pools can run on the same devices (a fallback model placed beside the
 primary on each accelerator): their queues then share one ``DeviceSet``, which
 list-schedules the work of all of them, so one pool's prediction counts the
@@ -131,6 +158,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.core import memory as device_memory
+from gateway.core.decode import DecodeShare
 from gateway.core.errors import DeadlineExpired, GatewayError, ResourceExhausted
 from gateway.core.memory import DeviceMemory
 from gateway.core.profile import DemandProfile, batch_accelerator_ms
@@ -202,6 +230,7 @@ class Waiter:
     live_bytes: int = field(compare=False, default=0)  # live sequence state it will hold
     memory_held: bool = field(compare=False, default=False)  # last kept here for want of memory
     batch: BatchShape | None = field(compare=False, default=None)  # may co-batch (rule 6)
+    stream: bool = field(compare=False, default=False)  # a decoding stream (rule 9)
     slot: Slot | None = field(compare=False, default=None)
     refused: GatewayError | None = field(compare=False, default=None)
     token: Any = field(compare=False, default=None)
@@ -221,6 +250,9 @@ class Slot:
     batch: BatchShape | None = None  # its shape, if it may co-batch (rule 6)
     end_by: float = math.inf  # when its execution must have ended (latest start + cost)
     group: CoBatch | None = None  # the batch it was bound into with other work, if any
+    stream: bool = False  # a decoding stream (rule 9): its live state grows with its tokens
+    tenant: str = ""  # whose stream (the decode share counts it)
+    live_exhausted: bool = False  # a ``grow_live`` was refused: its device has no live room left
 
     @property
     def occupant(self) -> bool:
@@ -236,8 +268,26 @@ class Slot:
             return self.cost_ms
         return 0.0 if self.group.finished else self.group.cost_ms
 
+    def grow_live(self, live_bytes: int, now: float) -> bool:
+        """Its live state grows by ``live_bytes`` (a stream's new tokens: rule 9). True when
+        charged (or nothing to grow); False when the device it runs on has no live room left
+        for it beside the work bound there: nothing is charged, ``live_exhausted`` is set, and
+        the caller ends the stream (or stops generating). A released slot grows no more."""
+        if self.released:
+            return False
+        if live_bytes <= 0:
+            return True
+        if not self.queue.device_set.room_for(now, self, live_bytes):
+            self.live_exhausted = True
+            return False
+        self.live_bytes += live_bytes
+        if self.stream:
+            self.queue.decode.grow(self.tenant, live_bytes)
+        return True
+
     def release(self, now: float) -> None:
-        """The request is done with its device (idempotent); waiters may be granted."""
+        """The request is done with its device (idempotent): its slot and all its live state
+        are freed; waiters may be granted."""
         if not self.released:
             self.released = True
             self.queue._release(self, now)
@@ -246,12 +296,13 @@ class Slot:
 class _Device:
     """One device in the list schedule: when it frees, and the live state of the work on it."""
 
-    __slots__ = ("ends", "free_at", "live_bytes")
+    __slots__ = ("ends", "free_at", "live_bytes", "work")
 
     def __init__(self, free_at: float) -> None:
         self.free_at = free_at
         self.live_bytes = 0
         self.ends: list[tuple[float, int]] = []  # (predicted end, live bytes)
+        self.work: list[Slot] = []  # the slots the list schedule puts on it
 
     def live_at(self, t: float) -> int:
         """Live bytes still held at ``t`` (work predicted to end by then has freed its state)."""
@@ -381,6 +432,7 @@ class DeviceSet:
             device.free_at = end
             device.live_bytes += held
             device.ends.append((end, held))
+            device.work.append(slot)
             heapq.heappush(free, (end, device.live_bytes, index))
         return devices
 
@@ -422,6 +474,17 @@ class DeviceSet:
         device = min(self.schedule(now), key=lambda d: (d.free_at, d.live_bytes))
         return device.live_bytes + live_bytes <= self.live_room_bytes
 
+    def room_for(self, now: float, slot: Slot, live_bytes: int) -> bool:
+        """May bound ``slot`` hold ``live_bytes`` more live state on the device the list schedule
+        puts it on, beside the live state of the work bound there (rule 9's growth)?"""
+        if self.memory is None:
+            return True
+        head = slot if slot.group is None else slot.group.members[0]
+        for device in self.schedule(now):
+            if head in device.work:
+                return device.live_bytes + live_bytes <= self.live_room_bytes
+        return False  # not bound here
+
     def memory_free_at(self, now: float, live_bytes: int) -> float:
         """When work holding ``live_bytes`` would first fit on the device it would run on, as
         the work bound now is predicted to end and free its live state (``now`` if it fits)."""
@@ -449,18 +512,27 @@ class DeviceSet:
         return held < self.long_cap(now) and self.long_urgent(now, latest_start, cost_ms)
 
     def bind_start(
-        self, now: float, latest_start: float, *, long: bool = False, cost_ms: float = 0.0
+        self,
+        now: float,
+        latest_start: float,
+        *,
+        long: bool = False,
+        cost_ms: float = 0.0,
+        stream: bool = False,
     ) -> float | None:
         """When work bound now would start on a device, or None if it must not be bound yet:
         every device is busy and either it would start after ``latest_start`` or work bound
         earlier is still waiting in the backend's queue (the two would be co-batched). Long
         work binds only onto a device free now, and only while the short lane stays free: in
-        the backend's queue it would take whichever device frees first, the lane's included."""
+        the backend's queue it would take whichever device frees first, the lane's included.
+        A stream (``stream``) binds only onto a device free now, never ahead (rule 9)."""
         if long:
             return now if self.long_may_bind(now, latest_start, cost_ms) else None
         occupants = self.occupants()
         if occupants < self.devices:
             return now
+        if stream:
+            return None
         # One request (or one batch: ``join``) at most waits in the backend's queue: by
         # prediction (a bound slot not yet started) and in fact (more held than devices: work
         # that overran its prediction still holds its device, whatever the list schedule says).
@@ -528,6 +600,7 @@ class _Flow:
     vtime: float = 0.0
     weight: float = 1.0
     live: int = 0
+    streams: int = 0  # of ``live``, the decoding streams (rule 9)
 
 
 class DispatchQueue:
@@ -541,7 +614,13 @@ class DispatchQueue:
         reserved_control: int = 0,
         max_consecutive: int = 8,
         device_set: DeviceSet | None = None,
+        stream_share: bool = True,
+        max_streams_per_tenant: int | None = None,
     ) -> None:
+        """``max_consecutive``: the most grants in a row one flow takes while another of its
+        class waits (rule 3; ``limits.max_consecutive_grants``). ``stream_share`` and
+        ``max_streams_per_tenant``: the decode share of streams (rule 9;
+        ``limits.stream_share``, ``limits.max_decoding_streams_per_tenant``)."""
         self.name = name
         self.devices = max(1, devices)
         self.device_set = device_set or DeviceSet(self.devices)
@@ -551,6 +630,9 @@ class DispatchQueue:
         # Never reserve every slot: ordinary work must always be able to run.
         self.reserved_control = min(max(0, reserved_control), self.slots - 1)
         self.max_consecutive = max(1, max_consecutive)
+        # Rule 9: each tenant's decoding streams by weighted share of the pool's slots and live
+        # room (the room is set when a stream asks: models are placed after construction).
+        self.decode = DecodeShare(self.slots, enabled=stream_share, max_per_tenant=max_streams_per_tenant)
         self._seq = itertools.count()
         self._inflight: set[Slot] = set()
         self._classes: dict[str, _Flow] = {}  # class -> its virtual time and weight (heap unused)
@@ -709,6 +791,7 @@ class DispatchQueue:
         long: bool = False,
         live_bytes: int = 0,
         batch: BatchShape | None = None,
+        stream: bool = False,
     ) -> Slot | Waiter:
         """Ask for a slot: granted at once (``Slot``), or a ``Waiter`` in its flow, granted
         later (see ``DeviceSet.take_changes``). ``latest_start`` (the deadline minus the
@@ -718,16 +801,25 @@ class DispatchQueue:
         share of the queue makes room (its least urgent waiter is refused: rule 5).
         ``live_bytes``: the live sequence state it will hold on its device (rule 8); more
         than an idle device holds raises InvalidArgument. ``batch``: its shape, when it may be
-        co-batched with compatible short work of the pool (rule 6)."""
+        co-batched with compatible short work of the pool (rule 6). ``stream``: a decoding
+        stream (rule 9): granted only within its tenant's decode share, never bound ahead,
+        ``live_bytes`` its prompt's live state (grown by ``Slot.grow_live``); it never
+        co-batches."""
         flow_key = (request_class, tenant)
         too_big = self.device_set.device_limit(live_bytes)
         if too_big is not None:
             raise too_big
         if not long:
             self.device_set.short_seen_at = now
-        if self._free(request_class) > 0 and self.queued == 0:
+        if stream:
+            batch = None  # a stream runs alone (rule 9)
+        if (
+            self._free(request_class) > 0
+            and self.queued == 0
+            and (not stream or self.stream_may_start(tenant, weight, live_bytes))
+        ):
             end_by = latest_start + cost_ms / 1000.0
-            start = self.device_set.bind_start(now, latest_start, long=long, cost_ms=cost_ms)
+            start = self.device_set.bind_start(now, latest_start, long=long, cost_ms=cost_ms, stream=stream)
             join = None if start is not None or long else self.device_set.join(now, self, batch, end_by)
             if join is not None:
                 start = join[0]
@@ -742,6 +834,9 @@ class DispatchQueue:
                     batch=batch,
                     end_by=end_by,
                     join=join,
+                    stream=stream,
+                    tenant=tenant,
+                    weight=weight,
                 )
         if self.queued >= self.max_queued and not self._push_out(now, flow_key, cost_ms, weight):
             raise ResourceExhausted(
@@ -750,11 +845,37 @@ class DispatchQueue:
                 retry_after_ms=max(1, int(self.predicted_wait_ms(now))),
             )
         waiter = Waiter(
-            latest_start, next(self._seq), cost_ms, flow_key, long=long, live_bytes=live_bytes, batch=batch
+            latest_start,
+            next(self._seq),
+            cost_ms,
+            flow_key,
+            long=long,
+            live_bytes=live_bytes,
+            batch=batch,
+            stream=stream,
         )
         self._enqueue(waiter, weight, class_weight)
         self._wake_next(now)  # a slot may be free with only ineligible waiters ahead
         return waiter
+
+    def stream_may_start(self, tenant: str, weight: float, live_bytes: int) -> bool:
+        """May a stream of ``tenant`` holding ``live_bytes`` start now, a slot being free (rule 9:
+        ``DecodeShare.may_start`` against the tenants with a stream waiting here)?"""
+        self.decode.live_bytes = self.device_set.live_room_bytes * self.device_set.devices
+        return self.decode.may_start(tenant, weight, live_bytes, self._streams_waiting())
+
+    def _streams_waiting(self) -> dict[str, tuple[float, int]]:
+        """Tenant -> (weight, live bytes of its most urgent stream) of those with one waiting."""
+        waiting: dict[str, tuple[float, int]] = {}
+        heads: dict[str, Waiter] = {}
+        for (_, tenant), f in self._flows.items():
+            if f.streams <= 0:
+                continue
+            head = min((w for w in f.heap if w.live and w.stream), default=None)
+            if head is not None and (tenant not in heads or head < heads[tenant]):
+                heads[tenant] = head
+                waiting[tenant] = (f.weight, head.live_bytes)
+        return waiting
 
     def refusal(self, waiter: Waiter, now: float) -> GatewayError:
         """Why a waiter whose latest start passed leaves (its driver then withdraws it): held
@@ -820,6 +941,7 @@ class DispatchQueue:
             flow.vtime = max(flow.vtime, self._system_vtime(self._tenant_vclock.get(request_class)))
         flow.weight = weight
         flow.live += 1
+        flow.streams += waiter.stream
         heapq.heappush(flow.heap, waiter)
         self.queued += 1
         self.queued_ms += waiter.cost_ms
@@ -830,6 +952,7 @@ class DispatchQueue:
             self.queued -= 1
             self.queued_ms = max(0.0, self.queued_ms - waiter.cost_ms)
             self._flows[waiter.flow].live -= 1
+            self._flows[waiter.flow].streams -= waiter.stream
             self._classes[waiter.flow[0]].live -= 1
 
     def _charge(self, flow_key: tuple[str, str], cost_ms: float, weight: float, class_weight: float) -> None:
@@ -869,12 +992,23 @@ class DispatchQueue:
         return heap[0] if heap else None
 
     def _next_waiter(
-        self, *, long_ok: Callable[[Waiter], bool] | None = None, prefer_long: bool = False
+        self,
+        *,
+        long_ok: Callable[[Waiter], bool] | None = None,
+        prefer_long: bool = False,
+        stream_ok: Callable[[Waiter], bool] | None = None,
     ) -> Waiter | None:
         """The waiter to wake: least-virtual-time class, then tenant, then earliest latest start;
         of long waiters only those ``long_ok`` lets take a device now (None: all), else a flow's
         earliest short waiter; with ``prefer_long`` (a long request's device just freed) its
-        earliest long waiter that may take it."""
+        earliest long waiter that may take it. Of streams, only those ``stream_ok`` lets start
+        (None: all; rule 9's decode share): a flow whose streams may not start yields its turn."""
+
+        def ok(w: Waiter) -> bool:
+            return (not w.long or long_ok is None or long_ok(w)) and (
+                not w.stream or stream_ok is None or stream_ok(w)
+            )
+
         free_for_ordinary = self._free("") > 0
         # Ties of virtual time go to the flow whose waiting work arrived first, never by name.
         heads = {key: self._head(f) for key, f in self._flows.items() if f.live > 0}
@@ -902,15 +1036,13 @@ class DispatchQueue:
             for _, _, key in flows:
                 heap = self._flows[key].heap
                 if heap and prefer_long and not heap[0].long:
-                    waiting_long = [w for w in heap if w.live and w.long and (long_ok is None or long_ok(w))]
+                    waiting_long = [w for w in heap if w.live and w.long and ok(w)]
                     if waiting_long:
                         return min(waiting_long)
-                if heap and (long_ok is None or not heap[0].long or long_ok(heap[0])):
+                if heap and ok(heap[0]):
                     return heap[0]
                 if heap:
-                    eligible = [
-                        w for w in heap if w.live and (not w.long or (long_ok is not None and long_ok(w)))
-                    ]
+                    eligible = [w for w in heap if w.live and ok(w)]
                     if eligible:
                         return min(eligible)
         return None
@@ -928,10 +1060,16 @@ class DispatchQueue:
         batch: BatchShape | None = None,
         end_by: float = math.inf,
         join: tuple[float, float, Slot] | None = None,
+        stream: bool = False,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> Slot:
         slot = self._make_slot(cost_ms, now, start, long=long, live_bytes=live_bytes)
         slot.batch = batch
         slot.end_by = end_by
+        if stream:  # rule 9: its tenant's decode share counts it until it is released
+            slot.stream, slot.tenant = True, tenant
+            self.decode.start(tenant, weight, live_bytes)
         if join is not None:  # bound into the batch waiting in the backend's queue (rule 6)
             _, batch_ms, head = join
             group = head.group
@@ -949,6 +1087,8 @@ class DispatchQueue:
 
     def _release(self, slot: Slot, now: float) -> None:
         self._inflight.discard(slot)
+        if slot.stream:
+            self.decode.end(slot.tenant, slot.live_bytes)
         devices = self.device_set
         devices.bound.pop(slot, None)
         if slot.group is not None and slot in slot.group.members:
@@ -990,12 +1130,17 @@ class DispatchQueue:
         def long_ok(waiter: Waiter) -> bool:
             return not long_granted and devices.long_may_bind(now, waiter.latest_start, waiter.cost_ms)
 
+        def stream_ok(waiter: Waiter) -> bool:
+            return self.stream_may_start(waiter.flow[1], self._flows[waiter.flow].weight, waiter.live_bytes)
+
         while self._free(CONTROL_CLASS) > 0:
-            waiter = self._next_waiter(long_ok=long_ok, prefer_long=prefer_long)
+            waiter = self._next_waiter(long_ok=long_ok, prefer_long=prefer_long, stream_ok=stream_ok)
             prefer_long = False  # only for the device that just freed
             if waiter is None:
                 return
-            start = devices.bind_start(now, waiter.latest_start, long=waiter.long, cost_ms=waiter.cost_ms)
+            start = devices.bind_start(
+                now, waiter.latest_start, long=waiter.long, cost_ms=waiter.cost_ms, stream=waiter.stream
+            )
             end_by = waiter.latest_start + waiter.cost_ms / 1000.0
             join = None if start is not None or waiter.long else devices.join(now, self, waiter.batch, end_by)
             if join is not None:
@@ -1023,6 +1168,9 @@ class DispatchQueue:
                 batch=waiter.batch,
                 end_by=end_by,
                 join=join,
+                stream=waiter.stream,
+                tenant=waiter.flow[1],
+                weight=flow.weight,
             )
             long_granted = long_granted or waiter.long
             devices._changes.append(waiter)
