@@ -145,8 +145,8 @@ def _edit(source: Path, target: Path, old: str, new: str, *, after: str = "") ->
         # Quota settings (gateway.core.quota) inside a flow mapping.
         (
             "quotas:",
-            "lumen:\n      interactive: {weight: 1, max_concurrent: 32}",
-            "lumen:\n      interactive: {weight: 1, max_concurrent: many}",
+            "lumen:\n      interactive: {weight: 1, max_concurrent: 32,",
+            "lumen:\n      interactive: {weight: 1, max_concurrent: many,",
             "quotas.tenants.lumen.interactive.max_concurrent",
             "max_concurrent: many",
         ),
