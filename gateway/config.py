@@ -22,11 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.core.errors import ConfigError
 from gateway.core.memory import SEED_DEVICE_MEMORY_GIB, SEED_RUNTIME_RESERVE_GIB, DeviceMemory, resident_bytes
-from gateway.core.outputs import OutputCheck
-from gateway.core.overload import LadderConfig
+from gateway.core.overload import DEFAULT_LADDER
 from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaSettings
 from gateway.core.risk import DEFAULT_RISK_CLASSES
+from gateway.settings import DemandProfileValue, LadderValue, OutputCheckValue, QuotaSettingsValue
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, read_yaml
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -328,7 +328,7 @@ class GatewayConfig(_Strict):
     policy_engine: str = Field(default="cel-expr", pattern="^(cel-expr|cel-python)$")
     policy_watch_s: float = Field(default=1.0, gt=0, description="how often the policy directory is checked")
     protected_utilization: float = Field(default=0.70, gt=0, le=1)
-    ladder: LadderConfig = LadderConfig()
+    ladder: LadderValue = DEFAULT_LADDER
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig | None = None
     risk_classes: tuple[str, ...] = Field(
@@ -414,7 +414,7 @@ class TenantConfig(_Strict):
 
 class TenantsFile(_Strict):
     tenants: dict[str, TenantConfig]
-    quotas: QuotaSettings = QuotaSettings()
+    quotas: QuotaSettingsValue = QuotaSettings()
 
     @model_validator(mode="after")
     def _unique_keys(self) -> TenantsFile:
@@ -528,7 +528,9 @@ class RouteConfig(_Strict):
     # The route's output contract (``gateway.core.outputs``, the same checks a rollout
     # declares): every answer is checked before it is returned, an invalid one refused with
     # INTERNAL (rule ``output.contract``); empty: not checked.
-    outputs: dict[str, OutputCheck] = Field(default_factory=dict, description="output name -> its checks")
+    outputs: dict[str, OutputCheckValue] = Field(
+        default_factory=dict, description="output name -> its checks"
+    )
 
     @model_validator(mode="after")
     def _output_contract(self) -> RouteConfig:
@@ -546,14 +548,14 @@ class RouteConfig(_Strict):
 
 
 class RoutesFile(_Strict):
-    profiles: dict[str, DemandProfile] = {}
+    profiles: dict[str, DemandProfileValue] = {}
     models: dict[str, RouteConfig] = {}
 
 
 class RouteTable(_Strict):
     """All route files merged: logical model name -> route, profile name -> profile."""
 
-    profiles: dict[str, DemandProfile]
+    profiles: dict[str, DemandProfileValue]
     models: dict[str, RouteConfig]
 
 

@@ -83,6 +83,8 @@ from gateway.state.base import MemoryQuotaStore, QuotaStore
 from gateway.streams import StreamSession
 
 log = logging.getLogger(__name__)
+# Ladder step changes (the core returns them; bench/surge.py and bench/noisy_neighbour.py read them).
+overload_log = logging.getLogger("orchid.overload")
 
 # New work the ladder's shedder may refuse at step 5: online requests and new streams (a stream
 # already admitted runs on; async and batch work is deferred from step 4 instead).
@@ -836,6 +838,8 @@ class Gateway:
                 continue
             evidence_at = now if handle.client.healthy else handle.client.healthy_at
             state = load.gather(now, queue, healthy=handle.client.healthy, evidence_at=evidence_at)
+            if state.changed:
+                overload_log.warning("pool %s ladder step -> %d: %s", load.name, state.step, state.reason)
             self.listener.ladder(queue.name, int(state.step))
 
     def _deadline_ms(self, call: CallContext, request_class: RequestClassConfig) -> float:

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from gateway import clock
 from gateway.core.rollout import ACTIVE, Phase, RolloutSpec, Sample
+from gateway.settings import rollout_spec
 
 if TYPE_CHECKING:
     from gateway.rollouts import RolloutController
@@ -164,7 +165,7 @@ class FleetRollouts:
                 continue
             try:
                 record = json.loads(raw)
-                spec = RolloutSpec.model_validate(record["spec"])
+                spec = rollout_spec(record["spec"])
                 phase, step = Phase(record["phase"]), int(record["step"])
             except (ValueError, KeyError, TypeError, ValidationError):
                 continue

@@ -81,6 +81,7 @@ from gateway.core.rollout import (
 from gateway.evidence import population
 from gateway.outputs import INVALID_OUTPUTS, check_outputs
 from gateway.policy.metrics import get_or_create
+from gateway.settings import rollout_data, rollout_spec
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, parse_yaml
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def parse_rollout(
     if not isinstance(data, dict):
         raise ConfigError(document.location(), "", "expected a mapping at the top level")
     try:
-        spec = RolloutSpec.model_validate(data)
+        spec = rollout_spec(data)
     except ValidationError as exc:
         errors = exc.errors()
         problem = errors[0]["msg"]
@@ -434,7 +435,7 @@ class RolloutController:
         rollout = run.rollout
         return {
             "run_id": run.id,
-            "spec": run.spec.model_dump(mode="json"),
+            "spec": rollout_data(run.spec),
             "phase": str(rollout.phase),
             "step": rollout.step,
             "reason": rollout.reason,
@@ -485,7 +486,7 @@ class RolloutController:
         for file in sorted(self.state_dir.glob("*.json")):
             try:
                 record = json.loads(file.read_text(encoding="utf-8"))
-                spec = RolloutSpec.model_validate(record["spec"])
+                spec = rollout_spec(record["spec"])
                 phase, step = Phase(record["phase"]), int(record["step"])
             except (OSError, ValueError, KeyError, TypeError, ValidationError) as exc:
                 log.warning("rollout state %s is unreadable, not resumed: %s", file, exc)

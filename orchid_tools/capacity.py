@@ -10,7 +10,8 @@ overload. Each figure carries its value, unit and a one-line meaning; the text
 table and the ``--json`` output render the same figures.
 
 The cost arithmetic is not here: per-request and per-batch accelerator-ms come
-from ``gateway.core.profile`` (``DemandProfile``, ``padding``, ``batch_accelerator_ms``)
+from ``gateway.core.profile`` (``DemandProfile``, ``padding``, ``batch_accelerator_ms``;
+a model's fields are ``gateway.settings.DemandProfileSchema``'s)
 and the batch-wait limit from ``gateway.core.record.Budget.slack_ms``, so the
 worksheet prices work exactly as admission does. Everything is computed from the
 file; no figure is a printed constant. Nothing divides by zero: a figure that
@@ -32,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gateway.core.errors import ConfigError
 from gateway.core.memory import DeviceMemory, live_tokens
-from gateway.core.profile import GIB, DemandProfile, batch_accelerator_ms, padding
+from gateway.core.profile import GIB, batch_accelerator_ms, padding
 from gateway.core.record import Budget
+from gateway.settings import DemandProfileSchema
 from gateway.yaml_source import YamlDocument, YamlError, read_yaml
 
 MS_PER_S = 1000.0
@@ -66,7 +68,7 @@ class DeviceSpec(_Strict):
     devices: int | None = Field(default=None, gt=0, description="fleet to evaluate; default the minimum")
 
 
-class ModelSpec(DemandProfile):
+class ModelSpec(DemandProfileSchema):
     """A model version's ``DemandProfile`` fields, plus its parameter count as a weights shorthand."""
 
     params: float | None = Field(default=None, gt=0, description="parameter count")
@@ -82,6 +84,13 @@ class ModelSpec(DemandProfile):
         if self.params is not None and self.weights_bytes:
             raise _KeyedProblem("weights_bytes", "give params + bytes_per_param or weights_bytes, not both")
         return self
+
+    def phases(self, input_tokens: int, output_tokens: int, batch: int = 1) -> tuple[float, float]:
+        """(prefill_ms, decode_ms): its ``DemandProfile``'s."""
+        return self.value().phases(input_tokens, output_tokens, batch)
+
+    def accelerator_ms(self, input_tokens: int, output_tokens: int) -> float:
+        return self.value().accelerator_ms(input_tokens, output_tokens)
 
     @property
     def resident_weights_bytes(self) -> int:
@@ -732,11 +741,11 @@ def _scheduling_section(w: Workload) -> Section | None:
             )
         )
         profile = w.models[example.model]
-        mixed = batch_accelerator_ms(profile, example.shapes)
+        mixed = batch_accelerator_ms(profile.value(), example.shapes)
         buckets: dict[int, list[tuple[int, int]]] = {}
         for shape in example.shapes:
             buckets.setdefault(shape[0], []).append(shape)
-        bucketed = sum(batch_accelerator_ms(profile, group) for group in buckets.values())
+        bucketed = sum(batch_accelerator_ms(profile.value(), group) for group in buckets.values())
         plan = " + ".join(
             f"{len(group)} × {size:,}" + (" together" if len(group) > 1 else " alone")
             for size, group in buckets.items()

@@ -80,7 +80,6 @@ from gateway.config import (
 )
 from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError
 from gateway.core.evidence import Evidence, EvidenceKey
-from gateway.core.profile import DemandProfile
 from gateway.core.rollout import CANARY_REASON, RolloutSpec
 from gateway.evidence import population
 from gateway.pipeline import BackendHandle, CallContext, GatewayListener
@@ -92,6 +91,7 @@ from gateway.server import (
     sample_statistics_forever,
     update_ladders_forever,
 )
+from gateway.settings import DemandProfileValue
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, parse_yaml, read_yaml
 from orchid_tools.virtual_time import VirtualTimeLoop
 
@@ -133,7 +133,9 @@ class FleetModel(_Strict):
     instances: int | None = Field(default=None, ge=1, description="default: the backend's devices")
     max_batch_size: int | None = Field(default=None, ge=0, description="default 8 (0 for streaming models)")
     profile: str | None = Field(default=None, description="routes profile of its real cost")
-    cost: DemandProfile | None = Field(default=None, description="its real cost, when not a routes profile")
+    cost: DemandProfileValue | None = Field(
+        default=None, description="its real cost, when not a routes profile"
+    )
     decoupled: bool | None = Field(default=None, description="streams one response per token")
     load_s: float = Field(
         default=0.0, ge=0, description="load + warm-up before it is ready (a cold restore, a rollout's load)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import FrozenInstanceError
 
 import pytest
 from pydantic import ValidationError
@@ -34,6 +35,7 @@ from gateway.core.overload import (
     protected_capacity_ms_per_s,
     retry_after_ms,
 )
+from gateway.settings import LadderSchema
 
 SEED_DEVICES = 24
 SEED_CAPACITY = 16_800.0  # 24 devices x 0.70 x 1000 ms/s
@@ -849,25 +851,27 @@ def test_seed_mix_standard_errors_match_the_documented_figures() -> None:
 
 def test_config_rejects_inconsistent_ladders() -> None:
     with pytest.raises(ValidationError):
-        LadderConfig(fallback_at=1.02)  # below reduce_output_at (1.03)
+        LadderSchema(fallback_at=1.02)  # below reduce_output_at (1.03)
     with pytest.raises(ValidationError):
-        LadderConfig(hysteresis=1.0)  # step 0 unreachable: nothing is below 1.00 - 1.00
-    assert LadderConfig(hysteresis=0.99).leaves_below(LadderStep.SHED_OPTIONAL) == pytest.approx(0.01)
+        LadderSchema(hysteresis=1.0)  # step 0 unreachable: nothing is below 1.00 - 1.00
+    assert LadderSchema(hysteresis=0.99).value().leaves_below(LadderStep.SHED_OPTIONAL) == pytest.approx(0.01)
     with pytest.raises(ValidationError):
-        LadderConfig(retry_after_min_ms=5_000, retry_after_max_ms=1_000)
+        LadderSchema(retry_after_min_ms=5_000, retry_after_max_ms=1_000)
     with pytest.raises(ValidationError):
-        LadderConfig(confidence_z=-1.0)
+        LadderSchema(confidence_z=-1.0)
     with pytest.raises(ValidationError):
-        LadderConfig(dwell_min_samples=0)
+        LadderSchema(dwell_min_samples=0)
     for bad in (0.0, 1.01):
         with pytest.raises(ValidationError):
-            LadderConfig(plan_utilization=bad)
+            LadderSchema(plan_utilization=bad)
     with pytest.raises(ValidationError):
-        LadderConfig.model_validate({"surprise": 1})
-    config = LadderConfig.model_validate({"stale_step": 5, "dwell_step": 2})
+        LadderSchema.model_validate({"surprise": 1})
+    config = LadderSchema.model_validate({"stale_step": 5, "dwell_step": 2}).value()
+    assert isinstance(config, LadderConfig)
     assert config.stale_step is LadderStep.REJECT_INTERACTIVE
-    with pytest.raises(ValidationError):
-        DEFAULT_LADDER.hold_s = 0.0
+    assert LadderSchema().value() == DEFAULT_LADDER  # the schema's defaults are the core's
+    with pytest.raises(FrozenInstanceError):
+        DEFAULT_LADDER.hold_s = 0.0  # type: ignore[misc]
     assert DEFAULT_LADDER.leaves_below(LadderStep.SHED_OPTIONAL) == pytest.approx(0.95)
     assert DEFAULT_LADDER.leaves_below(LadderStep.REDUCE_OUTPUT) == pytest.approx(0.98)
     assert DEFAULT_LADDER.leaves_below(LadderStep.FALLBACK) == pytest.approx(1.01)

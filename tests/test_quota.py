@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import FrozenInstanceError
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ from gateway.core.quota import (
     Reservation,
 )
 from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
+from gateway.settings import QuotaConfigSchema, QuotaSettingsSchema
 
 
 def single(**config: Any) -> QuotaLedger:
@@ -755,10 +757,29 @@ def test_unmetered_work_still_uses_the_class_share_others_could_borrow() -> None
 )
 def test_invalid_settings_are_refused_with_a_reason(data: dict[str, Any], problem: str) -> None:
     with pytest.raises(ValidationError, match=problem):
-        QuotaSettings.model_validate(data)
+        QuotaSettingsSchema.model_validate(data)
 
 
 def test_settings_are_immutable() -> None:
     config = QuotaConfig(accelerator_ms_per_s=1.0)
+    with pytest.raises(FrozenInstanceError):
+        config.weight = 2.0  # type: ignore[misc]
+    schema = QuotaConfigSchema(accelerator_ms_per_s=1.0)
     with pytest.raises(ValidationError):
-        config.weight = 2.0
+        schema.weight = 2.0
+
+
+def test_validated_settings_are_the_cores_values() -> None:
+    settings = QuotaSettingsSchema.model_validate(
+        {
+            "classes": {"interactive": {"accelerator_ms_per_s": 1000.0, "default": {"weight": 2.0}}},
+            "tenants": {"a": {"interactive": {"weight": 1.0, "max_concurrent": 3}}},
+        }
+    ).value()
+    assert settings == QuotaSettings(
+        classes={
+            "interactive": ClassShareConfig(accelerator_ms_per_s=1000.0, default=QuotaConfig(weight=2.0))
+        },
+        tenants={"a": {"interactive": QuotaConfig(weight=1.0, max_concurrent=3)}},
+    )
+    assert QuotaConfigSchema().value() == QuotaConfig()  # the same defaults

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -34,6 +35,7 @@ from gateway.evidence import EvidenceStore
 from gateway.outputs import check_outputs
 from gateway.rollouts import RolloutController, RolloutRun, check_two_versions, load_rollouts
 from gateway.server import repository_key
+from gateway.settings import rollout_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = load_gateway_config(ROOT / "examples" / "orchid" / "gateway.yaml")
@@ -53,7 +55,7 @@ def example_data() -> dict[str, Any]:
 
 
 def spec_from(data: dict[str, Any]) -> RolloutSpec:
-    return RolloutSpec.model_validate(data)
+    return rollout_spec(data)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -438,7 +440,7 @@ def test_rollout_state_is_saved_and_a_complete_one_is_resumed_serving_its_candid
     done = RolloutRun(spec, route, [])
     done.rollout.resumed(1.0, Phase.COMPLETE, 3)
     writer._save(done)
-    other = RolloutRun(spec.model_copy(update={"name": "gone"}), route, [])
+    other = RolloutRun(replace(spec, name="gone"), route, [])
     other.rollout.start(1.0)
     other.rollout.load_failed(2.0, "CUDA out of memory")
     writer._save(other)

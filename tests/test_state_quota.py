@@ -26,12 +26,13 @@ from gateway import clock
 from gateway.config import StateConfig
 from gateway.core.errors import PermissionDenied, ResourceExhausted
 from gateway.core.quota import QuotaLedger, QuotaSettings, Reservation, Settlement
+from gateway.settings import QuotaSettingsSchema
 from gateway.state.redis_store import RedisFleet, RedisQuotaStore
 from tests.redis_server import RedisServer, redis_server
 
 __all__ = ["redis_server"]
 
-SETTINGS = QuotaSettings.model_validate(
+SETTINGS = QuotaSettingsSchema.model_validate(
     {
         "classes": {
             "interactive": {"accelerator_ms_per_s": 100.0, "default": {"weight": 1, "max_concurrent": 2}},
@@ -50,7 +51,7 @@ SETTINGS = QuotaSettings.model_validate(
             "b": {"interactive": {"weight": 1, "borrow_fraction": 1.0}},
         },
     }
-)
+).value()
 
 
 async def _store(
@@ -264,7 +265,7 @@ async def test_a_dead_replicas_reservations_return_when_their_leases_expire(
     await alive.fleet.client.aclose()
 
 
-SLICED = QuotaSettings.model_validate(
+SLICED = QuotaSettingsSchema.model_validate(
     {
         "classes": {"interactive": {"accelerator_ms_per_s": 1000.0}},
         "tenants": {
@@ -274,7 +275,7 @@ SLICED = QuotaSettings.model_validate(
             },
         },
     }
-)
+).value()
 
 
 async def _open_units(store: RedisQuotaStore, tenant: str, request_class: str) -> tuple[int, int]:

@@ -5,7 +5,9 @@ argument, so the same code runs the live gateway (``gateway.pipeline`` drives
 it on the event loop's clock) and the simulator (``orchid_tools.simulate``
 drives it in virtual time). CI enforces it (``[tool.importlinter]`` in pyproject.toml,
 run by ``lint-imports`` in scripts/test.sh): no module under
-``gateway.core`` imports asyncio, grpc, time or the runtime around it.
+``gateway.core`` imports asyncio, grpc, time or the runtime around it, nor logging,
+pydantic, policy evaluation or the configuration layer: configuration is validated by
+``gateway.settings`` / ``gateway.config`` and handed in as plain frozen values.
 
     record     the resource-and-outcome record (identity, shape, demand, budget, outcome)
     profile    demand profiles: accelerator-ms by phase, padding, memory
@@ -18,6 +20,7 @@ run by ``lint-imports`` in scripts/test.sh): no module under
     dispatch   the fair-share dispatch queue with device list-scheduling
     memory     device memory: resident models, live state, the live-memory bound's refusals
     admission  the admission decision from priced candidates and policy results
+    policy_result what the policy set decided for one request (gateway.policy evaluates it)
     errors     the domain error tree (statuses by name; the edge maps them)
     entitlement which models a tenant may call (the one answer auth and policy share)
     evidence   quality evidence and the verdict: may a route degrade on it now

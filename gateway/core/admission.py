@@ -39,8 +39,8 @@ from dataclasses import dataclass, replace
 
 from gateway.core.dispatch import LATE_RULE
 from gateway.core.overload import LadderEffects
+from gateway.core.policy_result import PolicyResult
 from gateway.core.record import Approximation, Decision, RequestRecord, Shape, Verdict
-from gateway.policy.snapshot import PolicyResult
 
 CAPACITY_STATUSES = frozenset({"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
 DEFER_BATCH_RULE = "ladder.defer_batch"

@@ -35,7 +35,6 @@ stale).
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 
@@ -66,8 +65,6 @@ from gateway.core.overload import (
     retry_after_ms,
 )
 from gateway.core.placement import OfferedRate
-
-log = logging.getLogger("orchid.overload")
 
 # Queue dwell is overload evidence only while the devices are this busy (of their raw time),
 # judged over this span: below it, dwell is ordinary queueing (Poisson arrivals and long
@@ -210,6 +207,9 @@ class PoolLoad:
         return min(1.0, self.admitted_running.total_ms(now) / offered) if offered > 0 else 1.0
 
     def gather(self, now: float, queue: DispatchQueue, *, healthy: bool, evidence_at: float) -> LadderState:
+        """Build this pool's evidence, step its ladder and re-plan its flows; the ladder's new
+        state (``changed`` and ``reason`` say whether and why the step moved: the caller logs
+        it, the core does no I/O)."""
         healthy_devices = self.devices if healthy else 0
         capacity = (
             protected_capacity_ms_per_s(healthy_devices, self.protected_utilization) * self.capacity_share
@@ -237,8 +237,6 @@ class PoolLoad:
             readings=tuple(self.demand.reading(now, span) for span in spans),
         )
         state = self.ladder.update(self.evidence)
-        if state.changed:
-            log.warning("pool %s ladder step -> %d: %s", self.name, state.step, state.reason)
         self._plan(
             now,
             healthy_devices

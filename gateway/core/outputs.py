@@ -1,8 +1,9 @@
 """Output contracts: what a valid answer of a model looks like, declared once.
 
 This module owns the one definition of an output check (``OutputCheck``: datatype, shape,
-value range) and the pure judgement of an answer's output facts against a set of them
-(``output_problems``). Both users read it from here:
+value range; its file schema is ``gateway.settings.OutputCheckSchema``) and the pure
+judgement of an answer's output facts against a set of them (``output_problems``). Both
+users read it from here:
 
 * a **route** may declare ``outputs`` (``routes/*.yaml``): every production answer of the
   route is checked before it is returned (``gateway.outputs``; an invalid answer is refused
@@ -23,30 +24,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 # The symbols a declared shape may use: the request's own dimensions.
 ShapeSymbol = Literal["items", "input_tokens", "output_tokens"]
 # The rule a refusal for an invalid answer carries (trailing metadata ``orchid-rule``).
 OUTPUT_CONTRACT_RULE = "output.contract"
 
 
-class OutputCheck(BaseModel):
+@dataclass(frozen=True, slots=True)
+class OutputCheck:
     """What a valid output looks like: datatype, shape (ints, or ``items``/``output_tokens``/
     ``input_tokens`` of the request) and optionally the range of its values."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    datatype: str = Field(min_length=1)
+    datatype: str
     shape: tuple[int | ShapeSymbol, ...]
     min_value: float | None = None
     max_value: float | None = None
-
-    @model_validator(mode="after")
-    def _range(self) -> OutputCheck:
-        if self.min_value is not None and self.max_value is not None and self.min_value > self.max_value:
-            raise ValueError("min_value must not exceed max_value")
-        return self
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,14 +101,10 @@ line is degraded, then refused, and only the excess of the flows over their shar
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Self
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MS_PER_S = 1000.0
 # Float seconds subtract with rounding noise (4.1 - 2.1 < 2.0); a hold measured on a
@@ -487,10 +483,11 @@ class LoadEvidence:
 # --------------------------------------------------------------------------- configuration
 
 
-class LadderConfig(BaseModel):
-    """Thresholds (fractions of protected capacity) and the timing of the ladder."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@dataclass(frozen=True, slots=True)
+class LadderConfig:
+    """Thresholds (fractions of protected capacity) and the timing of the ladder. Its file
+    schema, bounds and consistency checks are ``gateway.settings.LadderSchema``'s; these
+    defaults are the schema's too."""
 
     # Every threshold is judged on the *lower confidence bound* of offered demand (rule 3): a
     # step is entered only when the evidence shows demand above it for certain. Normal load
@@ -502,21 +499,21 @@ class LadderConfig(BaseModel):
     # about half the time in simulation. How much a step degrades is planned from each
     # flow's excess (plan_flows), not by the step.
     # Step 1 costs no quality (shadow traffic and optional stages return nothing to callers).
-    shed_optional_at: float = Field(default=1.00, gt=0)
+    shed_optional_at: float = 1.00
     # Step 2: cap output within declared quality evidence, for the excess only.
-    reduce_output_at: float = Field(default=1.03, gt=0)
+    reduce_output_at: float = 1.03
     # Step 3: route the excess of eligible work to the warm validated fallback. The seed's
     # 1.25x surge (1.218; its 10 s bound ~1.11 on the seed's fleet) sits here, as the seed says.
-    fallback_at: float = Field(default=1.06, gt=0)
+    fallback_at: float = 1.06
     # Step 4 once the excess is certain and larger: asynchronous and batch work can wait
     # without missing a deadline, interactive work cannot.
-    defer_batch_at: float = Field(default=1.15, gt=0)
+    defer_batch_at: float = 1.15
     # Step 5: refuse the excess of new online work, falling first on flows over their
     # weighted share; judged after the fallback's relief (rule 7).
-    reject_interactive_at: float = Field(default=1.25, gt=0)
+    reject_interactive_at: float = 1.25
     # Step 6 at 1 / 0.70 = 1.43, where offered work exceeds the devices' raw time: only
     # control work and each flow's reserved share are admitted (no flow borrows idle share).
-    protect_admitted_at: float = Field(default=1.43, gt=0)
+    protect_admitted_at: float = 1.43
 
     # The per-flow plan fills this share of the devices' raw time before it caps, diverts or
     # refuses anything: the steps say the envelope is exceeded (shadow traffic stops, batch
@@ -526,26 +523,26 @@ class LadderConfig(BaseModel):
     # noise; above the line each flow's excess is degraded, then refused. The last 10 % stays
     # for variance, and admission still refuses (or sends to the fallback) any request that
     # cannot finish in time, so no admitted request is promised time the devices lack.
-    plan_utilization: float = Field(default=0.90, gt=0, le=1)
+    plan_utilization: float = 0.90
     # z of the lower confidence bound: 2.5 is a one-sided 99.4 % bound per span; with four
     # spans read every 100 ms (the 1 s span alone gives ten fresh readings a second), 2.0 left
     # the seed's normal load off step 0 about 8 % of the time on noise alone (40 simulated
     # seeds), 2.5 about 1 % (tests/test_load.py).
-    confidence_z: float = Field(default=2.5, ge=0)
+    confidence_z: float = 2.5
     # Leave a step only when the bound is below enter - hysteresis.
-    hysteresis: float = Field(default=0.05, ge=0)
+    hysteresis: float = 0.05
     # The bound must stay under the leave line this long before the ladder descends (directly
     # to the step the evidence supports). After a 1.25x surge ends, the 10 s span still holds
     # surge samples for several seconds (back at step 0 after a median 7.4 s, simulated); 1 s
     # more (10 updates) filters a single quiet reading, and a longer hold would only keep the
     # steps armed: the amounts follow the 2 s plan span anyway, so a held step degrades nothing
     # once the excess is gone.
-    hold_s: float = Field(default=1.0, ge=0)
+    hold_s: float = 1.0
     # Dwell p95 is evidence only over at least this many samples (one slow request is not a p95).
-    dwell_min_samples: int = Field(default=20, ge=1)
+    dwell_min_samples: int = 20
     # Evidence older than this fails safe: the gatherer refreshes every ~100-500 ms,
     # so 2 s means it or Triton's statistics are stuck.
-    stale_after_s: float = Field(default=2.0, gt=0)
+    stale_after_s: float = 2.0
     # Stale evidence raises to step 4, not 5: without data the ladder protects
     # itself with the steps that refuse no interactive caller (fallback, deferral);
     # a stuck metrics path must not become an outage.
@@ -558,31 +555,13 @@ class LadderConfig(BaseModel):
     # refresh and meets the same decision; beyond 30 s the drain is extrapolated
     # far past the demand window, and the caller is better served by its own backoff or
     # a product alternative than by a precise-looking guess.
-    retry_after_min_ms: int = Field(default=100, ge=0)
-    retry_after_max_ms: int = Field(default=30_000, ge=1)
+    retry_after_min_ms: int = 100
+    retry_after_max_ms: int = 30_000
     # With every device lost nothing drains, so there is no drain to price. Capacity comes
     # back only when a health probe (every 0.5 s) sees a backend again: the advice is that
     # re-check horizon (within the bounds above), not the 30 s cap, which would keep
     # well-behaved clients away from a backend that came back after one second.
-    retry_after_no_capacity_ms: int = Field(default=1_000, ge=0)
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Self:
-        enters = self.thresholds
-        for lower, upper in itertools.pairwise(enters):
-            if not lower < upper:
-                raise ValueError(f"step thresholds must increase strictly (got {list(enters[1:])})")
-        if not self.hysteresis < self.shed_optional_at:
-            raise ValueError(
-                f"hysteresis ({self.hysteresis}) must be below the step 1 threshold "
-                f"({self.shed_optional_at}), or step 0 could never be reached again"
-            )
-        if self.retry_after_min_ms > self.retry_after_max_ms:
-            raise ValueError(
-                f"retry_after_min_ms ({self.retry_after_min_ms}) exceeds "
-                f"retry_after_max_ms ({self.retry_after_max_ms})"
-            )
-        return self
+    retry_after_no_capacity_ms: int = 1_000
 
     @property
     def thresholds(self) -> tuple[float, ...]:

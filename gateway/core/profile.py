@@ -21,24 +21,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
-
 GIB = 1024**3
 KIB = 1024
 
 
-class DemandProfile(BaseModel):
-    """Per model version cost and memory profile (validated data)."""
+@dataclass(frozen=True, slots=True)
+class DemandProfile:
+    """Per model version cost and memory profile (validated by ``gateway.settings``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    fixed_ms: float = Field(ge=0, description="launch and fixed host work per batch")
-    prefill_ms_per_token: float = Field(ge=0, description="main/prefill work per (padded) input token")
-    decode_ms_per_token: float = Field(ge=0, description="one decode step for the batch")
-    weights_bytes: int = Field(default=0, ge=0, description="resident weights")
-    workspace_reserve_bytes: int = Field(default=0, ge=0, description="runtime/workspace reserve per replica")
-    live_cache_bytes_per_token: int = Field(default=0, ge=0, description="sequence state per live token")
-    host_cpu_ms: float = Field(default=0.0, ge=0, description="gateway/host CPU per request")
+    fixed_ms: float  # launch and fixed host work per batch
+    prefill_ms_per_token: float  # main/prefill work per (padded) input token
+    decode_ms_per_token: float  # one decode step for the batch
+    weights_bytes: int = 0  # resident weights
+    workspace_reserve_bytes: int = 0  # runtime/workspace reserve per replica
+    live_cache_bytes_per_token: int = 0  # sequence state per live token
+    host_cpu_ms: float = 0.0  # gateway/host CPU per request
 
     def phases(self, input_tokens: int, output_tokens: int, batch: int = 1) -> tuple[float, float]:
         """(prefill_ms, decode_ms) for a batch of ``batch`` requests padded to this shape."""

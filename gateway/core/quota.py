@@ -91,11 +91,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Final, Literal, Protocol
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.core.errors import PermissionDenied, ResourceExhausted
 from gateway.core.record import RequestRecord
@@ -139,57 +137,48 @@ RULE_MAX_OUTPUT_TOKENS: Final = "quota.max_output_tokens"
 # --------------------------------------------------------------------------- configuration
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+# Plain frozen values: the file schema (bounds, unknown keys, the checks below) is
+# ``gateway.settings.QuotaSettingsSchema``'s, which builds these once when configuration loads.
 
 
-class QuotaConfig(_Strict):
+@dataclass(frozen=True, slots=True)
+class QuotaConfig:
     """One tenant's quota in one request class (or the class's shared ``default`` pool)."""
 
-    accelerator_ms_per_s: float | None = Field(
-        default=None, gt=0, description="own refill rate; unset: `weight` of the class share"
-    )
-    weight: float = Field(default=1.0, gt=0, description="share of the class rate when no rate is set")
-    burst_ms: float | None = Field(default=None, gt=0, description="bucket capacity; unset: 2 s of refill")
-    live_token_ms_per_s: float | None = Field(
-        default=None, gt=0, description="live-token-ms refill; unset: none"
-    )
-    live_token_burst_ms: float | None = Field(default=None, gt=0, description="unset: 2 s of refill")
-    max_concurrent: int | None = Field(default=None, ge=1, description="open requests: in flight + queued")
-    max_queued_ms: float | None = Field(default=None, gt=0, description="predicted accelerator-ms waiting")
-    max_input_tokens: int | None = Field(default=None, ge=1)
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    borrow_fraction: float = Field(
-        default=DEFAULT_BORROW_FRACTION, ge=0, le=1, description="borrowable share of burst_ms"
-    )
-
-    @model_validator(mode="after")
-    def _live_burst_needs_rate(self) -> QuotaConfig:
-        if self.live_token_burst_ms is not None and self.live_token_ms_per_s is None:
-            raise ValueError("live_token_burst_ms needs live_token_ms_per_s")
-        return self
+    accelerator_ms_per_s: float | None = None  # own refill rate; unset: `weight` of the class share
+    weight: float = 1.0  # share of the class rate when no rate is set
+    burst_ms: float | None = None  # bucket capacity; unset: 2 s of refill
+    live_token_ms_per_s: float | None = None  # live-token-ms refill; unset: none
+    live_token_burst_ms: float | None = None  # unset: 2 s of refill
+    max_concurrent: int | None = None  # open requests: in flight + queued
+    max_queued_ms: float | None = None  # predicted accelerator-ms waiting
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    borrow_fraction: float = DEFAULT_BORROW_FRACTION  # borrowable share of burst_ms
 
 
-class ClassShareConfig(_Strict):
+@dataclass(frozen=True, slots=True)
+class ClassShareConfig:
     """A request class's whole share: the parent bucket of its tenants."""
 
-    accelerator_ms_per_s: float = Field(gt=0)
-    burst_ms: float | None = Field(default=None, gt=0, description="unset: 2 s of refill")
-    default: QuotaConfig | None = Field(default=None, description="shared pool of unconfigured tenants")
+    accelerator_ms_per_s: float
+    burst_ms: float | None = None  # unset: 2 s of refill
+    default: QuotaConfig | None = None  # shared pool of unconfigured tenants
 
 
-class QuotaSettings(_Strict):
+@dataclass(frozen=True, slots=True)
+class QuotaSettings:
     """All quota configuration: class shares and tenant -> request class -> quota."""
 
-    classes: dict[str, ClassShareConfig] = Field(default_factory=dict)
-    tenants: dict[str, dict[str, QuotaConfig]] = Field(default_factory=dict)
+    classes: dict[str, ClassShareConfig] = field(default_factory=dict)
+    tenants: dict[str, dict[str, QuotaConfig]] = field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _rates_resolve(self) -> QuotaSettings:
+    def check(self) -> None:
+        """Raise ``ValueError`` when these settings cannot be served: the reserved pool name
+        used as a tenant, or a weighted rate that cannot be derived."""
         if POOL_TENANT in self.tenants:
             raise ValueError(f"tenant name {POOL_TENANT!r} is reserved for a class's default pool")
         self.resolved_rates()  # raises ValueError when a weighted rate cannot be derived
-        return self
 
     def scaled(self, fraction: float) -> QuotaSettings:
         """These settings with every rate, burst and limit times ``fraction`` (0 < fraction <= 1).
@@ -205,29 +194,27 @@ class QuotaSettings(_Strict):
 
         def account(config: QuotaConfig) -> QuotaConfig:
             concurrent = config.max_concurrent
-            return config.model_copy(
-                update={
-                    "accelerator_ms_per_s": part(config.accelerator_ms_per_s),
-                    "burst_ms": part(
-                        config.burst_ms
-                        if config.burst_ms is not None or config.accelerator_ms_per_s is None
-                        else DEFAULT_BURST_S * config.accelerator_ms_per_s
-                    ),
-                    "live_token_ms_per_s": part(config.live_token_ms_per_s),
-                    "live_token_burst_ms": part(config.live_token_burst_ms),
-                    "max_concurrent": None if concurrent is None else max(1, int(concurrent * fraction)),
-                    "max_queued_ms": part(config.max_queued_ms),
-                }
+            return replace(
+                config,
+                accelerator_ms_per_s=part(config.accelerator_ms_per_s),
+                burst_ms=part(
+                    config.burst_ms
+                    if config.burst_ms is not None or config.accelerator_ms_per_s is None
+                    else DEFAULT_BURST_S * config.accelerator_ms_per_s
+                ),
+                live_token_ms_per_s=part(config.live_token_ms_per_s),
+                live_token_burst_ms=part(config.live_token_burst_ms),
+                max_concurrent=None if concurrent is None else max(1, int(concurrent * fraction)),
+                max_queued_ms=part(config.max_queued_ms),
             )
 
         return QuotaSettings(
             classes={
-                name: share.model_copy(
-                    update={
-                        "accelerator_ms_per_s": share.accelerator_ms_per_s * fraction,
-                        "burst_ms": part(share.burst_ms),
-                        "default": None if share.default is None else account(share.default),
-                    }
+                name: replace(
+                    share,
+                    accelerator_ms_per_s=share.accelerator_ms_per_s * fraction,
+                    burst_ms=part(share.burst_ms),
+                    default=None if share.default is None else account(share.default),
                 )
                 for name, share in self.classes.items()
             },
@@ -528,6 +515,7 @@ class QuotaLedger:
             name: _Bucket.full(share.accelerator_ms_per_s, share.burst_ms)
             for name, share in settings.classes.items()
         }
+        settings.check()
         rates = settings.resolved_rates()
         configs: dict[tuple[str, str], QuotaConfig] = {
             (tenant, request_class): config

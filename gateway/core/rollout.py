@@ -1,9 +1,10 @@
 """Rollouts: a version change as data, and the state machine that rehearses it.
 
-This module owns the schema of a rollout file (``rollouts/*.yaml``: the route, its current
+This module owns what a rollout is, as plain values (``RolloutSpec``: the route, its current
 and candidate backend model versions, the warm-up shapes and the output checks a candidate
 must pass before it is ready, the steps, the guardrails and their analysis interval, the
-drain bound) and ``Rollout``, the pure state machine that runs one:
+drain bound; the file schema of ``rollouts/*.yaml`` that builds them is
+``gateway.settings.RolloutSchema``) and ``Rollout``, the pure state machine that runs one:
 
     pending -> loading -> warming -> shadow / canary steps -> promoted -> complete
                   |           |              |
@@ -42,10 +43,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from gateway.core.outputs import OutputCheck as OutputCheck  # the one output contract
-from gateway.core.record import LONG_BUCKET, SHORT_BUCKET
 
 CANARY_REASON = "canary"
 # The route reason of an answer the current version gave after the candidate chosen for it
@@ -69,67 +67,55 @@ PAIRED_METRICS = frozenset(
 )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+# --------------------------------------------------------------------------- the rollout, as values
+# Built once by ``gateway.settings.RolloutSchema`` from a validated rollout file: every bound
+# and consistency check (and its message) is the schema's.
 
 
-# --------------------------------------------------------------------------- schema
-
-
-class VersionRef(_Strict):
+@dataclass(frozen=True, slots=True)
+class VersionRef:
     """One version of the route's model: the backend model, the version Triton reports for it
     (its manifest identity: the repository index must list this version READY), and the
     label provenance stamps (``orchid.model_version``)."""
 
-    backend_model: str = Field(min_length=1)
-    version: str = Field(min_length=1, pattern=r"^[0-9]+$", description="Triton's model version")
-    label: str = Field(default="", description="provenance version label; empty: the version")
-    profile: str = Field(default="", description="demand profile (routes); empty: the route's")
+    backend_model: str
+    version: str  # Triton's model version
+    label: str = ""  # provenance version label; empty: the version
+    profile: str = ""  # demand profile (routes); empty: the route's
 
     @property
     def name(self) -> str:
         return self.label or self.version
 
 
-class WarmupShape(_Strict):
+@dataclass(frozen=True, slots=True)
+class WarmupShape:
     """One shape a candidate must serve, outputs valid, before it takes any traffic."""
 
     bucket: Bucket
-    input_tokens: int = Field(ge=1)
-    output_tokens: int = Field(ge=1)
-    items: int = Field(default=1, ge=1)
-    repeat: int = Field(default=1, ge=1, description="how many times it is sent")
+    input_tokens: int
+    output_tokens: int
+    items: int = 1
+    repeat: int = 1  # how many times it is sent
 
 
-class Warmup(_Strict):
-    shapes: tuple[WarmupShape, ...] = Field(min_length=1)
+@dataclass(frozen=True, slots=True)
+class Warmup:
+    shapes: tuple[WarmupShape, ...]
     # Checked with the route's own ``outputs`` contract (these add to it, or override an
     # output it names): a rollout of a route that declares none must declare some.
-    outputs: dict[str, OutputCheck] = Field(default_factory=dict, description="output name -> its checks")
-    timeout_s: float = Field(default=30.0, gt=0, description="bound of each warm-up request")
-
-    @model_validator(mode="after")
-    def _both_buckets(self) -> Warmup:
-        buckets = {s.bucket for s in self.shapes}
-        if buckets != {SHORT_BUCKET, LONG_BUCKET}:
-            missing = ", ".join(sorted({SHORT_BUCKET, LONG_BUCKET} - buckets))
-            raise ValueError(f"warm-up must cover the route's short and long buckets (missing {missing})")
-        return self
+    outputs: dict[str, OutputCheck] = field(default_factory=dict)  # output name -> its checks
+    timeout_s: float = 30.0  # bound of each warm-up request
 
 
-class Cohort(_Strict):
+@dataclass(frozen=True, slots=True)
+class Cohort:
     """Requests a step may divert: every listed field must match (an empty list: any)."""
 
     classes: tuple[str, ...] = ()
     buckets: tuple[Bucket, ...] = ()
     tenants: tuple[str, ...] = ()
     risk_classes: tuple[str, ...] = ()
-
-    @model_validator(mode="after")
-    def _not_everything(self) -> Cohort:
-        if not (self.classes or self.buckets or self.tenants or self.risk_classes):
-            raise ValueError("a cohort names at least one of classes, buckets, tenants, risk_classes")
-        return self
 
     def matches(self, facts: RequestFacts) -> bool:
         return (
@@ -140,88 +126,72 @@ class Cohort(_Strict):
         )
 
 
-class Step(_Strict):
+@dataclass(frozen=True, slots=True)
+class Step:
     """``shadow``: mirror ``weight`` of the matching requests to the candidate (answers
     discarded); ``canary``: serve ``weight`` of them from it; ``promote``: the candidate
     serves the route. A step holds for ``intervals`` passing analysis intervals."""
 
     kind: Literal["shadow", "canary", "promote"]
     cohorts: tuple[Cohort, ...] = ()
-    weight: float = Field(default=1.0, gt=0, le=1)
-    intervals: int = Field(default=1, ge=1)
-
-    @model_validator(mode="after")
-    def _cohorts(self) -> Step:
-        if self.kind == "promote" and self.cohorts:
-            raise ValueError("a promote step has no cohorts (it serves the whole route)")
-        if self.kind != "promote" and not self.cohorts:
-            raise ValueError(f"a {self.kind} step needs cohorts")
-        return self
+    weight: float = 1.0
+    intervals: int = 1
 
     def matches(self, facts: RequestFacts) -> bool:
         return any(cohort.matches(facts) for cohort in self.cohorts)
 
 
-class Analysis(_Strict):
-    interval_s: float = Field(gt=0, description="length of one analysis interval")
-    min_samples: int = Field(default=5, ge=1, description="per version; fewer: inconclusive")
+@dataclass(frozen=True, slots=True)
+class Analysis:
+    interval_s: float  # length of one analysis interval
+    min_samples: int = 5  # per version; fewer: inconclusive
 
 
-class Guardrail(_Strict):
+@dataclass(frozen=True, slots=True)
+class Guardrail:
     """Roll back when ``metric`` exceeds ``max`` in ``failures`` consecutive conclusive intervals."""
 
     metric: Metric
-    max: float = Field(ge=0)
-    failures: int = Field(default=1, ge=1)
+    max: float
+    failures: int = 1
 
 
-class Drain(_Strict):
-    max_wait_s: float = Field(
-        default=60.0, gt=0, description="the retired version is left loaded if still busy after this"
-    )
+@dataclass(frozen=True, slots=True)
+class Drain:
+    max_wait_s: float = 60.0  # the retired version is left loaded if still busy after this
 
 
-class MemoryCheck(_Strict):
+@dataclass(frozen=True, slots=True)
+class MemoryCheck:
     """Both versions resident on each device must leave room for ``min_live_tokens`` of the
     current version's live state; otherwise the rollout is refused before anything loads."""
 
-    min_live_tokens: int = Field(default=0, ge=0)
+    min_live_tokens: int = 0
 
 
-class Hedge(_Strict):
+@dataclass(frozen=True, slots=True)
+class Hedge:
     """A canary's budget leaves the current version time to answer (``hedge_budget_ms``):
     the candidate gets the time by which the current version, re-admitted, would still meet
     the caller's deadline with its own reserves, less ``reserve_ms``: the re-admission and
     the answer's way back, and the variance of the current version's own prediction."""
 
-    reserve_ms: float = Field(default=25.0, ge=0, description="margin left beside the current version")
+    reserve_ms: float = 25.0  # margin left beside the current version
 
 
-class RolloutSpec(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    route: str = Field(description="the logical model whose version changes")
+@dataclass(frozen=True, slots=True)
+class RolloutSpec:
+    name: str
+    route: str  # the logical model whose version changes
     current: VersionRef
     candidate: VersionRef
     warmup: Warmup
-    steps: tuple[Step, ...] = Field(min_length=1)
+    steps: tuple[Step, ...]
     analysis: Analysis
-    guardrails: tuple[Guardrail, ...] = Field(min_length=1)
+    guardrails: tuple[Guardrail, ...]
     drain: Drain = Drain()
     memory: MemoryCheck = MemoryCheck()
     hedge: Hedge = Hedge()
-
-    @model_validator(mode="after")
-    def _consistent(self) -> RolloutSpec:
-        if self.current.backend_model == self.candidate.backend_model:
-            raise ValueError("candidate.backend_model must differ from current.backend_model")
-        if self.current.name == self.candidate.name:
-            raise ValueError("candidate's label must differ from the current version's")
-        for index, step in enumerate(self.steps):
-            if step.kind == "promote" and index != len(self.steps) - 1:
-                raise ValueError("promote must be the last step")
-        if self.steps[0].kind == "promote":
-            raise ValueError("a rollout needs a shadow or canary step before promote")
-        return self
 
 
 # --------------------------------------------------------------------------- facts and samples
