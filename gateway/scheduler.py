@@ -6,7 +6,8 @@ waiting. ``DispatchQueue.submit`` asks the core for a slot at ``clock.now()``, a
 resolved when a slot was free; otherwise parked on the core's ``Waiter`` and resolved when
 the core grants it a slot or refuses it, or by a timer at its latest start with the core's
 ``refusal`` (DEADLINE_EXCEEDED, rule ``queue.latest_start``, or for work held for live memory
-RESOURCE_EXHAUSTED, rule ``memory.live_tokens``). A future that ends without a slot
+RESOURCE_EXHAUSTED, rule ``memory.live_tokens``, and for a stream its tenant's decode share held
+RESOURCE_EXHAUSTED, rule ``queue.stream_share``). A future that ends without a slot
 (refused, late, cancelled by its caller) withdraws its waiter. ``acquire`` is submit-and-await.
 After every call into the core the driver resolves the futures of the waiters it changed.
 Releasing a slot is a call into the core at ``clock.now()`` too. Live this is the monotonic clock; in the

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from gateway.config import LimitsConfig
 from gateway.core.decode import DecodeShare
-from gateway.core.dispatch import DeviceSet, Slot, Waiter
+from gateway.core.dispatch import STREAM_SHARE_RULE, DeviceSet, Slot, Waiter
 from gateway.core.dispatch import DispatchQueue as CoreQueue
+from gateway.core.errors import DeadlineExpired, ResourceExhausted
 from gateway.core.memory import DeviceMemory
 from gateway.scheduler import DispatchQueue
 from orchid_tools.virtual_time import now, virtual_time
@@ -400,3 +401,34 @@ async def test_the_driver_streams_and_grows_on_the_event_loops_clock() -> None:
     assert slot.stream and queue.decode.decoding("b").streams == 1
     slot.release(now())
     assert queue.decode.tenants == {}
+
+
+def test_a_stream_its_tenants_share_held_is_refused_at_its_latest_start_with_a_retry_after() -> None:
+    queue = CoreQueue("q", devices=4, slots=4, max_queued=10)
+    a_slots = [stream(queue, 0.0, "a", cost_ms=100.0) for _ in range(3)]  # a alone first
+    b_slot = stream(queue, 0.0, "b", cost_ms=1000.0)
+    assert all(isinstance(s, Slot) for s in a_slots) and isinstance(b_slot, Slot)
+    b_next = stream(queue, 0.001, "b")
+    a_next = stream(queue, 0.002, "a")
+    assert isinstance(b_next, Waiter) and isinstance(a_next, Waiter)
+    assert not a_next.share_held
+    assert isinstance(queue.refusal(a_next, 0.005), DeadlineExpired)  # it waited for a slot
+    b_slot.release(0.01)
+    # a's flow is first by virtual time, but a holds 3 of its 2 while b waits within its share.
+    assert queue.device_set.take_changes() == [b_next]
+    assert a_next.share_held
+    refused = queue.refusal(a_next, 0.05)
+    assert isinstance(refused, ResourceExhausted) and refused.rule == STREAM_SHARE_RULE
+    assert refused.retry_after_ms == 50  # a's first stream is predicted to end at 0.1
+
+
+def test_a_streams_live_byte_ms_grow_with_its_tokens_and_stop_at_release() -> None:
+    queue = memory_queue()
+    slot = stream(queue, 0.0, "a", live=100)
+    assert isinstance(slot, Slot)
+    assert slot.live_byte_ms(0.5) == pytest.approx(100 * 500)  # the prompt alone, half a second
+    assert slot.grow_live(50, 1.0)  # a token's worth at 1 s
+    assert slot.live_byte_ms(2.0) == pytest.approx(100 * 1000 + 150 * 1000)
+    assert not slot.grow_live(10_000, 2.0)  # refused: nothing charged
+    slot.release(3.0)
+    assert slot.live_byte_ms(9.0) == pytest.approx(100 * 1000 + 150 * 2000)

@@ -166,6 +166,9 @@ from gateway.core.profile import DemandProfile, batch_accelerator_ms
 CONTROL_CLASS = "control"
 # The refusal of a request whose latest start passed while it waited (the driver raises it).
 LATE_RULE = "queue.latest_start"
+# The refusal of a stream whose latest start passed while its tenant's decoding streams held
+# their share of the pool (rule 9).
+STREAM_SHARE_RULE = "queue.stream_share"
 
 
 # The short lane is kept only while short work has asked for a device this recently: a few
@@ -229,6 +232,7 @@ class Waiter:
     long: bool = field(compare=False, default=False)
     live_bytes: int = field(compare=False, default=0)  # live sequence state it will hold
     memory_held: bool = field(compare=False, default=False)  # last kept here for want of memory
+    share_held: bool = field(compare=False, default=False)  # last kept: its tenant's decode share
     batch: BatchShape | None = field(compare=False, default=None)  # may co-batch (rule 6)
     stream: bool = field(compare=False, default=False)  # a decoding stream (rule 9)
     slot: Slot | None = field(compare=False, default=None)
@@ -253,6 +257,8 @@ class Slot:
     stream: bool = False  # a decoding stream (rule 9): its live state grows with its tokens
     tenant: str = ""  # whose stream (the decode share counts it)
     live_exhausted: bool = False  # a ``grow_live`` was refused: its device has no live room left
+    held_byte_ms: float = 0.0  # live bytes x ms held from binding to ``held_since``
+    held_since: float | None = None  # when ``live_bytes`` last changed (None: at ``started_at``)
 
     @property
     def occupant(self) -> bool:
@@ -280,15 +286,26 @@ class Slot:
         if not self.queue.device_set.room_for(now, self, live_bytes):
             self.live_exhausted = True
             return False
+        self.held_byte_ms, self.held_since = self.live_byte_ms(now), now
         self.live_bytes += live_bytes
         if self.stream:
             self.queue.decode.grow(self.tenant, live_bytes)
         return True
 
+    def live_byte_ms(self, now: float) -> float:
+        """Live bytes x milliseconds it has held from binding to ``now`` (to its release, once
+        released): over its ``live_cache_bytes_per_token``, a stream's observed live-token-ms,
+        growing with its tokens (rule 9)."""
+        since = self.started_at if self.held_since is None else self.held_since
+        if self.released:
+            return self.held_byte_ms
+        return self.held_byte_ms + self.live_bytes * max(0.0, now - since) * 1000.0
+
     def release(self, now: float) -> None:
         """The request is done with its device (idempotent): its slot and all its live state
         are freed; waiters may be granted."""
         if not self.released:
+            self.held_byte_ms, self.held_since = self.live_byte_ms(now), now
             self.released = True
             self.queue._release(self, now)
 
@@ -880,11 +897,22 @@ class DispatchQueue:
     def refusal(self, waiter: Waiter, now: float) -> GatewayError:
         """Why a waiter whose latest start passed leaves (its driver then withdraws it): held
         for live memory (rule 8), RESOURCE_EXHAUSTED ``memory.live_tokens`` with a retry-after
-        from when the bound work is predicted to free enough; otherwise DEADLINE_EXCEEDED
-        (``queue.latest_start``)."""
+        from when the bound work is predicted to free enough; a stream last held by its tenant's
+        decode share (rule 9), RESOURCE_EXHAUSTED ``queue.stream_share`` with a retry-after from
+        when the first of the tenant's decoding streams is predicted to end; otherwise
+        DEADLINE_EXCEEDED (``queue.latest_start``)."""
         if waiter.memory_held:
             free_at = self.device_set.memory_free_at(now, waiter.live_bytes)
             return device_memory.waited_too_long((free_at - now) * 1000.0)
+        if waiter.share_held:
+            mine = [s for s in self._inflight if s.stream and s.tenant == waiter.flow[1]]
+            ends = [s.predicted_start + s.cost_ms / 1000.0 for s in mine]
+            wait_ms = (min(ends, default=now) - now) * 1000.0
+            return ResourceExhausted(
+                "this tenant's streams hold its share of the model's decoding streams",
+                rule=STREAM_SHARE_RULE,
+                retry_after_ms=max(1, math.ceil(wait_ms)),
+            )
         return DeadlineExpired("the request could not start before its deadline", rule=LATE_RULE)
 
     def withdraw(self, waiter: Waiter, now: float) -> Slot | None:
@@ -1131,7 +1159,9 @@ class DispatchQueue:
             return not long_granted and devices.long_may_bind(now, waiter.latest_start, waiter.cost_ms)
 
         def stream_ok(waiter: Waiter) -> bool:
-            return self.stream_may_start(waiter.flow[1], self._flows[waiter.flow].weight, waiter.live_bytes)
+            ok = self.stream_may_start(waiter.flow[1], self._flows[waiter.flow].weight, waiter.live_bytes)
+            waiter.share_held = not ok
+            return ok
 
         while self._free(CONTROL_CLASS) > 0:
             waiter = self._next_waiter(long_ok=long_ok, prefer_long=prefer_long, stream_ok=stream_ok)
