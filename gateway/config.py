@@ -155,6 +155,25 @@ class RequestClassConfig(_Strict):
     max_dwell_ms: float = Field(default=20.0, ge=0)
     weight: float = Field(default=1.0, gt=0, description="the class's share of a pool under contention")
     max_deadline_ms: float = Field(default=600_000.0, gt=0, description="longer deadlines are refused")
+    # Stream objectives (ModelStreamInfer; gateway.core.streaming). A stream's completion
+    # deadline is the call's deadline, or default_deadline_ms, as for unary work.
+    first_result_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="a stream's first result within this many ms of its arrival; admission judges "
+        "a new stream by it (none: the completion deadline; never later than it)",
+    )
+    gap_ms: float | None = Field(
+        default=None, gt=0, description="a stream's objective for the gap between two results (none: none)"
+    )
+
+    @model_validator(mode="after")
+    def _stream_objectives(self) -> RequestClassConfig:
+        for name in ("first_result_ms", "gap_ms"):
+            value = getattr(self, name)
+            if value is not None and value > self.max_deadline_ms:
+                raise ValueError(f"{name} ({value:g}) exceeds max_deadline_ms ({self.max_deadline_ms:g})")
+        return self
 
 
 class LimitsConfig(_Strict):

@@ -24,6 +24,21 @@ another tenant's data or payload.
   its final one, a stream request that failed midway (its error reply), and any answer
   whose output limit policy or the overload ladder reduced below what the caller asked
   (the output may have been cut).
+
+A stream's (ModelStreamInfer) objectives and how its results met them
+(``gateway.core.streaming``), on a response given a ``StreamSummary``:
+
+- ``orchid.first_result_ms``: arrival at the gateway to the first result (absent until one
+  arrived); ``orchid.first_result_deadline_ms`` its objective; ``orchid.first_result_met``;
+- ``orchid.max_gap_ms``: the longest time between two results so far, ``orchid.gaps`` how
+  many gaps there were; ``orchid.gap_objective_ms`` the objective (absent without one),
+  ``orchid.gap_objective_met`` (true when no gap was over it) and
+  ``orchid.gaps_over_objective``.
+
+A stream's partial responses may carry the whole provenance (``attach_provenance``) or,
+cheaply, only what a partial answer needs (``attach_partial``): ``orchid.complete=false``,
+``orchid.request_id`` and, when the stream code passes it, ``orchid.gap_ms``: the gap
+before this result.
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.core.errors import GatewayError, InvalidArgument
 from gateway.core.record import Approximation, Decision
+from gateway.core.streaming import StreamSummary
 from gateway.status import bounded
 
 if TYPE_CHECKING:
@@ -89,7 +105,25 @@ def approximation(decision: Decision) -> str:
     return ",".join(applied) or str(Approximation.NONE)
 
 
-def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
+def stream_provenance(stream: StreamSummary) -> dict[str, str | int | float | bool]:
+    """A stream's objectives and how its results met them so far (see the module docstring)."""
+    objectives = stream.objectives
+    out: dict[str, str | int | float | bool] = {
+        "orchid.first_result_deadline_ms": round(objectives.first_result_ms, 3),
+        "orchid.first_result_met": stream.first_result_met,
+        "orchid.max_gap_ms": round(stream.max_gap_ms, 3),
+        "orchid.gaps": stream.gaps,
+        "orchid.gap_objective_met": stream.gap_objective_met,
+        "orchid.gaps_over_objective": stream.gaps_over_objective,
+    }
+    if stream.first_result_ms is not None:
+        out["orchid.first_result_ms"] = round(stream.first_result_ms, 3)
+    if objectives.gap_ms is not None:
+        out["orchid.gap_objective_ms"] = round(objectives.gap_ms, 3)
+    return out
+
+
+def provenance(settled: Settled, stream: StreamSummary | None = None) -> dict[str, str | int | float | bool]:
     record, decision, outcome = settled.record, settled.decision, settled.outcome
     out: dict[str, str | int | float | bool] = {
         "orchid.model": decision.target_model,
@@ -120,11 +154,13 @@ def provenance(settled: Settled) -> dict[str, str | int | float | bool]:
             else "undated"
         )
         out["orchid.evidence_owner"] = evidence.owner
+    if stream is not None:
+        out.update(stream_provenance(stream))
     return out
 
 
-def attach_provenance(response: service_pb2.ModelInferResponse, settled: Settled) -> None:
-    for key, value in provenance(settled).items():
+def _write(response: service_pb2.ModelInferResponse, values: dict[str, str | int | float | bool]) -> None:
+    for key, value in values.items():
         param = response.parameters[key]
         if isinstance(value, bool):
             param.bool_param = value
@@ -134,6 +170,27 @@ def attach_provenance(response: service_pb2.ModelInferResponse, settled: Settled
             param.double_param = value
         else:
             param.string_param = value
+
+
+def attach_provenance(
+    response: service_pb2.ModelInferResponse, settled: Settled, stream: StreamSummary | None = None
+) -> None:
+    """The whole provenance; with ``stream`` (a stream's ``GapTracker`` summary, final or so far)
+    also its objectives and how its results met them."""
+    _write(response, provenance(settled, stream))
+
+
+def attach_partial(
+    response: service_pb2.ModelInferResponse, request_id: str, *, gap_ms: float | None = None
+) -> None:
+    """What a stream's partial response needs, cheaply (no settlement): ``orchid.complete=false``,
+    ``orchid.request_id`` and, when given, ``orchid.gap_ms`` (the gap before this result, from
+    ``GapTracker.result``). The final response carries the whole provenance."""
+    params = response.parameters
+    params["orchid.complete"].bool_param = False
+    params["orchid.request_id"].string_param = request_id
+    if gap_ms is not None:
+        params["orchid.gap_ms"].double_param = round(gap_ms, 3)
 
 
 def flag(request: service_pb2.ModelInferRequest, name: str) -> bool:

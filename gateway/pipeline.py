@@ -122,6 +122,11 @@ class GatewayListener:
     def ladder(self, pool: str, step: int) -> None:
         return None
 
+    def stream_settled(self, settled: Settled, stream: settlement.StreamSummary) -> None:
+        """A stream request ended (final response, failure or cancel): its settlement and how
+        its results met its objectives (``GapTracker.finish``; first result, gaps)."""
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class StageTimes:

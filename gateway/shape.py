@@ -10,7 +10,9 @@ time is spent:
   element counts that overflow the gateway's bound;
 * ``raw_input_contents`` whose count or byte length disagrees with
   shape x datatype size (BYTES: well-formed 4-byte length prefixes);
-* ``orchid.*`` parameters of the wrong type or out of range;
+* ``orchid.*`` parameters of the wrong type or out of range (a stream's objectives,
+  ``orchid.first_result_ms`` and ``orchid.gap_ms``: positive milliseconds, int or double,
+  at most the class's ``max_deadline_ms``, see ``stream_objectives_for``);
 * shapes over the route's declared caps (input tokens, items, output tokens).
 
 How tokens and items are read is data (``ShapeSpec`` in ``routes/``).
@@ -18,16 +20,18 @@ How tokens and items are read is data (``ShapeSpec`` in ``routes/``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.triton import ModelSpec
-from gateway.config import ShapeSpec
+from gateway.config import RequestClassConfig, ShapeSpec
 from gateway.core.admission import FallbackLimits, fallback_misfit
 from gateway.core.errors import InvalidArgument
 from gateway.core.record import LONG_BUCKET, SHORT_BUCKET, Shape
+from gateway.core.streaming import StreamObjectives, stream_objectives
 
 DTYPE_BYTES: dict[str, int] = {
     "BOOL": 1,
@@ -92,11 +96,41 @@ class RequestHints:
     allow_fallback: bool = True
     operation_id: str = ""
     risk_class: str | None = None  # orchid.risk_class (checked by gateway.core.risk)
+    # A stream's objectives (ModelStreamInfer only; gateway.core.streaming), in ms:
+    first_result_ms: float | None = None  # orchid.first_result_ms: first result after arrival
+    gap_ms: float | None = None  # orchid.gap_ms: most time between two results
+
+
+# The largest stream objective a caller may name (one day); the class's max deadline bounds it too.
+MAX_OBJECTIVE_MS = 86_400_000.0
 
 
 def _param_kind(param: service_pb2.InferParameter) -> str | None:
     kind: str | None = param.WhichOneof("parameter_choice")
     return kind
+
+
+def _objective_ms(request: service_pb2.ModelInferRequest, name: str) -> float | None:
+    """A stream objective parameter: a positive, finite number of milliseconds (int or double)."""
+    params = request.parameters
+    if name not in params:
+        return None
+    p = params[name]
+    kind = _param_kind(p)
+    if kind == "double_param":
+        value = float(p.double_param)
+    elif kind == "int64_param":
+        value = float(p.int64_param)
+    elif kind == "uint64_param":
+        value = float(p.uint64_param)
+    else:
+        raise InvalidArgument(f"parameter {name} must be a number of milliseconds (int or double)")
+    if not (math.isfinite(value) and 0 < value <= MAX_OBJECTIVE_MS):
+        raise InvalidArgument(
+            f"parameter {name} must be a number of milliseconds > 0 and <= {MAX_OBJECTIVE_MS:g}, "
+            f"got {value:g}"
+        )
+    return value
 
 
 def read_hints(request: service_pb2.ModelInferRequest) -> RequestHints:
@@ -137,10 +171,31 @@ def read_hints(request: service_pb2.ModelInferRequest) -> RequestHints:
         if _param_kind(p) != "string_param" or not p.string_param:
             raise InvalidArgument("parameter orchid.risk_class must be a non-empty string")
         risk_class = p.string_param
+    first_result_ms = _objective_ms(request, "orchid.first_result_ms")
+    gap_ms = _objective_ms(request, "orchid.gap_ms")
     for name in params:
         if name.startswith("orchid.") and name not in _KNOWN_HINTS:
             raise InvalidArgument(f"unknown parameter {name!r}; known: {', '.join(sorted(_KNOWN_HINTS))}")
-    return RequestHints(request_class, max_output, allow_fallback, operation_id, risk_class)
+    return RequestHints(
+        request_class, max_output, allow_fallback, operation_id, risk_class, first_result_ms, gap_ms
+    )
+
+
+def stream_objectives_for(
+    hints: RequestHints, request_class: RequestClassConfig, deadline_ms: float
+) -> StreamObjectives:
+    """A stream's objectives: the caller's ``orchid.first_result_ms`` / ``orchid.gap_ms`` over
+    its class's ``first_result_ms`` / ``gap_ms``, bounded by the class's ``max_deadline_ms``
+    (INVALID_ARGUMENT above it); the completion deadline is ``deadline_ms`` (the call's, or
+    the class's default). Pass ``first_result_ms`` and ``gap_ms`` to ``pricing.Reserves``."""
+    return stream_objectives(
+        deadline_ms=deadline_ms,
+        max_deadline_ms=request_class.max_deadline_ms,
+        class_first_result_ms=request_class.first_result_ms,
+        class_gap_ms=request_class.gap_ms,
+        requested_first_result_ms=hints.first_result_ms,
+        requested_gap_ms=hints.gap_ms,
+    )
 
 
 _KNOWN_HINTS = frozenset(
@@ -150,6 +205,8 @@ _KNOWN_HINTS = frozenset(
         "orchid.allow_fallback",
         "orchid.operation_id",
         "orchid.risk_class",
+        "orchid.first_result_ms",
+        "orchid.gap_ms",
     }
 )
 

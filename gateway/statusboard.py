@@ -15,7 +15,10 @@ bounded histories the live state does not keep:
 * per tenant, charged accelerator-ms (since start and over the last ``WINDOW_S``) and
   rejections by rule; per pool, the shares of decisions served by the fallback or with a
   reduced output over ``WINDOW_S``;
-* policy: fail-opens by rule, and the last reload seen (version or failure count changed).
+* policy: fail-opens by rule, and the last reload seen (version or failure count changed);
+* per streaming model (``stream_settled``), the last ``STREAM_SAMPLES`` streams' first
+  results and the last ``GAP_SAMPLES`` gaps between results: first-result p50/p95, gap p95
+  and the shares of streams that met their first-result and gap objectives.
 
 Everything is bounded by configuration (tenants, pools, rules) or by a ring's length.
 ``snapshot`` is called on the gateway's event loop (``gateway.statuspage`` serves it
@@ -33,6 +36,7 @@ from typing import Any
 
 from gateway import clock
 from gateway.core.record import Decision, RequestRecord, Verdict
+from gateway.core.streaming import StreamSummary
 from gateway.pipeline import Gateway, GatewayListener, Settled
 from gateway.policy.snapshot import PolicyResult
 
@@ -43,6 +47,8 @@ RECENT_DECISIONS = 100
 WINDOW_S = 60.0  # recent shares (accelerator-ms, fallback, reduced output)
 _WINDOW_EVENTS = 20_000  # bound on the events behind the recent shares
 _MAX_PRIMARY_MODELS = 4096  # bound on the (tenant, model) -> backend model lookups kept
+STREAM_SAMPLES = 1000  # streams kept per streaming model (first result, objectives met)
+GAP_SAMPLES = 5000  # gaps between results kept per streaming model
 
 JSON = dict[str, Any]
 
@@ -50,6 +56,19 @@ JSON = dict[str, Any]
 def _num(value: float, digits: int = 3) -> float | None:
     """JSON has no infinity: an unbounded or unreadable figure is ``null``."""
     return round(value, digits) if math.isfinite(value) else None
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``values`` (not empty)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass(slots=True)
+class _StreamHistory:
+    streams: deque[tuple[float | None, bool, bool]]  # first result ms, first met, gap met
+    gaps: deque[float]
+    total: int = 0
 
 
 @dataclass(slots=True)
@@ -78,6 +97,7 @@ class StatusBoard(GatewayListener):
         self._policy_seen: tuple[str, int] | None = None
         self.last_reload: JSON | None = None
         self._primary_models: dict[tuple[str, str], str] = {}  # (tenant, model) -> backend model
+        self._streams: dict[str, _StreamHistory] = {}  # answering model -> its recent streams
 
     def bind(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -125,6 +145,17 @@ class StatusBoard(GatewayListener):
 
     def failed(self, status: str, rule: str) -> None:
         self._failures[(status, rule)] += 1
+
+    def stream_settled(self, settled: Settled, stream: StreamSummary) -> None:
+        model = settled.decision.target_model
+        history = self._streams.get(model)
+        if history is None:
+            history = self._streams[model] = _StreamHistory(
+                streams=deque(maxlen=STREAM_SAMPLES), gaps=deque(maxlen=GAP_SAMPLES)
+            )
+        history.total += 1
+        history.streams.append((stream.first_result_ms, stream.first_result_met, stream.gap_objective_met))
+        history.gaps.extend(stream.gaps_ms)
 
     def ladder(self, pool: str, step: int) -> None:
         gateway = self.gateway
@@ -214,6 +245,7 @@ class StatusBoard(GatewayListener):
             "policy": self._policy_view(gateway),
             "decisions": list(self.decisions),
             "backends": self._backends_view(gateway),
+            "streams": self._streams_view(),
             "rollouts": [  # each rollout's latest run (gateway.rollouts): phase and why
                 {
                     "name": name,
@@ -272,6 +304,31 @@ class StatusBoard(GatewayListener):
                 }
             )
         return pools
+
+    def _streams_view(self) -> list[JSON]:
+        """Per streaming model: its recent streams' first result (p50, p95), gaps (p95) and the
+        shares that met their objectives (null: no sample)."""
+        views = []
+        for model, history in sorted(self._streams.items()):
+            firsts = [first for first, _, _ in history.streams if first is not None]
+            kept = len(history.streams)
+            gaps = list(history.gaps)
+            views.append(
+                {
+                    "model": model,
+                    "streams": history.total,
+                    "first_result_p50_ms": _num(_quantile(firsts, 0.5), 1) if firsts else None,
+                    "first_result_p95_ms": _num(_quantile(firsts, 0.95), 1) if firsts else None,
+                    "gap_p95_ms": _num(_quantile(gaps, 0.95), 1) if gaps else None,
+                    "first_result_met_share": (
+                        _num(sum(met for _, met, _ in history.streams) / kept, 4) if kept else None
+                    ),
+                    "gap_met_share": (
+                        _num(sum(met for _, _, met in history.streams) / kept, 4) if kept else None
+                    ),
+                }
+            )
+        return views
 
     def _tenants_view(self, gateway: Gateway, since: float) -> list[JSON]:
         recent: defaultdict[str, float] = defaultdict(float)

@@ -1,13 +1,15 @@
 """Telemetry: metrics, traces and the decision log, fed by the request path's typed events.
 
 The pipeline emits ``decided`` (every admission decision) and ``settled``
-(every completed request, with observed work) to a ``GatewayListener``;
+(every completed request, with observed work), and the stream code ``stream_settled`` (a
+stream request's end, with its ``GapTracker`` summary), to a ``GatewayListener``;
 ``Telemetry`` is the listener that turns them into
 
 * Prometheus metrics (scraped from ``telemetry.metrics_listen``, the
   ecosystem's convention): decisions by outcome and rule, queue dwell,
   completion latency, deadline misses, predicted vs observed demand, charged
-  accelerator-ms, the ladder step per pool;
+  accelerator-ms, the ladder step per pool; streams' first result and inter-result gaps
+  (``orchid_stream_*``);
 * OpenTelemetry spans, one trace per request with a span per stage
   (``admission`` = authenticate + shape + estimate + policy, ``queue``,
   ``backend``), built after the fact from stage timestamps so the request path
@@ -40,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gateway.config import TelemetryConfig
 from gateway.core.record import Decision, RequestRecord, Verdict
+from gateway.core.streaming import StreamSummary
 from gateway.pipeline import Gateway, GatewayListener, Settled, StageTimes
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.snapshot import PolicyResult
@@ -130,6 +133,33 @@ class Metrics:
         self.ladder_step = Gauge(
             "orchid_ladder_step", "Overload ladder step (0-6)", ["pool"], registry=registry
         )
+        # Streams (``stream_settled``): the first result and the gaps between results.
+        self.stream_first_result = Histogram(
+            "orchid_stream_first_result_seconds",
+            "A stream's time from arrival to its first result",
+            ["request_class", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.stream_gap = Histogram(
+            "orchid_stream_gap_seconds",
+            "Time between two consecutive results of a stream",
+            ["request_class", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.stream_gap_misses = Counter(
+            "orchid_stream_gap_objective_misses",
+            "Gaps between two results of a stream longer than its gap objective",
+            ["request_class", "model"],
+            registry=registry,
+        )
+        self.stream_first_result_misses = Counter(
+            "orchid_stream_first_result_misses",
+            "Streams whose first result arrived after its deadline (or never)",
+            ["request_class", "model"],
+            registry=registry,
+        )
 
 
 # At most this many label combinations are cached per event; a full cache starts over.
@@ -209,6 +239,10 @@ class ListenerGroup(GatewayListener):
     def ladder(self, pool: str, step: int) -> None:
         for listener in self.listeners:
             listener.ladder(pool, step)
+
+    def stream_settled(self, settled: Settled, stream: StreamSummary) -> None:
+        for listener in self.listeners:
+            listener.stream_settled(settled, stream)
 
 
 # Gauges the collector reads from the gateway at scrape time (name -> help, labels).
@@ -388,6 +422,22 @@ class Telemetry(GatewayListener):
         c.useful_tokens.inc(record.shape.input_tokens * record.shape.items)
         if settled.stages is not None and self.config.trace_sample_ratio > 0:
             self._spans(settled, settled.stages)
+
+    def stream_settled(self, settled: Settled, stream: StreamSummary) -> None:
+        """A stream ended: its first result and every gap it kept (``MAX_KEPT_GAPS``; the miss
+        counter counts them all), by class and the model that answered."""
+        m = self.metrics
+        labels = (settled.record.identity.request_class, settled.decision.target_model)
+        if stream.first_result_ms is not None:
+            m.stream_first_result.labels(*labels).observe(stream.first_result_ms / 1000.0)
+        if not stream.first_result_met:
+            m.stream_first_result_misses.labels(*labels).inc()
+        if stream.gaps_ms:
+            gap = m.stream_gap.labels(*labels)
+            for gap_ms in stream.gaps_ms:
+                gap.observe(gap_ms / 1000.0)
+        if stream.gaps_over_objective:
+            m.stream_gap_misses.labels(*labels).inc(stream.gaps_over_objective)
 
     def _settled_children(
         self, request_class: str, model: str, tenant: str, record: RequestRecord

@@ -54,7 +54,7 @@ import logging
 import math
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -78,11 +78,13 @@ from gateway.config import (
     load_gateway_config,
     load_routes,
 )
-from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError
+from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError, Unavailable, error_for_status
 from gateway.core.evidence import Evidence, EvidenceKey
 from gateway.core.rollout import CANARY_REASON, RolloutSpec
+from gateway.core.streaming import GapTracker, StreamObjectives, StreamSummary
 from gateway.evidence import population
-from gateway.pipeline import BackendHandle, CallContext, GatewayListener
+from gateway.messages import flag_response
+from gateway.pipeline import BackendHandle, CallContext, Gateway, GatewayListener
 from gateway.rollouts import parse_rollout
 from gateway.server import (
     assemble_gateway,
@@ -201,11 +203,23 @@ class ArrivalClass(_Strict):
     upstream_ms: float = Field(
         default=0.0, ge=0, description="spent upstream (features, preprocessing) before the gateway"
     )
+    mode: Literal["online", "streaming"] = Field(
+        default="online", description="online: ModelInfer; streaming: ModelStreamInfer, one request a stream"
+    )
+    first_result_ms: float | None = Field(
+        default=None, gt=0, description="orchid.first_result_ms (streaming)"
+    )
+    gap_ms: float | None = Field(default=None, gt=0, description="orchid.gap_ms (streaming)")
 
     @model_validator(mode="after")
     def _one_rate(self) -> ArrivalClass:
         if (self.rate_per_s is None) == (self.raw_capacity_share is None):
             raise _Keyed("rate_per_s", "give exactly one of rate_per_s and raw_capacity_share")
+        for name in ("first_result_ms", "gap_ms"):
+            if getattr(self, name) is not None and self.mode != "streaming":
+                raise _Keyed(name, "a stream objective: set mode: streaming too")
+        if self.mode == "streaming" and self.items != 1:
+            raise _Keyed("items", "a stream carries one sequence: items 1")
         if self.upstream_ms > 0 and self.deadline_ms is None:
             raise _Keyed("upstream_ms", "upstream time eats the caller's deadline: set deadline_ms too")
         return self
@@ -291,6 +305,8 @@ EXPECTED_FIGURES = (
     "shadow_device_ms_per_s",  # totals only
     "canary_pct",  # answers by a rollout's candidate, % of offered
     "max_step",  # the highest ladder step of any pool (or ``pool``) in the phase
+    "first_result_on_time_pct",  # a streaming class: first result by its objective, % of offered
+    "gap_objective_met_pct",  # a streaming class: no gap over its objective, % of admitted streams
 )
 
 
@@ -508,6 +524,9 @@ class ClassFacts:
     primary_ms: float  # profile price on the model asked for, batch of one, time factor 1
     fallback_ms: float | None  # the same on the route's fallback (its output cap applied)
     upstream_ms: float = 0.0  # spent before the gateway (features, preprocessing): E of the slack
+    streaming: bool = False  # ModelStreamInfer (mode: streaming)
+    first_result_ms: float | None = None  # a stream's first-result objective (the class's, or its own)
+    gap_ms: float | None = None  # a stream's gap objective (None: none)
 
 
 def _resolve(base: Path, value: Path) -> Path:
@@ -675,10 +694,12 @@ def _class_facts(
     route = routes.models.get(spec.model)
     if route is None:
         raise source.error(f"{key}.model", f"unknown model {spec.model!r} (routes: {_known(routes.models)})")
-    if route.streaming:
-        raise source.error(
-            f"{key}.model", f"model {spec.model!r} streams: the simulator sends ModelInfer only"
+    streaming = spec.mode == "streaming"
+    if route.streaming != streaming:
+        problem = (
+            "streams: set mode: streaming" if route.streaming else "does not stream: drop mode: streaming"
         )
+        raise source.error(f"{key}.model", f"model {spec.model!r} {problem}")
     request_class = spec.request_class or config.default_class
     if request_class not in config.classes:
         raise source.error(
@@ -702,6 +723,8 @@ def _class_facts(
             )
         rate = spec.raw_capacity_share * raw
     deadline_ms = spec.deadline_ms or config.classes[request_class].default_deadline_ms
+    klass = config.classes[request_class]
+    first_result_ms = spec.first_result_ms or klass.first_result_ms
     return ClassFacts(
         name=name,
         tenant=spec.tenant,
@@ -716,6 +739,9 @@ def _class_facts(
         primary_ms=primary_ms,
         fallback_ms=fallback_ms,
         upstream_ms=spec.upstream_ms,
+        streaming=streaming,
+        first_result_ms=min(first_result_ms or deadline_ms, deadline_ms) if streaming else None,
+        gap_ms=(spec.gap_ms or klass.gap_ms) if streaming else None,
     )
 
 
@@ -795,7 +821,8 @@ def request_template(facts: ClassFacts, spec: ArrivalClass, route: RouteConfig) 
     token tensor, and the ``orchid.*`` hints the class sets."""
     request = service_pb2.ModelInferRequest(model_name=facts.model)
     tensor = request.inputs.add(name=route.shape.tokens_input, datatype="INT32")
-    tensor.shape.extend([spec.items, spec.input_tokens])
+    # A streaming (decoupled) model batches nothing: one sequence, a rank-1 token tensor.
+    tensor.shape.extend([spec.input_tokens] if facts.streaming else [spec.items, spec.input_tokens])
     tokens = np.arange(spec.input_tokens * spec.items, dtype=np.int32) % TOKEN_VOCAB
     request.raw_input_contents.append(tokens.astype(np.int32).tobytes())
     if spec.request_class is not None:
@@ -804,11 +831,69 @@ def request_template(facts: ClassFacts, spec: ArrivalClass, route: RouteConfig) 
         request.parameters["orchid.max_output_tokens"].int64_param = spec.output_tokens
     if spec.allow_fallback is not None:
         request.parameters["orchid.allow_fallback"].bool_param = spec.allow_fallback
+    if spec.first_result_ms is not None:
+        request.parameters["orchid.first_result_ms"].double_param = spec.first_result_ms
+    if spec.gap_ms is not None:
+        request.parameters["orchid.gap_ms"].double_param = spec.gap_ms
+    if facts.streaming:
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
     raw: bytes = request.SerializeToString()
     return raw
 
 
 # --------------------------------------------------------------------------- the run
+
+
+def stream_objectives_of(facts: ClassFacts) -> StreamObjectives:
+    """What a streaming arrival class's caller was promised (its report's yardstick)."""
+    return StreamObjectives(
+        first_result_ms=facts.first_result_ms if facts.first_result_ms is not None else facts.deadline_ms,
+        completion_ms=facts.deadline_ms,
+        gap_ms=facts.gap_ms,
+    )
+
+
+async def _stream_call(
+    gateway: Gateway,
+    raw: bytes,
+    call: CallContext,
+    tracker: GapTracker,
+    index: int,
+    record: RunRecord,
+    submitted: set[str],
+) -> service_pb2.ModelInferResponse:
+    """One request on its own ModelStreamInfer stream, read as its caller reads it: every
+    result's arrival feeds ``tracker``; the final response is the answer (its provenance), an
+    error reply raises its error as the unary path would (a stream that had sent results had
+    reached its backend)."""
+
+    async def requests() -> AsyncIterator[bytes]:
+        yield raw
+
+    loop = asyncio.get_running_loop()
+    final: service_pb2.ModelInferResponse | None = None
+    try:
+        async for reply in gateway.stream(requests(), call):
+            response = reply.infer_response
+            if reply.error_message:
+                if tracker.results:
+                    submitted.add(str(index))
+                status, _, message = reply.error_message.partition(": ")
+                rule = (
+                    response.parameters["orchid-rule"].string_param
+                    if "orchid-rule" in response.parameters
+                    else ""
+                )
+                raise error_for_status(status)(message, rule=rule or None)
+            if len(response.outputs) > 0:
+                tracker.result(loop.time())
+            if flag_response(response, "triton_final_response"):
+                final = response
+    finally:
+        record.streams[index] = tracker.finish(loop.time())
+    if final is None:
+        raise Unavailable("the stream ended without its final response")
+    return final
 
 
 class _SimBackend(MemoryBackend):
@@ -871,6 +956,8 @@ class RunRecord:
     policy_label: str
     faults: list[dict[str, Any]] = field(default_factory=list)
     rollouts: list[dict[str, Any]] = field(default_factory=list)
+    # A streaming arrival's results against its objectives (measured where its caller reads them).
+    streams: dict[int, StreamSummary] = field(default_factory=dict)
 
 
 def run_once(prepared: Prepared, arrivals: list[Arrival], *, policies_dir: Path | None = None) -> RunRecord:
@@ -1035,7 +1122,12 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
             time_remaining_s=deadline_s if f.sets_deadline else None,
             received_at=loop.time(),
         )
-        task = loop.create_task(gateway.infer(raw, call))
+        if f.streaming:
+            tracker = GapTracker(call.received_at, stream_objectives_of(f))
+            record.streams[index] = tracker.summary(call.received_at)
+            task = loop.create_task(_stream_call(gateway, raw, call, tracker, index, record, submitted))
+        else:
+            task = loop.create_task(gateway.infer(raw, call))
         callers[task] = index
         caller_gives_up = (
             loop.call_at(loop.time() + deadline_s, task.cancel)
@@ -1262,6 +1354,8 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             entry["fallback_saving_ms_per_s"] = _r(saving[key] / duration)
             entry["refusals"] = dict(sorted(rules.get(key, Counter()).items()))
             entry["degradations"] = dict(sorted(degradations.get(key, Counter()).items()))
+            if facts[k].streaming:
+                entry.update(_stream_figures(record, p, k, counts["offered"]))
             classes_out[name] = entry
         tenants_out: dict[str, Any] = {}
         for tenant in sorted({f.tenant for f in facts}):
@@ -1319,6 +1413,15 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
                 "rate_per_s": _r(f.rate_per_s, 4),
                 "primary_ms": _r(f.primary_ms, 4),
                 "fallback_ms": _r(f.fallback_ms, 4) if f.fallback_ms is not None else None,
+                **(
+                    {
+                        "mode": "streaming",
+                        "first_result_ms": _r(f.first_result_ms) if f.first_result_ms is not None else None,
+                        "gap_ms": _r(f.gap_ms) if f.gap_ms is not None else None,
+                    }
+                    if f.streaming
+                    else {}
+                ),
             }
             for f in facts
         },
@@ -1330,6 +1433,46 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
     document["expectations"] = check_expectations(scenario, document)
     document["expectations_held"] = all(e["held"] for e in document["expectations"])
     return document
+
+
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile (None: no value)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _stream_figures(record: RunRecord, phase: int, klass: int, offered: int) -> dict[str, Any]:
+    """A streaming class's streams in a phase against their objectives: the first result in
+    time (% of offered: a refused stream's first result never came), the gap objective met
+    (% of admitted streams: those that sent a result), first-result p50/p95 and the largest
+    gap's p95 (ms, admitted streams)."""
+    summaries = [
+        record.streams[i]
+        for i, a in enumerate(record.arrivals)
+        if a.phase == phase and a.klass == klass and i in record.streams
+    ]
+    started = [s for s in summaries if s.results]
+    firsts = [s.first_result_ms for s in started if s.first_result_ms is not None]
+    on_time = sum(s.first_result_met for s in summaries)
+    gap_met = sum(s.gap_objective_met for s in started)
+    p50, p95, gap_p95 = (
+        _quantile(firsts, 0.5),
+        _quantile(firsts, 0.95),
+        _quantile([s.max_gap_ms for s in started], 0.95),
+    )
+    return {
+        "streams_started": len(started),
+        "first_result_on_time": on_time,
+        "first_result_on_time_pct": _pct(on_time, offered),
+        "gap_objective_met": gap_met,
+        "gap_objective_met_pct": _pct(gap_met, len(started)),
+        "gaps_over_objective": sum(s.gaps_over_objective for s in started),
+        "first_result_p50_ms": _r(p50) if p50 is not None else None,
+        "first_result_p95_ms": _r(p95) if p95 is not None else None,
+        "max_gap_p95_ms": _r(gap_p95) if gap_p95 is not None else None,
+    }
 
 
 def _figure(phase: Mapping[str, Any], expectation: Expectation, name: str) -> float | None:
@@ -1565,6 +1708,25 @@ def render_text(document: Mapping[str, Any]) -> str:
                 f" {_fmt(c['rejected_early_pct'], '%'):>9} {_fmt(c['rejected_late_pct'], '%'):>8}"
                 f" {_fmt(c['missed_pct'], '%'):>7} {_fmt(c['failed_pct'], '%'):>7}"
                 f" {_fmt(c['wasted_device_ms']):>13}"
+            )
+    streaming = [
+        (phase, name, c)
+        for phase in document["phases"]
+        for name, c in phase["classes"].items()
+        if "first_result_on_time_pct" in c and c["offered"]
+    ]
+    if streaming:
+        lines.append("")
+        lines.append(
+            f"{'phase':<{pw}} {'stream class':<12} {'offered':>8} {'started':>8} {'1st on time':>11}"
+            f" {'gap met':>8} {'1st p50 ms':>10} {'1st p95 ms':>10} {'max gap p95':>11}"
+        )
+        for phase, name, c in streaming:
+            lines.append(
+                f"{phase['name']:<{pw}} {name:<12} {c['offered']:>8,} {c['streams_started']:>8,}"
+                f" {_fmt(c['first_result_on_time_pct'], '%'):>11} {_fmt(c['gap_objective_met_pct'], '%'):>8}"
+                f" {_fmt(c['first_result_p50_ms']):>10} {_fmt(c['first_result_p95_ms']):>10}"
+                f" {_fmt(c['max_gap_p95_ms']):>11}"
             )
     lines.append("")
     lines.append(

@@ -109,6 +109,10 @@
     rows($("backends").tBodies[0], data.backends, (b) => [b.name, b.cell, b.devices,
       el("td", { class: b.healthy ? "ok" : "bad" }, b.healthy ? "ready" : "NOT READY"),
       Object.entries(b.models).map(([m, ready]) => `${m} ${ready ? "✓" : "✗"}`).join("  ")]);
+    const ms = (v) => (v === null || v === undefined ? "–" : fmt(v, 1));
+    rows($("streams").tBodies[0], data.streams || [], (s) => [s.model, s.streams,
+      `${ms(s.first_result_p50_ms)} / ${ms(s.first_result_p95_ms)}`, ms(s.gap_p95_ms),
+      pct(s.first_result_met_share), pct(s.gap_met_share)]);
     rows($("decisions").tBodies[0], data.decisions.slice(0, SHOWN_DECISIONS), (d) => [clock(d.at), d.tenant, d.class, d.model,
       el("td", { class: d.verdict === "reject" ? "bad" : d.verdict === "fallback" ? "warn" : "ok" }, d.verdict),
       d.rule || "–", d.route_reason, d.ladder_step]);

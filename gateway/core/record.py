@@ -105,9 +105,21 @@ class Budget:
     reserve_exec_ms: float  # R_exec: predicted execution and response
     reserve_fail_ms: float  # R_fail: variance or one bounded recovery
     queue_wait_ms: float = 0.0  # predicted wait behind work already queued
+    # A stream's (``Mode.STREAMING``) first-result objective and the predicted execution up
+    # to its first result (prefill and one decode step); None/0 for unary work. A stream is
+    # judged by its first result: its ``slack_ms`` and ``latest_start_ms`` are the first
+    # result's; ``deadline_ms`` stays its completion deadline (gateway.core.streaming).
+    first_result_deadline_ms: float | None = None
+    reserve_first_result_ms: float = 0.0
+    gap_objective_ms: float | None = None  # a stream's inter-result gap objective (None: none)
 
     @property
-    def slack_ms(self) -> float:
+    def streaming(self) -> bool:
+        return self.first_result_deadline_ms is not None
+
+    @property
+    def completion_slack_ms(self) -> float:
+        """The seed's slack against the completion deadline (unary work's ``slack_ms``)."""
         return (
             self.deadline_ms
             - self.elapsed_ms
@@ -118,6 +130,28 @@ class Budget:
         )
 
     @property
+    def first_result_slack_ms(self) -> float:
+        """A stream's slack to its first result: ``D_first - E - R_up - R_first - R_fail`` minus
+        the predicted wait (unary work: its completion slack)."""
+        if self.first_result_deadline_ms is None:
+            return self.completion_slack_ms
+        return (
+            self.first_result_deadline_ms
+            - self.elapsed_ms
+            - self.reserve_upstream_ms
+            - self.reserve_first_result_ms
+            - self.reserve_fail_ms
+            - self.queue_wait_ms
+        )
+
+    @property
+    def slack_ms(self) -> float:
+        """What admission judges: the completion slack, or a stream's first-result slack."""
+        if self.first_result_deadline_ms is None:
+            return self.completion_slack_ms
+        return self.first_result_slack_ms
+
+    @property
     def remaining_ms(self) -> float:
         return self.deadline_ms - self.elapsed_ms
 
@@ -126,7 +160,10 @@ class Budget:
         """Milliseconds after the request arrived by which it must start on a device: the
         deadline less its predicted execution and response and its variance reserve. The
         queue holds a request no longer than this (a request started later could only finish
-        inside the variance reserve, and its answer still has to travel back)."""
+        inside the variance reserve, and its answer still has to travel back). A stream's is
+        its first result's: its first-result deadline less its prefill and first step."""
+        if self.first_result_deadline_ms is not None:
+            return self.first_result_deadline_ms - self.reserve_first_result_ms - self.reserve_fail_ms
         return self.deadline_ms - self.reserve_exec_ms - self.reserve_fail_ms
 
 

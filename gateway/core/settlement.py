@@ -18,6 +18,10 @@ from gateway.core.estimate import CorrectionKey, Estimator, charged_live_token_m
 from gateway.core.quota import QuotaAccounts, Reservation
 from gateway.core.record import Decision, Outcome, RequestRecord
 
+# A stream also settles how its results met its objectives (first result, gaps): the summary
+# its ``GapTracker`` finished with (``gateway.core.streaming``), beside its ``Outcome``.
+from gateway.core.streaming import StreamSummary as StreamSummary
+
 
 def observed_accelerator_ms(wall_ms: float, backend_queue_ms: float, batch: float) -> float:
     """Device time held: backend time less the backend's own queueing, shared with its batch."""
