@@ -33,7 +33,9 @@ PARTS = ("policy", "telemetry", "provenance", "decisions")
 
 def ablate(parts: set[str]) -> None:
     import gateway.pipeline as pipeline
+    from gateway.chain import backend_request as chain_backend_request
     from gateway.core.record import Mode
+    from gateway.exchange import CallContext
     from gateway.messages import parse_infer_request
     from gateway.policy.store import PolicyStore
     from gateway.shape import read_hints
@@ -54,18 +56,20 @@ def ablate(parts: set[str]) -> None:
         ListenerGroup.decided = lambda self, *args: None  # type: ignore[method-assign]
         ListenerGroup.settled = lambda self, *args: None  # type: ignore[method-assign]
     if "provenance" in parts:
-        setattr(pipeline, "attach_provenance", lambda response, settled: None)  # noqa: B010
+        import gateway.chain as chain
+
+        setattr(chain, "attach_provenance", lambda response, settled: None)  # noqa: B010
     if "decisions" in parts:
 
-        async def edge(self: pipeline.Gateway, raw: bytes, call: pipeline.CallContext) -> Any:
+        async def edge(self: pipeline.Gateway, raw: bytes, call: CallContext) -> Any:
             tenant = self.tenants.authenticate(call.metadata, peer_subjects=call.peer_subjects)
             request = parse_infer_request(raw)
             route = self.tenant_route(tenant, request.model_name)
-            handle = self.backends[self.candidate_backends(route, tenant.config.home_cell)[0]]
+            handle = self.backends[self.pools.candidate_backends(route, tenant.config.home_cell)[0]]
             hints = read_hints(request)
-            _, request_class = self.request_class(hints.request_class)
+            _, request_class = self.chain.resolve.request_class(hints.request_class)
             max_output = hints.max_output_tokens or route.shape.max_output_tokens
-            backend_request = self._backend_request(request, route, max_output, Mode.ONLINE)
+            backend_request = chain_backend_request(request, route, max_output, Mode.ONLINE)
             response = await handle.client.infer(
                 backend_request,
                 timeout_s=request_class.default_deadline_ms / 1000.0,

@@ -36,7 +36,8 @@ from gateway import clock
 from gateway.backends.memory import MemoryBackend, MemoryModel
 from gateway.config import hash_api_key, load_gateway_config
 from gateway.core.memory import DeviceMemory
-from gateway.pipeline import BackendHandle, CallContext, Gateway
+from gateway.exchange import BackendHandle, CallContext
+from gateway.pipeline import Gateway
 from gateway.policy.decision_log import DecisionLog
 from gateway.server import assemble_gateway, load_configuration, load_policies
 from gateway.statusboard import StatusBoard

@@ -35,10 +35,12 @@ A stream's (ModelStreamInfer) objectives and how its results met them
   ``orchid.gap_objective_met`` (true when no gap was over it) and
   ``orchid.gaps_over_objective``.
 
-A stream's partial responses may carry the whole provenance (``attach_provenance``) or,
-cheaply, only what a partial answer needs (``attach_partial``): ``orchid.complete=false``,
-``orchid.request_id`` and, when the stream code passes it, ``orchid.gap_ms``: the gap
-before this result.
+A stream's partial responses carry the provenance of the request's admission, built once
+when it starts (``partial_template``) and merged into each (``attach_partial``), with
+``orchid.complete=false`` and ``orchid.gap_ms`` (the gap before this result); nothing is
+settled per result. The charge (``orchid.charged_accelerator_ms``) and the stream's
+objectives come on its final response (ask for it with
+``triton_enable_empty_final_response``).
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2
 
 from gateway.core.errors import GatewayError, InvalidArgument
-from gateway.core.record import Approximation, Decision
+from gateway.core.record import Approximation, Decision, RequestRecord
 from gateway.core.streaming import StreamSummary
 from gateway.status import bounded
 
 if TYPE_CHECKING:
-    from gateway.pipeline import Settled
+    from gateway.core.evidence import Evidence
+    from gateway.exchange import Settled
 
 log = logging.getLogger(__name__)
 
@@ -123,21 +126,21 @@ def stream_provenance(stream: StreamSummary) -> dict[str, str | int | float | bo
     return out
 
 
-def provenance(settled: Settled, stream: StreamSummary | None = None) -> dict[str, str | int | float | bool]:
-    record, decision, outcome = settled.record, settled.decision, settled.outcome
+def decision_provenance(
+    record: RequestRecord, decision: Decision, evidence: Evidence | None
+) -> dict[str, str | int | float | bool]:
+    """What provenance says of a request from its admission alone (no outcome yet)."""
     out: dict[str, str | int | float | bool] = {
         "orchid.model": decision.target_model,
         "orchid.model_version": record.identity.model_version,
         "orchid.route_reason": decision.route_reason,
         "orchid.approximation": approximation(decision),
-        "orchid.complete": outcome.complete,
         "orchid.policy_version": decision.policy_version,
         "orchid.rules": ",".join(decision.rules),
         # The step that decided (the requested model's pool); a fallback answer also says its
         # own pool's step: the fallback's pool at 0 says nothing about the primary's.
         "orchid.ladder_step": decision.ladder_step,
         "orchid.predicted_accelerator_ms": round(record.demand.accelerator_ms, 3),
-        "orchid.charged_accelerator_ms": round(outcome.charged_accelerator_ms, 3),
         "orchid.request_id": record.identity.request_id,
         "orchid.risk_class": record.identity.risk_class,
     }
@@ -145,7 +148,6 @@ def provenance(settled: Settled, stream: StreamSummary | None = None) -> dict[st
         out["orchid.fallback_ladder_step"] = record.ladder_step
     if record.identity.operation_id:
         out["orchid.operation_id"] = record.identity.operation_id
-    evidence = settled.evidence
     if evidence is not None:
         out["orchid.evidence_population"] = evidence.key.population
         out["orchid.evidence_at"] = (
@@ -154,9 +156,29 @@ def provenance(settled: Settled, stream: StreamSummary | None = None) -> dict[st
             else "undated"
         )
         out["orchid.evidence_owner"] = evidence.owner
+    return out
+
+
+def provenance(settled: Settled, stream: StreamSummary | None = None) -> dict[str, str | int | float | bool]:
+    out = decision_provenance(settled.record, settled.decision, settled.evidence)
+    out["orchid.complete"] = settled.outcome.complete
+    out["orchid.charged_accelerator_ms"] = round(settled.outcome.charged_accelerator_ms, 3)
     if stream is not None:
         out.update(stream_provenance(stream))
     return out
+
+
+def partial_template(
+    record: RequestRecord, decision: Decision, evidence: Evidence | None
+) -> service_pb2.ModelInferResponse:
+    """A stream request's partial-response provenance, built once when it starts: its
+    admission's provenance and ``orchid.complete=false``; each partial response merges it
+    (``attach_partial``). The charge and the stream's objectives come on the final response."""
+    template = service_pb2.ModelInferResponse()
+    values = decision_provenance(record, decision, evidence)
+    values["orchid.complete"] = False
+    _write(template, values)
+    return template
 
 
 def _write(response: service_pb2.ModelInferResponse, values: dict[str, str | int | float | bool]) -> None:
@@ -181,16 +203,17 @@ def attach_provenance(
 
 
 def attach_partial(
-    response: service_pb2.ModelInferResponse, request_id: str, *, gap_ms: float | None = None
+    response: service_pb2.ModelInferResponse,
+    template: service_pb2.ModelInferResponse,
+    *,
+    gap_ms: float | None = None,
 ) -> None:
-    """What a stream's partial response needs, cheaply (no settlement): ``orchid.complete=false``,
-    ``orchid.request_id`` and, when given, ``orchid.gap_ms`` (the gap before this result, from
-    ``GapTracker.result``). The final response carries the whole provenance."""
-    params = response.parameters
-    params["orchid.complete"].bool_param = False
-    params["orchid.request_id"].string_param = request_id
+    """What a stream's partial response carries, cheaply (no settlement, no provenance built per
+    result): the request's ``partial_template`` merged in, and when given ``orchid.gap_ms``
+    (the gap before this result, from ``GapTracker.result``)."""
+    response.MergeFrom(template)
     if gap_ms is not None:
-        params["orchid.gap_ms"].double_param = round(gap_ms, 3)
+        response.parameters["orchid.gap_ms"].double_param = round(gap_ms, 3)
 
 
 def flag(request: service_pb2.ModelInferRequest, name: str) -> bool:

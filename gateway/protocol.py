@@ -30,8 +30,9 @@ from gateway.core.errors import (
     PermissionDenied,
     Unavailable,
 )
+from gateway.exchange import CallContext, GatewayListener
 from gateway.messages import decode, encode
-from gateway.pipeline import CallContext, Gateway, GatewayListener
+from gateway.pipeline import Gateway
 from gateway.status import shown, to_status
 
 log = logging.getLogger(__name__)

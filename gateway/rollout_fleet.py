@@ -159,7 +159,7 @@ class FleetRollouts:
                 pushed: Awaitable[int] = client.rpush(self._key("samples", route), *items)  # type: ignore[assignment]
                 await self.fleet.call(pushed)
         controller = self.controller
-        for route in controller.gateway.routes.models:
+        for route in controller.routes.models:
             raw = await self.fleet.call(client.get(self._key("state", route)))
             if raw is None:
                 continue
@@ -188,12 +188,12 @@ class FleetRollouts:
         controller = self.controller
         run = controller.runs.get(spec.name)
         if run is None or not run.follower or run.id != run_id:
-            route = controller.gateway.routes.models.get(spec.route)
+            route = controller.routes.models.get(spec.route)
             if route is None:
                 return
             from gateway.rollouts import RolloutRun  # a cycle at import time otherwise
 
-            run = RolloutRun(spec, route, controller._control_backends(route))
+            run = RolloutRun(spec, route, controller.control_backends(route))
             run.follower, run.id = True, run_id
             controller.specs.setdefault(spec.name, spec)
             controller.runs[spec.name] = run

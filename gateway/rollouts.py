@@ -87,7 +87,9 @@ from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, pars
 if TYPE_CHECKING:
     from gateway.auth import Tenant
     from gateway.core.record import RequestRecord as PricedRecord
-    from gateway.pipeline import Admitted, BackendHandle, Gateway, Settled
+    from gateway.evidence import EvidenceStore
+    from gateway.exchange import Admitted, BackendHandle, Settled
+    from gateway.pools import PoolRegistry
     from gateway.rollout_fleet import FleetRollouts
     from gateway.scheduler import DispatchQueue
 
@@ -254,21 +256,23 @@ def load_rollouts(
 # --------------------------------------------------------------------------- memory
 
 
-def check_two_versions(gateway: Gateway, spec: RolloutSpec, backends: Sequence[str]) -> None:
+def check_two_versions(
+    pools: PoolRegistry, routes: RouteTable, spec: RolloutSpec, backends: Sequence[str]
+) -> None:
     """Refuse (FAILED_PRECONDITION) a rollout whose two versions cannot both be resident on a
     device of a backend beside its runtime reserve with ``memory.min_live_tokens`` of live
     room: rolling back would then need the current version loaded again."""
-    route = gateway.routes.models[spec.route]
-    current = gateway.routes.profiles[spec.current.profile or route.profile]
-    candidate = gateway.routes.profiles[spec.candidate.profile or route.profile]
+    route = routes.models[spec.route]
+    current = routes.profiles[spec.current.profile or route.profile]
+    candidate = routes.profiles[spec.candidate.profile or route.profile]
     need = spec.memory.min_live_tokens * current.live_cache_bytes_per_token
     both = device_memory.resident_bytes(current) + device_memory.resident_bytes(candidate)
     for name in backends:
-        handle = gateway.backends[name]
+        handle = pools.backends[name]
         if handle.memory is None:
             continue
         others = 0
-        shared = gateway._device_sets.get(name) if handle.shared_devices else None
+        shared = pools.shared_device_set(name) if handle.shared_devices else None
         if shared is not None:
             others = sum(
                 b
@@ -299,6 +303,9 @@ def check_two_versions(gateway: Gateway, spec: RolloutSpec, backends: Sequence[s
 # --------------------------------------------------------------------------- runtime
 
 
+CANARY_MODES = frozenset({Mode.ONLINE, Mode.STREAMING})
+
+
 @dataclass(frozen=True, slots=True)
 class Diverted:
     """Where a request of a route under rollout runs instead of its current version."""
@@ -309,6 +316,15 @@ class Diverted:
     label: str  # provenance version label
     reason: str  # route reason ("canary"), or "" to keep admission's (promoted)
     budget_ms: float | None = None  # a canary's: how long the candidate may take from pricing
+
+
+def missed(record: RequestRecord, queue_ms: float, first_result_ms: float, completion_ms: float) -> bool:
+    """Whether a version's answer missed its deadline end to end: a stream's first result
+    its first-result deadline, any other answer its completion deadline."""
+    budget = record.budget
+    if budget.first_result_deadline_ms is not None:
+        return queue_ms + first_result_ms > budget.first_result_deadline_ms
+    return queue_ms + completion_ms > budget.deadline_ms
 
 
 class RolloutRun:
@@ -348,8 +364,16 @@ class RolloutRun:
 class RolloutController:
     """The gateway's rollouts: at most one running per route."""
 
-    def __init__(self, gateway: Gateway, specs: dict[str, RolloutSpec] | None = None) -> None:
-        self.gateway = gateway
+    def __init__(
+        self,
+        pools: PoolRegistry,
+        routes: RouteTable,
+        evidence: EvidenceStore | None = None,
+        specs: dict[str, RolloutSpec] | None = None,
+    ) -> None:
+        self.pools = pools
+        self.routes = routes
+        self.evidence = evidence  # quality evidence per version (``quality_drop``); None: none
         self.specs: dict[str, RolloutSpec] = dict(specs or {})
         self.runs: dict[str, RolloutRun] = {}  # latest run per rollout name
         self.active: dict[str, RolloutRun] = {}  # route -> running rollout
@@ -360,8 +384,7 @@ class RolloutController:
     # ------------------------------------------------------------------ control
 
     def start(self, spec: RolloutSpec) -> RolloutRun:
-        gateway = self.gateway
-        route = gateway.routes.models.get(spec.route)
+        route = self.routes.models.get(spec.route)
         if route is None:
             raise NotFound(f"rollout {spec.name!r} names unknown route {spec.route!r}")
         running = self.active.get(spec.route)
@@ -372,10 +395,10 @@ class RolloutController:
                 f"route {spec.route!r} is served by promoted rollout {self.promoted[spec.route].name}: "
                 "update the route file and restart before the next version change"
             )
-        backends = self._control_backends(route)
+        backends = self.control_backends(route)
         if not backends:
             raise FailedPrecondition(f"no backend of route {spec.route!r} supports explicit model control")
-        check_two_versions(gateway, spec, backends)
+        check_two_versions(self.pools, self.routes, spec, backends)
         run = RolloutRun(spec, route, backends)
         self.specs[spec.name] = spec
         self.runs[spec.name] = run
@@ -406,10 +429,10 @@ class RolloutController:
     def take_over(self, spec: RolloutSpec, phase: Phase, step: int) -> RolloutRun | None:
         """A fleet's rollout whose owner is gone: this replica holds its lease now and
         resumes it from the owner's record (as after a restart)."""
-        route = self.gateway.routes.models.get(spec.route)
+        route = self.routes.models.get(spec.route)
         if route is None:
             return None
-        run = RolloutRun(spec, route, self._control_backends(route))
+        run = RolloutRun(spec, route, self.control_backends(route))
         run.resume_why = "by this replica (its owner replica gone)"
         self.specs.setdefault(spec.name, spec)
         self.runs[spec.name] = run
@@ -420,12 +443,12 @@ class RolloutController:
         )
         return run
 
-    def _control_backends(self, route: RouteConfig) -> list[str]:
-        gateway = self.gateway
+    def control_backends(self, route: RouteConfig) -> list[str]:
+        backends = self.pools.backends
         return [
             name
-            for name in (route.backends or tuple(gateway.backends))
-            if name in gateway.backends and isinstance(gateway.backends[name].client, RepositoryControl)
+            for name in (route.backends or tuple(backends))
+            if name in backends and isinstance(backends[name].client, RepositoryControl)
         ]
 
     # ------------------------------------------------------------------ durable state
@@ -493,13 +516,13 @@ class RolloutController:
                 continue
             if phase not in ACTIVE and phase is not Phase.COMPLETE:
                 continue  # rolled back, aborted or never started: nothing serves differently
-            route = self.gateway.routes.models.get(spec.route)
+            route = self.routes.models.get(spec.route)
             if route is None or spec.route in self.active or spec.route in self.promoted:
                 log.warning(
                     "rollout %s (state %s) not resumed: its route is unknown or taken", spec.name, file
                 )
                 continue
-            run = RolloutRun(spec, route, self._control_backends(route))
+            run = RolloutRun(spec, route, self.control_backends(route))
             self.specs.setdefault(spec.name, spec)
             self.runs[spec.name] = run
             if phase is Phase.COMPLETE:
@@ -526,7 +549,7 @@ class RolloutController:
             return
         # Wait for the backends' first probes (the process just started), bounded.
         waited = clock.now()
-        while not all(self.gateway.backends[n].client.healthy for n in run.backends):
+        while not all(self.pools.backends[n].client.healthy for n in run.backends):
             if clock.now() - waited > LOAD_TIMEOUT_S:
                 break
             await asyncio.sleep(TICK_S)
@@ -535,7 +558,7 @@ class RolloutController:
             return
         problems: list[str] = []
         for name in run.backends:
-            client = self.gateway.backends[name].client
+            client = self.pools.backends[name].client
             assert isinstance(client, RepositoryControl)
             try:
                 states = {(m, v): state for m, v, state in await client.repository_index()}
@@ -667,7 +690,7 @@ class RolloutController:
         spec, rollout = run.spec, run.rollout
         model = spec.candidate.backend_model
         for name in run.backends:
-            client = self.gateway.backends[name].client
+            client = self.pools.backends[name].client
             assert isinstance(client, RepositoryControl)
             try:
                 await client.load_model(model, timeout_s=LOAD_TIMEOUT_S)
@@ -679,7 +702,7 @@ class RolloutController:
                 with contextlib.suppress(Exception):
                     await client.unload_model(model, timeout_s=LOAD_TIMEOUT_S)
                 with contextlib.suppress(Exception):
-                    await self.gateway.backends[name].client.probe()
+                    await self.pools.backends[name].client.probe()
                 return
             states = {(m, v): state for m, v, state in index}
             state = states.get((model, spec.candidate.version))
@@ -717,7 +740,7 @@ class RolloutController:
         spec = run.spec
         problems: list[str] = []
         for name in run.backends:
-            client = self.gateway.backends[name].client
+            client = self.pools.backends[name].client
             try:
                 model_spec = await client.model_spec(spec.candidate.backend_model, logical=spec.route)
             except GatewayError as exc:
@@ -758,7 +781,7 @@ class RolloutController:
         return problems
 
     def _pools(self, backend_model: str) -> list[DispatchQueue]:
-        return [q for (b, m), q in self.gateway._queues.items() if m == backend_model]
+        return self.pools.queues_of_model(backend_model)
 
     def _sample_memory(self, run: RolloutRun) -> None:
         for queue in self._pools(run.spec.candidate.backend_model):
@@ -772,14 +795,13 @@ class RolloutController:
         """The route's quality-evidence score for its current version minus the candidate's
         (published with ``evidence publish --model ROUTE --version LABEL``), on the route's
         population; evidence that is missing or expired scores 0."""
-        gateway = self.gateway
-        route = gateway.routes.models[spec.route]
-        fallback = gateway.routes.models.get(route.fallback) if route.fallback else None
+        route = self.routes.models[spec.route]
+        fallback = self.routes.models.get(route.fallback) if route.fallback else None
         pop = population(route, fallback)
         now = clock.wall()
 
         def score(version: str) -> float:
-            evidence = gateway.evidence.latest(EvidenceKey(spec.route, version, pop))
+            evidence = self.evidence.latest(EvidenceKey(spec.route, version, pop)) if self.evidence else None
             return judge(evidence, floor=0.0, now=now).score
 
         return score(route.version) - score(spec.candidate.name)
@@ -816,7 +838,7 @@ class RolloutController:
         rollout.retired_drained(clock.now())  # its work ended QUIET_S ago: now it is safe
         started = clock.now()
         for name in run.backends:
-            client = self.gateway.backends[name].client
+            client = self.pools.backends[name].client
             assert isinstance(client, RepositoryControl)
             try:
                 await client.unload_model(backend_model, timeout_s=LOAD_TIMEOUT_S)
@@ -859,8 +881,8 @@ class RolloutController:
         if run is None:
             return None
         rollout = run.rollout
-        if mode is not Mode.ONLINE and not rollout.serving:
-            return None  # canaries are online unary calls
+        if mode not in CANARY_MODES and not rollout.serving:
+            return None  # canaries are online calls, unary or streamed (never async or batch work)
         if route.backend_model != (run.spec.candidate if rollout.serving else run.spec.current).backend_model:
             return None
         if not rollout.serving and not (canary and rollout.phase is Phase.CANARY):
@@ -872,7 +894,7 @@ class RolloutController:
             if not rollout.divert(facts):
                 return None
         try:
-            handle, _spec, queue = await self.gateway.bind_pool(run.candidate_route, cell, logical)
+            handle, _spec, queue = await self.pools.place(run.candidate_route, cell, logical)
         except Unavailable:
             return None
         if not handle.client.is_warm(run.spec.candidate.backend_model):
@@ -885,9 +907,13 @@ class RolloutController:
         if price is not None and current_pool is not None:
             current = price(route, *current_pool)
             candidate = price(run.candidate_route, handle, queue)
-            budget_ms = hedge_budget_ms(
-                current.budget.slack_ms, candidate.budget.reserve_exec_ms, run.spec.hedge.reserve_ms
+            # A stream's hedge covers its first result (its slack is the first result's).
+            exec_ms = (
+                candidate.budget.reserve_first_result_ms
+                if candidate.budget.streaming
+                else candidate.budget.reserve_exec_ms
             )
+            budget_ms = hedge_budget_ms(current.budget.slack_ms, exec_ms, run.spec.hedge.reserve_ms)
             if budget_ms is None:
                 return None  # the current version could not answer after a late candidate
         rollout.diverted += 1
@@ -924,7 +950,7 @@ class RolloutController:
         sample = Sample(
             first_result_ms=outcome.first_result_ms,
             completion_ms=outcome.completion_ms,
-            missed_deadline=outcome.queue_ms + outcome.completion_ms > record.budget.deadline_ms,
+            missed_deadline=missed(record, outcome.queue_ms, outcome.first_result_ms, outcome.completion_ms),
             bucket=record.shape.bucket,
         )
         self._observe(run, candidate, sample)
@@ -1089,8 +1115,8 @@ class RolloutController:
             record.identity.request_class, record.shape, tenant.name, record.identity.risk_class
         )
         cell = record.identity.privacy_cell
-        for name in self.gateway.candidate_backends(run.candidate_route, cell):
-            client = self.gateway.backends[name].client
+        for name in self.pools.candidate_backends(run.candidate_route, cell):
+            client = self.pools.backends[name].client
             if client.is_warm(run.spec.candidate.backend_model):
                 break
         else:

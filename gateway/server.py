@@ -49,10 +49,11 @@ from gateway.config import (
     load_tenants,
 )
 from gateway.core.errors import ConfigError
+from gateway.exchange import BackendHandle, GatewayListener
 from gateway.jobs import service as jobs_service
 from gateway.jobs.runner import JobRunner, limits_of
 from gateway.jobs.store import JobStore, open_store
-from gateway.pipeline import BackendHandle, Gateway, GatewayListener
+from gateway.pipeline import Gateway
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.diagnostics import PolicyLoadError
 from gateway.policy.store import PolicyStore

@@ -18,7 +18,10 @@ from gateway.scheduler import Slot
 
 if TYPE_CHECKING:
     from gateway.auth import Tenant
-    from gateway.pipeline import Admitted, Gateway
+    from gateway.config import RouteTable
+    from gateway.exchange import Admitted
+    from gateway.pools import PoolRegistry
+    from gateway.rollouts import RolloutController
 
 
 class ShadowTraffic:
@@ -30,8 +33,10 @@ class ShadowTraffic:
     cold-loads (the candidate must be warm), and stops from overload ladder step 1. Paired
     latency is recorded for the candidate; its output is discarded unread."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, pools: PoolRegistry, routes: RouteTable, rollouts: RolloutController) -> None:
+        self.pools = pools
+        self.routes = routes
+        self.rollouts = rollouts
         self.samplers: dict[str, Shedder] = {}
         self.inflight: dict[str, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
@@ -39,9 +44,9 @@ class ShadowTraffic:
         self.skipped = 0
 
     def maybe_mirror(self, admitted: Admitted, tenant: Tenant) -> None:
-        if self.gateway.rollouts.mirror(admitted, tenant):
+        if self.rollouts.mirror(admitted, tenant):
             return  # a rollout owns the route's version change (gateway.rollouts): no route shadow
-        route = self.gateway.routes.models.get(admitted.record.identity.model)
+        route = self.routes.models.get(admitted.record.identity.model)
         if route is None or route.shadow is None:
             return
         shadow = route.shadow
@@ -56,8 +61,8 @@ class ShadowTraffic:
         if self.inflight.get(shadow.backend_model, 0) >= shadow.max_inflight:
             self.skipped += 1
             return
-        for name in self.gateway.candidate_backends(route, admitted.record.identity.privacy_cell):
-            client = self.gateway.backends[name].client
+        for name in self.pools.candidate_backends(route, admitted.record.identity.privacy_cell):
+            client = self.pools.backends[name].client
             if client.is_warm(shadow.backend_model):
                 break
         else:
@@ -67,7 +72,7 @@ class ShadowTraffic:
         # accelerators: it may take only a device that is idle now, and holds it in the
         # device set's schedule while it runs, so dispatch predicts around it (it never waits
         # in, or delays, a production queue).
-        device_set = self.gateway._device_sets.get(name)
+        device_set = self.pools.shared_device_set(name)
         slot: Slot | None = None
         if device_set is not None and device_set.queues:
             now = clock.now()

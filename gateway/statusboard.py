@@ -37,7 +37,8 @@ from typing import Any
 from gateway import clock
 from gateway.core.record import Decision, RequestRecord, Verdict
 from gateway.core.streaming import StreamSummary
-from gateway.pipeline import Gateway, GatewayListener, Settled
+from gateway.exchange import GatewayListener, Settled
+from gateway.pipeline import Gateway
 from gateway.policy.snapshot import PolicyResult
 
 HISTORY_SAMPLES = 300  # one a second: the last five minutes of demand per pool
@@ -261,7 +262,7 @@ class StatusBoard(GatewayListener):
         }
 
     def _pools_view(self, gateway: Gateway, since: float) -> list[JSON]:
-        queues = {queue.name: queue for queue in gateway._queues.values()}
+        queues = {queue.name: queue for queue in gateway.pools.queues()}
         admissions = [a for a in self._recent_admissions if a[0] >= since]
         pools = []
         for name, load in sorted(gateway.loads.items()):

@@ -1,51 +1,91 @@
-"""ModelStreamInfer: one client stream multiplexed onto one backend stream per backend.
+"""ModelStreamInfer: the request chain adapted to many results per request.
 
-Each request on a client stream is admitted on its own by the ``Gateway``, waits for a
-dispatch slot like any other request and holds it until its final response; a refused
-request answers with an error reply and the stream goes on (see ``StreamSession``).
+Each request on a client stream runs the chain's admission half on its own
+(``RequestChain.admit``: resolve to reserve, with the ladder's shedding at step 5 and a
+new stream judged by its first-result slack), then its ``wait`` stage (a dispatch slot,
+with late rescue), then the stream form of ``execute``: it runs on a backend stream of
+its own, with the shadow and rollout hooks, so one request can be cancelled alone (the
+backend call is cancelled and Triton stops decoding it) and a canary that fails before
+its first result is answered again by the current version. It settles once, at its
+final response, failure or cancellation, never per result.
 
-Every message carries the request's running state: a partial response says
-``orchid.complete=false``; the final response (sent when the caller asked for it with
-``triton_enable_empty_final_response``) says whether the answer completed; a request
-that fails midway ends with an error reply that says ``orchid.complete=false``. A
-stream the caller cancels sends nothing more: what it sent said false.
+Every message carries the request's running state: a partial response carries only
+what a partial answer needs (``orchid.complete=false``, ``orchid.request_id`` and the gap
+before it, ``messages.attach_partial``); the final response (sent when the caller asked
+for it with ``triton_enable_empty_final_response``) carries the whole provenance with the
+stream's first result and gaps against their objectives (``gateway.core.streaming``); a
+request that fails midway ends with an error reply that says ``orchid.complete=false``.
+
+**Cancelling one request.** A message on the stream whose parameter ``orchid.cancel``
+names the id of an earlier request on the same stream cancels that request alone: its
+backend call is cancelled, its slot and state are freed, it settles by what it held, and
+it ends with an error reply (CANCELLED) under its own id; the stream's other requests
+go on. A stream the caller cancels sends nothing more: what it sent said false.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tritonclient.grpc import service_pb2
 
 from gateway import clock
-from gateway.backends.base import Backend
-from gateway.core.errors import GatewayError, InvalidArgument, Unavailable
+from gateway.backends.base import BackendStream
+from gateway.chain.wait import token_live_bytes
+from gateway.core.errors import (
+    Cancelled,
+    DeadlineExpired,
+    GatewayError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from gateway.core.memory import LIVE_TOKENS_RULE
 from gateway.core.record import Mode
-from gateway.messages import attach_provenance, flag, flag_response, parse_infer_request, stream_error
+from gateway.core.streaming import GapTracker, StreamObjectives
+from gateway.exchange import Admitted, CallContext
+from gateway.messages import (
+    attach_partial,
+    attach_provenance,
+    flag,
+    flag_response,
+    parse_infer_request,
+    partial_template,
+    stream_error,
+)
 from gateway.scheduler import Slot
 
 if TYPE_CHECKING:
     from gateway.auth import Tenant
-    from gateway.pipeline import Admitted, CallContext, Gateway
+    from gateway.chain import RequestChain
+
+CANCEL_PARAMETER = "orchid.cancel"
+LIVE_RULE = LIVE_TOKENS_RULE  # the rule a stream that outgrew its device ends with
+MAX_PENDING = 1024  # requests in flight on one client stream; more are refused (RESOURCE_EXHAUSTED)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _StreamRequest:
     """One request in flight on a stream."""
 
+    request: service_pb2.ModelInferRequest
     admitted: Admitted
     client_id: str
-    arrived: float
+    call: CallContext
     wants_final: bool
+    tracker: GapTracker
+    template: service_pb2.ModelInferResponse  # partial responses' provenance (``partial_template``)
+    token_bytes: int  # live state each generated token adds (``Slot.grow_live``)
+    canary: bool = True
     started: float = 0.0
-    first_result: float | None = None  # when its first output arrived
-    tokens: int = 0
     slot: Slot | None = None
+    backend_call: BackendStream | None = None
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    done: bool = False
 
     def release(self) -> None:
         if self.slot is not None:
@@ -54,23 +94,18 @@ class _StreamRequest:
 
 
 class StreamSession:
-    """One client stream multiplexed onto one backend stream per backend.
+    """One client stream: each request admitted on its own, each on a backend stream of its own.
 
-    Each request on the stream is admitted on its own, waits for a dispatch slot
-    like any other request, and holds it until its final response. Backend
-    requests get gateway-assigned ids so responses match their record even when
+    Backend requests get gateway-assigned ids so a response matches its request even when
     clients reuse or omit ids; the client's id is restored on the way back.
     """
 
-    def __init__(self, gateway: Gateway, tenant: Tenant, call: CallContext) -> None:
-        self.gateway = gateway
+    def __init__(self, chain: RequestChain, tenant: Tenant, call: CallContext) -> None:
+        self.chain = chain
         self.tenant = tenant
         self.call = call
         self.out: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=1024)
-        self.pending: dict[str, _StreamRequest] = {}
-        self.backend_queues: dict[str, asyncio.Queue[service_pb2.ModelInferRequest | None]] = {}
-        self.pumps: list[asyncio.Task[None]] = []
-        self.dispatches: set[asyncio.Task[None]] = set()
+        self.requests: dict[str, _StreamRequest] = {}  # by client id, while in flight
 
     async def run(
         self, requests: AsyncIterator[bytes]
@@ -85,148 +120,292 @@ class StreamSession:
         finally:
             # Client gone or done: cancel everything, release every slot.
             reader.cancel()
-            for task in (*self.pumps, *self.dispatches):
+            running = [e.task for e in self.requests.values() if e.task is not None]
+            for task in running:
                 task.cancel()
-            await asyncio.gather(reader, *self.pumps, *self.dispatches, return_exceptions=True)
+            await asyncio.gather(reader, *running, return_exceptions=True)
             now = clock.now()
-            for entry in self.pending.values():
-                entry.release()
-                self.gateway.abandon(entry.admitted, started=entry.started, now=now)
-            self.pending.clear()
+            for entry in list(self.requests.values()):
+                self._end(entry, now=now)
+            self.requests.clear()
 
     async def _read(self, requests: AsyncIterator[bytes]) -> None:
         try:
             async for raw in requests:
                 await self._submit(raw)
-            # Client half-closed: dispatch what is waiting, let the backends finish, then end.
-            await asyncio.gather(*self.dispatches, return_exceptions=True)
-            for queue in self.backend_queues.values():
-                await queue.put(None)
-            await asyncio.gather(*self.pumps, return_exceptions=True)
+            # Client half-closed: let every request in flight finish, then end.
+            running = [e.task for e in list(self.requests.values()) if e.task is not None]
+            await asyncio.gather(*running, return_exceptions=True)
         finally:
             await self.out.put(None)
 
-    async def _submit(self, raw: bytes) -> None:
-        client_id = ""
+    def _call(self) -> CallContext:
         # Each request on a stream is its own arrival: its budget starts now, not when the
         # stream opened; the stream's own deadline (if any) still bounds it.
         arrived = clock.now()
         remaining = self.call.time_remaining_s
-        call = dataclasses.replace(
+        return dataclasses.replace(
             self.call,
             time_remaining_s=None if remaining is None else remaining - (arrived - self.call.received_at),
             received_at=arrived,
         )
+
+    async def _submit(self, raw: bytes) -> None:
+        client_id = ""
+        call = self._call()
         try:
             request = parse_infer_request(raw)
             client_id = request.id
-            admitted = await self.gateway.admit(
+            if CANCEL_PARAMETER in request.parameters:
+                await self._cancel(request.parameters[CANCEL_PARAMETER].string_param, client_id)
+                return
+            if len(self.requests) >= MAX_PENDING:
+                raise ResourceExhausted(f"at most {MAX_PENDING} requests may be in flight on one stream")
+            admitted = await self.chain.admit(
                 request, self.tenant, call, operation="ModelStreamInfer", mode=Mode.STREAMING
             )
         except GatewayError as error:
             await self._fail(error, client_id)
             return
-        entry = _StreamRequest(
-            admitted, client_id, arrived, flag(request, "triton_enable_empty_final_response")
+        self._start(request, admitted, call, client_id, canary=True)
+
+    def _start(
+        self,
+        request: service_pb2.ModelInferRequest,
+        admitted: Admitted,
+        call: CallContext,
+        client_id: str,
+        *,
+        canary: bool,
+    ) -> None:
+        budget = admitted.record.budget
+        objectives = StreamObjectives(
+            first_result_ms=budget.first_result_deadline_ms
+            if budget.first_result_deadline_ms is not None
+            else budget.deadline_ms,
+            completion_ms=budget.deadline_ms,
+            gap_ms=budget.gap_objective_ms,
         )
-        task = asyncio.get_running_loop().create_task(self._dispatch(entry))
-        self.dispatches.add(task)
-        task.add_done_callback(self.dispatches.discard)
+        entry = _StreamRequest(
+            request,
+            admitted,
+            client_id,
+            call,
+            flag(request, "triton_enable_empty_final_response"),
+            GapTracker(call.received_at, objectives),
+            partial_template(admitted.record, admitted.decision, admitted.evidence),
+            token_live_bytes(admitted),
+            canary=canary,
+        )
+        self.requests[self._key(client_id, entry)] = entry
+        entry.task = asyncio.get_running_loop().create_task(self._execute(entry))
+
+    def _key(self, client_id: str, entry: _StreamRequest) -> str:
+        # Requests without an id, or reusing one still in flight, are kept under a private key.
+        if client_id and client_id not in self.requests:
+            return client_id
+        return f"\x00{id(entry)}"
+
+    async def _cancel(self, target: str, client_id: str) -> None:
+        entry = self.requests.get(target) if target else None
+        if entry is None:
+            raise InvalidArgument("orchid.cancel names no request in flight on this stream")
+        if entry.task is not None:
+            entry.task.cancel()
+        self._end(entry, now=clock.now())
+        await self._fail(Cancelled("the request was cancelled by the caller"), entry.client_id)
+
+    def _end(self, entry: _StreamRequest, *, now: float) -> None:
+        """Free what a request that ended early held (its backend call, slot and entry) and
+        settle it once: by the work it ran (no lesson for the estimator), or refunded if it
+        never started."""
+        if entry.done:
+            return
+        entry.done = True
+        if entry.backend_call is not None:
+            entry.backend_call.cancel()
+        entry.release()
+        self._forget(entry)
+        if not entry.started:
+            self.chain.settle.abandon(entry.admitted, started=None, now=now)
+            return
+        summary = entry.tracker.finish(now)
+        settled = self.chain.settle.run(
+            entry.admitted,
+            queued_s=entry.started - entry.call.received_at,
+            started=entry.started,
+            finished=now,
+            output_tokens=summary.results,
+            learn=False,
+            first_result=self._first_result(entry, now),
+            finished_answer=False,
+        )
+        self.chain.listener.stream_settled(settled, summary)
+
+    @staticmethod
+    def _first_result(entry: _StreamRequest, now: float) -> float:
+        first_ms = entry.tracker.summary(now).first_result_ms
+        return now if first_ms is None else entry.call.received_at + first_ms / 1000.0
 
     async def _fail(self, error: GatewayError, client_id: str) -> None:
-        self.gateway.listener.failed(error.status, error.rule or "")
+        self.chain.listener.failed(error.status, error.rule or "")
         await self.out.put(stream_error(error, client_id))
 
-    async def _dispatch(self, entry: _StreamRequest) -> None:
-        admitted = entry.admitted
+    async def _execute(self, entry: _StreamRequest) -> None:
+        """Wait for a slot (with late rescue), then run on a backend stream of its own."""
+        chain = self.chain
         try:
-            entry.slot = await self.gateway.acquire(admitted)
-        except BaseException as error:
-            self.gateway.abandon(admitted, started=None, now=clock.now())
+
+            async def readmit(first: Admitted) -> Admitted:
+                return await chain.admit(
+                    entry.request,
+                    self.tenant,
+                    entry.call,
+                    operation="ModelStreamInfer",
+                    mode=Mode.STREAMING,
+                    late=first,
+                )
+
+            first = entry.admitted
+            entry.admitted, entry.slot = await chain.wait.run(first, readmit)
+            if entry.admitted is not first:  # rescued onto its fallback: its own provenance
+                rescued = entry.admitted
+                entry.template = partial_template(rescued.record, rescued.decision, rescued.evidence)
+                entry.token_bytes = token_live_bytes(rescued)
+        except BaseException as error:  # never ran: the wait stage refunded its reservation
+            entry.done = True
+            self._forget(entry)
             if isinstance(error, GatewayError):
                 await self._fail(error, entry.client_id)
                 return
             raise
+        admitted = entry.admitted
         entry.started = clock.now()
-        self.gateway._dispatched(
-            admitted, dwell_ms=(entry.started - entry.arrived) * 1000.0, now=entry.started
+        chain.wait.started(
+            admitted, dwell_ms=(entry.started - entry.call.received_at) * 1000.0, now=entry.started
         )
-        internal_id = uuid.uuid4().hex
-        admitted.backend_request.id = internal_id
-        self.pending[internal_id] = entry
-        queue = self.backend_queues.get(admitted.backend.name)
-        if queue is None:
-            queue = asyncio.Queue()
-            self.backend_queues[admitted.backend.name] = queue
-            self.pumps.append(asyncio.get_running_loop().create_task(self._pump(admitted.backend, queue)))
-        await queue.put(admitted.backend_request)
-
-    async def _pump(
-        self, backend: Backend, queue: asyncio.Queue[service_pb2.ModelInferRequest | None]
-    ) -> None:
-        async def requests() -> AsyncIterator[service_pb2.ModelInferRequest]:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                yield item
-
-        call = backend.stream(requests(), timeout_s=self.call.time_remaining_s)
+        chain.execute.starting(admitted, self.tenant, entry.started)
         try:
-            # Ends when the backend has answered everything after our half-close.
-            async for reply in call:
-                await self._on_reply(reply)
-        except Exception as exc:  # backend stream broke: fail every request still pending on it
-            error = Unavailable(f"streaming backend failed ({type(exc).__name__})")
-            for internal_id, entry in list(self.pending.items()):
-                if entry.admitted.backend is backend:
-                    del self.pending[internal_id]
-                    entry.release()
-                    self.gateway.abandon(entry.admitted, started=entry.started, now=clock.now())
-                    await self._fail(error, entry.client_id)
+            await self._run_backend(entry)
+        except GatewayError as error:
+            now = clock.now()
+            if (
+                entry.tracker.results == 0
+                and not entry.done
+                and chain.rollouts.candidate_failed(admitted, error, started=entry.started, now=now)
+            ):
+                # A canary failed before its first result: the current version answers, once.
+                entry.release()
+                entry.done = True
+                self._forget(entry)
+                chain.settle.abandon(admitted, started=None, now=now)
+                await self._again(entry, error)
+                return
+            if not entry.done:
+                self._end(entry, now=now)
+                await self._fail(error, entry.client_id)
+
+    async def _again(self, entry: _StreamRequest, error: GatewayError) -> None:
+        try:
+            admitted = await self.chain.admit(
+                entry.request,
+                self.tenant,
+                entry.call,
+                operation="ModelStreamInfer",
+                mode=Mode.STREAMING,
+                canary=False,
+            )
+        except GatewayError as refused:
+            self.chain.rollouts.hedge_unanswered(entry.admitted, refused)
+            await self._fail(refused, entry.client_id)
+            return
+        self._start(entry.request, admitted, entry.call, entry.client_id, canary=False)
+
+    def _forget(self, entry: _StreamRequest) -> None:
+        for key, value in list(self.requests.items()):
+            if value is entry:
+                del self.requests[key]
+
+    async def _run_backend(self, entry: _StreamRequest) -> None:
+        """The request on a backend stream of its own (so it can be cancelled alone), bounded
+        by the call's own deadline; a canary must deliver its first result by its hedge."""
+        admitted = entry.admitted
+        backend_request = admitted.backend_request
+        backend_request.id = admitted.record.identity.request_id
+
+        async def one() -> AsyncIterator[service_pb2.ModelInferRequest]:
+            yield backend_request
+
+        remaining = entry.call.time_remaining_s
+        timeout_s = None if remaining is None else remaining - (entry.started - entry.call.received_at)
+        if timeout_s is not None and timeout_s <= 0:
+            raise DeadlineExpired("the call's deadline passed before the stream could start")
+        call = admitted.backend.stream(one(), timeout_s=timeout_s)
+        entry.backend_call = call
+        try:
+            async with asyncio.timeout_at(admitted.canary_deadline_at) as hedge:
+                async for reply in call:
+                    if await self._on_reply(entry, reply):
+                        return
+                    if entry.tracker.results and hedge.when() is not None:
+                        hedge.reschedule(None)  # the canary's first result came in time
+        except TimeoutError:
+            raise DeadlineExpired("the canary's first result missed its hedge budget") from None
+        except (GatewayError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # the backend stream broke
+            raise Unavailable(f"streaming backend failed ({type(exc).__name__})") from None
         finally:
             call.cancel()
+        if not entry.done:
+            raise Unavailable("the streaming backend ended before the request's final response")
 
-    async def _on_reply(self, reply: service_pb2.ModelStreamInferResponse) -> None:
+    async def _on_reply(self, entry: _StreamRequest, reply: service_pb2.ModelStreamInferResponse) -> bool:
+        """Forward one backend reply; True when the request has ended."""
+        if entry.done:
+            return True
         response = reply.infer_response
-        entry = self.pending.get(response.id)
-        if entry is None:
-            return
         admitted = entry.admitted
         if reply.error_message:
-            del self.pending[response.id]
-            entry.release()
-            self.gateway.abandon(admitted, started=entry.started, now=clock.now())
             logical = admitted.record.identity.model
             detail = reply.error_message.replace(admitted.route.backend_model, logical)
-            error = InvalidArgument(f"model {logical!r}: {detail}")
-            await self._fail(error, entry.client_id)
-            return
+            raise InvalidArgument(f"model {logical!r}: {detail}")
         final = flag_response(response, "triton_final_response")
         has_output = len(response.outputs) > 0
         now = clock.now()
-        if has_output:
-            entry.tokens += 1
-            if entry.first_result is None:
-                entry.first_result = now
-        if final:
-            del self.pending[response.id]
-            entry.release()
-        # Partial responses carry the charge so far; only the final one teaches the estimator.
-        settled = self.gateway.settle(
+        gap_ms = entry.tracker.result(now) if has_output else None
+        if has_output and entry.slot is not None and not entry.slot.grow_live(entry.token_bytes, now):
+            # Its device has no live room left for the next token: the stream ends here.
+            raise ResourceExhausted(
+                "the stream's device has no live memory left for its next token", rule=LIVE_RULE
+            )
+        if not final:
+            if has_output:
+                response.id = entry.client_id
+                response.model_name = admitted.record.identity.model
+                attach_partial(response, entry.template, gap_ms=gap_ms)
+                await self.out.put(reply)
+            return False
+        # The final response: settle once, with the stream's summary.
+        entry.done = True
+        entry.release()
+        self._forget(entry)
+        first_result = self._first_result(entry, now)
+        summary = entry.tracker.finish(now)
+        settled = self.chain.settle.run(
             admitted,
-            queued_s=entry.started - entry.arrived,
+            queued_s=entry.started - entry.call.received_at,
             started=entry.started,
             finished=now,
-            output_tokens=entry.tokens,
-            learn=final,
-            first_result=entry.first_result if entry.first_result is not None else now,
-            finished_answer=final,
+            output_tokens=summary.results,
+            first_result=first_result,
         )
-        if final:
-            self.gateway.listener.settled(settled)
-        if has_output or (final and entry.wants_final):
+        self.chain.listener.settled(settled)
+        self.chain.listener.stream_settled(settled, summary)
+        self.chain.rollouts.settled(admitted, settled, response)
+        if has_output or entry.wants_final:
             response.id = entry.client_id
             response.model_name = admitted.record.identity.model
-            attach_provenance(response, settled)
+            attach_provenance(response, settled, summary)
             await self.out.put(reply)
+        return True

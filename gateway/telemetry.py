@@ -43,7 +43,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.config import TelemetryConfig
 from gateway.core.record import Decision, RequestRecord, Verdict
 from gateway.core.streaming import StreamSummary
-from gateway.pipeline import Gateway, GatewayListener, Settled, StageTimes
+from gateway.exchange import GatewayListener, Settled, StageTimes
+from gateway.pipeline import Gateway
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.snapshot import PolicyResult
 
@@ -298,7 +299,7 @@ class GatewayCollector:
         co_batched = CounterMetricFamily(CO_BATCHED, CO_BATCHED_HELP, labels=["pool"])
         gateway = self.gateway
         if gateway is not None:
-            queues = {queue.name: queue for queue in list(gateway._queues.values())}
+            queues = {queue.name: queue for queue in gateway.pools.queues()}
             for pool, dispatch in queues.items():
                 co_batched.add_metric([pool], float(dispatch.co_batched))
             for name, load in list(gateway.loads.items()):

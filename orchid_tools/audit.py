@@ -9,7 +9,7 @@ here opens a socket or starts a process; it is pure computation over those value
 For each tenant it reports:
 
 - reachability: logical model -> backend model and version -> the backends the
-  request can run on. Backends come from ``Gateway.candidate_backends`` (the
+  request can run on. Backends come from ``PoolRegistry.candidate_backends`` (the
   serving code's own routing function), so the audit cannot drift from routing;
 - fallback paths: the route's fallback -> its backends *in the same cell*, and
   whether the fallback can ever serve this tenant (config: ``allow_fallback``,
@@ -71,13 +71,13 @@ from gateway.core.evidence import EvidenceStatus, EvidenceVerdict, RouteEvidence
 from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 from gateway.core.risk import resolve_risk_class
 from gateway.evidence import EvidenceStore
-from gateway.pipeline import Gateway
 from gateway.policy.context import build_policy_context, quality_floor
 from gateway.policy.diagnostics import PolicyLoadError, render_all
 from gateway.policy.loader import load_policies
 from gateway.policy.model import STAGE_ORDER, ActionKind, Rule, Stage, Variable
 from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
 from gateway.policy.snapshot import PolicyResult, PolicySnapshot
+from gateway.pools import PoolRegistry
 from gateway.server import LOCAL_BACKEND
 from orchid_tools.demo import DEMO_KEYS
 
@@ -373,7 +373,7 @@ class _Labelled:
 
 @dataclass(frozen=True, slots=True)
 class _RoutingView:
-    """Exactly what ``Gateway.candidate_backends`` reads: backend name -> labels, in serving order."""
+    """Exactly what ``PoolRegistry.candidate_backends`` reads: backend name -> labels, in serving order."""
 
     backends: dict[str, _Labelled]
 
@@ -386,7 +386,7 @@ def _routing_view(backends: Sequence[BackendRef]) -> _RoutingView:
 def _candidates(view: _RoutingView, route: RouteConfig, cell: str) -> list[str]:
     # The serving code's own routing function over a view of the configured backends, so that a
     # change to how the gateway picks backends changes this audit too.
-    return Gateway.candidate_backends(cast(Gateway, view), route, cell)
+    return PoolRegistry.candidate_backends(cast(PoolRegistry, view), route, cell)
 
 
 # --------------------------------------------------------------------------- policy probes

@@ -83,8 +83,9 @@ from gateway.core.evidence import Evidence, EvidenceKey
 from gateway.core.rollout import CANARY_REASON, RolloutSpec
 from gateway.core.streaming import GapTracker, StreamObjectives, StreamSummary
 from gateway.evidence import population
+from gateway.exchange import BackendHandle, CallContext, GatewayListener
 from gateway.messages import flag_response
-from gateway.pipeline import BackendHandle, CallContext, Gateway, GatewayListener
+from gateway.pipeline import Gateway
 from gateway.rollouts import parse_rollout
 from gateway.server import (
     assemble_gateway,

@@ -157,11 +157,13 @@ def emulator_parameters(model: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def own_triton(directory: Path, *, time_factor: float) -> Iterator[LocalTriton]:
-    """A Triton of a test's own at ``time_factor``: full-v18 and compact-v11 only (faster to
-    start), beside the session's."""
+def own_triton(
+    directory: Path, *, time_factor: float, models: tuple[str, ...] = ("full-v18", "compact-v11")
+) -> Iterator[LocalTriton]:
+    """A Triton of a test's own at ``time_factor``: ``models`` only (by default full-v18 and
+    compact-v11: faster to start), beside the session's."""
     repository = directory / "repo" / "model_repository"
-    for model in ("full-v18", "compact-v11"):
+    for model in models:
         shutil.copytree(MODEL_REPOSITORY / model, repository / model)
     shutil.copytree(MODEL_REPOSITORY.parent / "emulator", directory / "repo" / "emulator")
     server = LocalTriton(repository, directory / "triton", time_factor=time_factor)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from gateway.config import hash_api_key
-from gateway.pipeline import Gateway
+from gateway.pools import PoolRegistry
 from orchid_tools import audit as audit_module
 from orchid_tools.audit import Audit, Severity, ShareLevel, audit_isolation
 from orchid_tools.cli import main
@@ -362,10 +362,10 @@ def test_other_entitled_cells_are_latent(tmp_path: Path) -> None:
 def test_routing_that_leaves_the_cell_is_severe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The audit runs the gateway's own routing function; were it to ignore cells, the audit says so."""
 
-    def every_backend(self: Gateway, route: Any, cell: str) -> list[str]:
+    def every_backend(self: PoolRegistry, route: Any, cell: str, exclude: Any = ()) -> list[str]:
         return list(route.backends or tuple(self.backends))
 
-    monkeypatch.setattr(Gateway, "candidate_backends", every_backend)
+    monkeypatch.setattr(PoolRegistry, "candidate_backends", every_backend)
     audit = audit_isolation(_copy_example(tmp_path, gateway=_us_cell))
     assert "routing-leaves-cell" in _codes(audit, Severity.SEVERE)
     assert audit.exit_code == 1

@@ -75,7 +75,7 @@ def started() -> Iterator[list[ThreadedGateway]]:
 
 def bound_longs(gateway: ThreadedGateway) -> int:
     def read() -> int:
-        queues = [q for q in gateway.server.gateway._queues.values() if q.name == "local/full-v18"]
+        queues = [q for q in gateway.server.gateway.pools.queues() if q.name == "local/full-v18"]
         return sum(1 for slot in queues[0].device_set.bound if slot.long) if queues else 0
 
     return int(gateway.call_soon(read))
@@ -112,7 +112,7 @@ def run_scenario(gateway: ThreadedGateway, triton: LocalTriton) -> tuple[int, in
 
 def co_batched(gateway: ThreadedGateway) -> int:
     def read() -> int:
-        return sum(q.co_batched for q in gateway.server.gateway._queues.values())
+        return sum(q.co_batched for q in gateway.server.gateway.pools.queues())
 
     return int(gateway.call_soon(read))
 

@@ -9,8 +9,8 @@ from typing import cast
 
 import pytest
 
-from gateway import pipeline
 from gateway.auth import Tenant, TenantDirectory
+from gateway.chain import judge
 from gateway.config import TenantConfig, TenantsFile, load_gateway_config, load_routes, load_tenants
 from gateway.core.entitlement import may_call
 from gateway.core.errors import NotFound
@@ -37,7 +37,7 @@ def test_the_configured_list_is_the_whole_entitlement() -> None:
 
 
 class _IdleLoad:
-    """The two readings ``Gateway._policy_context`` takes from a pool's load."""
+    """The two readings ``Judge.context`` takes from a pool's load."""
 
     def utilization(self) -> float:
         return 0.0
@@ -104,7 +104,7 @@ def test_request_path_and_policy_agree_for_every_tenant_and_model() -> None:
             # Policy judges the same model with the context the gateway builds for it: the
             # primary's context, as the fallback pass reuses it for the fallback candidate.
             route = shared_route.for_tenant(model, config) or shared_route
-            context = gateway._policy_context(
+            context = gateway.chain.judge.context(
                 tenant, route, config.home_cell, cast(PoolLoad, _IdleLoad()), quota
             )
             result = POLICY.evaluate(_record(name, model), context)
@@ -137,20 +137,20 @@ def test_policy_reads_the_entitlement_as_a_fact(
 
 
 def test_route_facts_follow_the_route_object() -> None:
-    """What ``_policy_context`` derives from configuration is kept per route object and cell:
+    """What ``Judge.context`` derives from configuration is kept per route object and cell:
     another object for the same model (a rollout's candidate, a dedicated tenant's copy) gets
     its own, and the cache stays bounded."""
     gateway = Gateway(
         CONFIG, TenantDirectory(load_tenants(CONFIG.tenants_file)), ROUTES, {}, cast(PolicyStore, None)
     )
     route = ROUTES.models["full-v18"]
-    facts = gateway._route_facts(route, "eu-restricted")
-    assert gateway._route_facts(route, "eu-restricted") is facts
+    facts = gateway.chain.judge.route_facts(route, "eu-restricted")
+    assert gateway.chain.judge.route_facts(route, "eu-restricted") is facts
     assert facts.fallback is ROUTES.models.get(route.fallback or "")
     candidate = route.model_copy(update={"backend_model": "full-v19", "fallback": None})
-    other = gateway._route_facts(candidate, "eu-restricted")
+    other = gateway.chain.judge.route_facts(candidate, "eu-restricted")
     assert other.route is candidate and other.fallback is None
     assert all(b.model == "full-v19" for b in other.backends)
-    for n in range(pipeline._MAX_ROUTE_FACTS + 5):
-        gateway._route_facts(route.model_copy(update={"version": str(n)}), "eu-restricted")
-    assert len(gateway._route_facts_cache) <= pipeline._MAX_ROUTE_FACTS
+    for n in range(judge.MAX_ROUTE_FACTS + 5):
+        gateway.chain.judge.route_facts(route.model_copy(update={"version": str(n)}), "eu-restricted")
+    assert gateway.chain.judge.cached_route_facts() <= judge.MAX_ROUTE_FACTS

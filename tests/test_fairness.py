@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from gateway.backends.local import LocalTriton
 from gateway.core.overload import LadderConfig
-from gateway.pipeline import Settled, StageTimes
+from gateway.exchange import Settled, StageTimes
 from tests.conftest import LUMEN_KEY, ORCHID_KEY, ROOT, ThreadedGateway, bearer, gateway_config
 
 TOLERANCE = 0.20  # relative, on the 2 : 1 ratio; the machine is shared and noisy
@@ -102,7 +102,7 @@ def test_two_tenants_under_contention_get_their_weights(contended: ThreadedGatew
             await asyncio.wait_for(asyncio.gather(*workers), timeout=120)
 
     asyncio.run(scenario())
-    queue = next(q for q in gateway.server.gateway._queues.values() if q.name == "local/full-v18")
+    queue = next(q for q in gateway.server.gateway.pools.queues() if q.name == "local/full-v18")
     granted = {t: queue.granted_ms.get(("interactive", t), 0.0) for t in ("orchid", "lumen")}
     assert done["lumen"] > 0 and granted["lumen"] > 0
     # Both the accelerator-ms granted and the completions follow the weights.

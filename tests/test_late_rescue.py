@@ -64,7 +64,7 @@ def hold_primary(gateway: ThreadedGateway, pool: str = "local/full-v18") -> list
     """Bind every slot of the primary's pool (or ``pool``) that can be bound, and keep them."""
 
     def hold() -> list[Slot]:
-        queue = next(q for q in gateway.server.gateway._queues.values() if q.name == pool)
+        queue = next(q for q in gateway.server.gateway.pools.queues() if q.name == pool)
         held: list[Slot] = []
         while True:
             granted = queue.request(clock.now(), latest_start=clock.now() + 60.0, cost_ms=1.0)

@@ -55,7 +55,7 @@ def _gateway_context(model: str) -> PolicyContext:
     gateway = Gateway(CONFIG, TenantDirectory(TENANTS), ROUTES, {}, cast(PolicyStore, None))
     tenant = Tenant("orchid", TENANTS.tenants["orchid"])
     quota = gateway.quotas.available("orchid", "interactive", now=0.0)
-    return gateway._policy_context(
+    return gateway.chain.judge.context(
         tenant, ROUTES.models[model], "eu-restricted", cast(PoolLoad, _IdleLoad()), quota
     )
 
@@ -120,11 +120,11 @@ def _spy(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[PolicyContext]:
 
 
 def test_all_three_callers_return_the_builders_context(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gateway.pipeline
+    import gateway.chain.judge
     import gateway.policy.suites
 
     for module, build in (
-        (gateway.pipeline, lambda: _gateway_context("full-v18")),
+        (gateway.chain.judge, lambda: _gateway_context("full-v18")),
         (audit, lambda: _audit_context("full-v18")),
         (gateway.policy.suites, lambda: build_inputs({})[1]),
     ):

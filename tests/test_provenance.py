@@ -19,8 +19,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from gateway.core.errors import Unavailable
 from gateway.core.record import Approximation, Decision, Verdict
+from gateway.exchange import new_request_id
 from gateway.messages import approximation, stream_error
-from gateway.pipeline import new_request_id
 from tests.conftest import ORCHID_KEY, ThreadedGateway, bearer
 from tests.test_ladder_effects import pin, request
 

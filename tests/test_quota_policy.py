@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.core.errors import ResourceExhausted
 from gateway.core.record import Mode
-from gateway.pipeline import CallContext
+from gateway.exchange import CallContext
 from tests.conftest import ORCHID_KEY, ThreadedGateway
 
 

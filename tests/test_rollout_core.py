@@ -435,7 +435,7 @@ def test_rollout_state_is_saved_and_a_complete_one_is_resumed_serving_its_candid
     directory serves its candidate again; a rolled-back one and an unreadable file do not."""
     spec = spec_from(example_data())
     route = ROUTES.models[spec.route]
-    writer = RolloutController(SimpleNamespace(routes=ROUTES, backends={}))  # type: ignore[arg-type]
+    writer = RolloutController(SimpleNamespace(backends={}), ROUTES)  # type: ignore[arg-type]
     writer.state_dir = tmp_path
     done = RolloutRun(spec, route, [])
     done.rollout.resumed(1.0, Phase.COMPLETE, 3)
@@ -447,7 +447,7 @@ def test_rollout_state_is_saved_and_a_complete_one_is_resumed_serving_its_candid
     (tmp_path / "torn.json").write_text("{not json")
     saved = json.loads((tmp_path / "full-v19.json").read_text())
     assert (saved["phase"], saved["step"], saved["spec"]["candidate"]["label"]) == ("complete", 3, "v19")
-    reader = RolloutController(SimpleNamespace(routes=ROUTES, backends={}))  # type: ignore[arg-type]
+    reader = RolloutController(SimpleNamespace(backends={}), ROUTES)  # type: ignore[arg-type]
     reader.state_dir = tmp_path
     with caplog.at_level("WARNING", logger="orchid.rollout"):
         runs = reader.resume()
@@ -502,18 +502,18 @@ def test_output_checks() -> None:
     ]
 
 
-def fake_gateway(device_gib: float) -> Any:
+def fake_pools(device_gib: float) -> Any:
     handle = SimpleNamespace(
         memory=DeviceMemory.from_gib(device_gib, 6.0), shared_devices=False, time_scale=1.0
     )
-    return SimpleNamespace(routes=ROUTES, backends={"local": handle}, _device_sets={})
+    return SimpleNamespace(backends={"local": handle}, shared_device_set=lambda name: None)
 
 
 def test_two_versions_must_fit_or_the_rollback_delay_is_stated() -> None:
     spec = spec_from(example_data())
-    check_two_versions(fake_gateway(80.0), spec, ["local"])  # 21.85 GiB left >= 12.2 GiB declared
+    check_two_versions(fake_pools(80.0), ROUTES, spec, ["local"])  # 21.85 GiB left >= 12.2 GiB declared
     with pytest.raises(FailedPrecondition) as caught:
-        check_two_versions(fake_gateway(64.0), spec, ["local"])
+        check_two_versions(fake_pools(64.0), ROUTES, spec, ["local"])
     message = caught.value.message
     assert "full-v18 and full-v19 do not both fit a device of backend 'local'" in message
     assert "leaves 5.85 GiB, under the 12.21 GiB of live room declared" in message
@@ -540,7 +540,7 @@ def test_a_held_promotion_keeps_the_last_step_until_an_operator_promotes() -> No
 def test_quality_drop_reads_both_versions_published_evidence() -> None:
     store = EvidenceStore(ROUTES)
     spec = spec_from(example_data())
-    controller = RolloutController(SimpleNamespace(routes=ROUTES, evidence=store))  # type: ignore[arg-type]
+    controller = RolloutController(SimpleNamespace(backends={}), ROUTES, store)  # type: ignore[arg-type]
     # full-v18's seeded score 0.92; no evaluation of v19 yet: it counts as 0.
     assert controller.quality_drop(spec) == pytest.approx(0.92)
     now = time.time()

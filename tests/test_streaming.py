@@ -50,8 +50,8 @@ from gateway.core.streaming import (
     first_result_reserve_ms,
     stream_objectives,
 )
-from gateway.messages import attach_partial, attach_provenance, provenance
-from gateway.pipeline import Settled
+from gateway.exchange import Settled
+from gateway.messages import attach_partial, attach_provenance, partial_template, provenance
 from gateway.policy.loader import load_policies
 from gateway.policy.schema import PolicyContext, RouteFacts, TenantFacts
 from gateway.shape import read_hints, stream_objectives_for
@@ -413,12 +413,16 @@ def test_provenance_carries_the_stream_objectives_and_keeps_its_keys() -> None:
     assert response.parameters["orchid.max_gap_ms"].double_param == 30.0
 
 
-def test_a_partial_response_needs_only_complete_and_the_request_id() -> None:
+def test_a_partial_response_carries_the_admission_template_and_its_gap() -> None:
+    settled = _settled()
+    template = partial_template(settled.record, settled.decision, None)
     response = service_pb2.ModelInferResponse()
-    attach_partial(response, "s1")
-    assert set(response.parameters) == {"orchid.complete", "orchid.request_id"}
+    attach_partial(response, template)
+    got = set(response.parameters)
+    assert {"orchid.complete", "orchid.request_id", "orchid.model", "orchid.policy_version"} <= got
+    assert "orchid.charged_accelerator_ms" not in got  # settled once, on the final response
     assert response.parameters["orchid.complete"].bool_param is False
-    attach_partial(response, "s1", gap_ms=12.3456)
+    attach_partial(response, template, gap_ms=12.3456)
     assert response.parameters["orchid.gap_ms"].double_param == 12.346
 
 

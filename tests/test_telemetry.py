@@ -32,7 +32,7 @@ from gateway.core.record import (
     Shape,
     Verdict,
 )
-from gateway.pipeline import Settled
+from gateway.exchange import Settled
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.snapshot import FailOpen, PolicyResult
 from gateway.telemetry import Telemetry

@@ -2,7 +2,7 @@
 
 ``Backend`` is the one cut between the gateway's runtime and a model server (as
 httpx's ``BaseTransport`` is between its API and the network). The request path
-(``gateway.pipeline``), the protocol edge (``gateway.protocol``) and the process
+(``gateway.chain``), the protocol edge (``gateway.protocol``) and the process
 assembly (``gateway.server``) call only these members. Two implementations:
 
 * ``gateway.backends.triton.TritonBackend``: a real Triton endpoint over gRPC;

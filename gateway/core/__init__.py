@@ -1,7 +1,7 @@
 """The decision core: pure functions and state machines over immutable records.
 
 Nothing here does I/O or reads a clock: every decision takes ``now`` as an
-argument, so the same code runs the live gateway (``gateway.pipeline`` drives
+argument, so the same code runs the live gateway (``gateway.chain`` drives
 it on the event loop's clock) and the simulator (``orchid_tools.simulate``
 drives it in virtual time). CI enforces it (``[tool.importlinter]`` in pyproject.toml,
 run by ``lint-imports`` in scripts/test.sh): no module under

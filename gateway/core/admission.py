@@ -220,3 +220,46 @@ def _decide(primary: Candidate, fallback: Candidate | None, context: AdmissionCo
         context=context,
         ladder_step=record.ladder_step,
     )
+
+
+# ---------------------------------------------------------------------- around the decision
+# The judgements the request chain makes around ``decide``: whether a request's demand is
+# offered load, the late rescue's override, and isolation. Pure, so the chain only applies them.
+
+ISOLATION_RULE = "isolation.dedicated"  # the rule named when ``isolation: dedicated`` refuses
+
+
+def offered(primary: PolicyResult, *, late: bool) -> bool:
+    """Whether the request's demand is admissible work (offered load, before any ladder
+    action): a request its own tenant's quota, entitlement or policy refuses is not load
+    (the flooder's excess is its own problem); one refused for want of capacity is. A late
+    rescue was offered (and admitted) once already, on its first pass."""
+    if late:
+        return False
+    return primary.allowed or primary.status == "DEADLINE_EXCEEDED"
+
+
+def too_late(primary: PolicyResult) -> PolicyResult:
+    """A late rescue's primary: its latest start passed in the queue, so it counts as denied
+    for capacity (``DEADLINE_EXCEEDED``, ``queue.latest_start``) and the decision is the warm
+    fallback if policy allows it and it can still finish in time, or that refusal."""
+    return replace(
+        primary,
+        allowed=False,
+        status="DEADLINE_EXCEEDED",
+        rule=LATE_RULE,
+        message="the request could not start before its deadline",
+        retry_after_ms=None,
+    )
+
+
+def isolation_refusal(chosen: PolicyResult, backend_model: str, dedicated_models: frozenset[str]) -> str:
+    """Why the chosen candidate may not run under ``annotate: {isolation: dedicated}`` ("" if
+    it may): it must run on a backend model reserved for its tenant, a pool of its own whose
+    batches hold no other tenant."""
+    if chosen.annotation_map.get("isolation") != "dedicated" or backend_model in dedicated_models:
+        return ""
+    return (
+        "policy requires dedicated isolation, and model {model!r} has no capacity "
+        "reserved for this credential"
+    )

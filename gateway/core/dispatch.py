@@ -692,6 +692,7 @@ class DispatchQueue:
         weight: float = 1.0,
         cost_ms: float = 0.0,
         long: bool = False,
+        stream: bool = False,
     ) -> float:
         """How long a new arrival would wait for a device: the work bound to the backend (by
         this replica and, in a fleet, by the others: ``DeviceSet.remote_ends``), then the
@@ -706,10 +707,13 @@ class DispatchQueue:
           before this request (until that flow's virtual time reaches the one this request
           will finish at: rule 1); other classes and other pools by latest start. A flooder's
           backlog therefore does not make an in-share tenant's request look infeasible.
+        * for a new ``stream``, of another tenant's waiting streams no more than that tenant
+          may still start within its decode share while this one waits (rule 9): an
+          over-share tenant's streams wait for an in-share tenant's.
         """
         free = self.device_set.free_times(now, fleet=True)
         queued = any(queue.queued for queue in self.device_set.queues)
-        ahead = self._ahead(latest_start, flow, weight, cost_ms) if queued else []
+        ahead = self._ahead(latest_start, flow, weight, cost_ms, stream=stream) if queued else []
         # Queued long work beyond what the short lane lets start takes no device here (it
         # waits for a long device: rule 7; mostly within the soft cap).
         long_room = self.device_set.long_soft_cap(now) - self.device_set.long_bound(now)
@@ -753,7 +757,13 @@ class DispatchQueue:
         return out
 
     def _ahead(
-        self, latest_start: float | None, flow: tuple[str, str] | None, weight: float, cost_ms: float
+        self,
+        latest_start: float | None,
+        flow: tuple[str, str] | None,
+        weight: float,
+        cost_ms: float,
+        *,
+        stream: bool = False,
     ) -> list[tuple[float, float, bool, BatchShape | None]]:
         """The queued work that goes before a new arrival (see ``predicted_wait_ms``), by latest
         start: (latest start, cost, long, its batch shape if it may co-batch in this pool)."""
@@ -762,13 +772,13 @@ class DispatchQueue:
             return w.live and (latest_start is None or w.latest_start <= latest_start)
 
         ahead: list[tuple[float, float, bool, BatchShape | None]] = []
-        fair: list[tuple[_Flow, list[Waiter]]] = []
+        fair: list[tuple[str, _Flow, list[Waiter]]] = []
         for queue in self.device_set.queues:
             for key, f in queue._flows.items():
                 if not f.live:
                     continue
                 if flow is not None and queue is self and key[0] == flow[0] and key != flow:
-                    fair.append((f, sorted(w for w in f.heap if w.live)))
+                    fair.append((key[1], f, sorted(w for w in f.heap if w.live)))
                 else:
                     this_pool = queue is self
                     ahead.extend(
@@ -785,11 +795,22 @@ class DispatchQueue:
                 start_vtime = max(own.vtime, start_vtime)
             own_ms = sum(w.cost_ms for w in (own.heap if own is not None else ()) if earlier(w))
             finish_vtime = start_vtime + (own_ms + cost_ms) / max(weight, 1e-9)
-            for other, waiters in fair:
+            waiting = {tenant: w for tenant, (w, _) in self._streams_waiting().items()}
+            waiting[flow[1]] = weight
+            for tenant, other, waiters in fair:
                 allowance = max(0.0, finish_vtime - other.vtime) * max(other.weight, 1e-9)
+                # Rule 9: a tenant's streams beyond its decode share wait for this in-share one.
+                streams_room = math.inf
+                if stream and self.decode.enabled:
+                    bound = self.decode.bound(tenant, other.weight, waiting)
+                    streams_room = max(0, bound.streams - self.decode.decoding(tenant).streams)
                 for w in waiters:
                     if allowance <= 0.0:
                         break
+                    if w.stream:
+                        if streams_room <= 0:
+                            continue
+                        streams_room -= 1
                     ahead.append((w.latest_start, w.cost_ms, w.long, w.batch))
                     allowance -= w.cost_ms
         ahead.sort(key=lambda entry: entry[:3])

@@ -1,6 +1,6 @@
 """Placement: which of a route's interchangeable pools in a cell takes the next request.
 
-This module owns the ranking ``Gateway.bind_pool`` applies to the healthy pools that can
+This module owns the ranking ``PoolRegistry.place`` applies to the healthy pools that can
 serve a request (same logical model, same privacy cell, one pool per backend), and the
 offered-demand rate it balances (``OfferedRate``). No I/O and no clock: ``now`` is handed in.
 

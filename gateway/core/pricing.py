@@ -104,6 +104,7 @@ def price(
             weight=weight,
             cost_ms=demand.accelerator_ms,
             long=shape.long,
+            stream=streaming,
         ),
         first_result_deadline_ms=reserves.first_result_deadline_ms() if streaming else None,
         reserve_first_result_ms=reserve_first_ms,

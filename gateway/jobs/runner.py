@@ -42,9 +42,10 @@ from gateway.core.load import PoolLoad
 from gateway.core.overload import DEFAULT_PLAN_SPAN_S
 from gateway.core.overload import effects as overload_effects
 from gateway.core.record import Mode
+from gateway.exchange import CallContext
 from gateway.jobs.batch import output_facts, provenance
 from gateway.jobs.store import Claimed, JobStore
-from gateway.pipeline import CallContext, Gateway
+from gateway.pipeline import Gateway
 from gateway.status import domain_error
 
 log = logging.getLogger(__name__)

@@ -146,7 +146,7 @@ class OperationsServicer:
         lines: list[int] | None,
     ) -> None:
         """Refuse at submit what would fail every attempt: hints, tensors against the model's
-        inputs, and the route's shape limits (the checks ``Gateway.admit`` makes), naming the
+        inputs, and the route's shape limits (the checks the chain's shape stage makes), naming the
         batch line. Without a healthy backend to read the model from, tensors are checked when
         the item runs (accepting work while the backend is away is the point of a job)."""
         try:

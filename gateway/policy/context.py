@@ -2,7 +2,7 @@
 
 Policy reads tenant, route, load and backend facts that are not on the request record
 (``gateway.policy.schema``). Three callers need them: the request path
-(``Gateway._policy_context``), the isolation audit's probes (``orchid_tools.audit``) and
+(``gateway.chain.judge.Judge.context``), the isolation audit's probes (``orchid_tools.audit``) and
 the policy test suites and request files (``gateway.policy.suites``). All three call
 ``build_policy_context``, so what a fact means is derived here once:
 

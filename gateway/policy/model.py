@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gateway.core.admission import ISOLATION_RULE as ISOLATION_RULE  # the rule it refuses with
 from gateway.policy.engine import CompiledExpression
 
 
@@ -64,13 +65,12 @@ class ActionKind(StrEnum):
 ENFORCED_ANNOTATIONS: Mapping[str, Mapping[str, str]] = {
     "isolation": {
         "dedicated": (
-            "gateway.pipeline admission: the request runs only on a backend model reserved for its "
-            "tenant (its own pool, so never batched with another tenant's work), else "
+            "the request chain's decide stage: the request runs only on a backend model "
+            "reserved for its tenant (its own pool, so never batched with another tenant's work), else "
             "PERMISSION_DENIED with rule isolation.dedicated"
         ),
     },
 }
-ISOLATION_RULE = "isolation.dedicated"  # the rule named when ``isolation: dedicated`` refuses
 
 
 # gRPC status names a deny rule may choose (the caller-facing contract, ARCHITECTURE §5).

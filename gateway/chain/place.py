@@ -1,0 +1,92 @@
+"""Stage 2, place: which pool a request runs in (filter, score, pick).
+
+Owns choosing the pool: the route's healthy backends in the request's privacy cell,
+less any a policy routing rule excluded (a filter, so an allowed backend in the same
+cell is tried rather than the request refused), ranked by ``gateway.core.placement``
+through the pool registry; a rollout's candidate pool when the rollout diverts the
+request; and the route's warm fallback pool (never one that must cold-load).
+
+It may read pools and the rollout controller; it may not reserve anything, judge
+policy or touch quota.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from gateway.backends.base import ModelSpec
+from gateway.chain.resolve import Resolved
+from gateway.config import RouteConfig
+from gateway.core.record import RequestRecord, Shape
+from gateway.exchange import BackendHandle
+from gateway.pools import PoolRegistry
+from gateway.rollouts import Diverted, RolloutController
+from gateway.scheduler import DispatchQueue
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A route bound to one pool."""
+
+    route: RouteConfig
+    handle: BackendHandle
+    spec: ModelSpec
+    queue: DispatchQueue
+
+
+class Place:
+    """Pools for a resolved request: its primary, a rollout's candidate, its warm fallback."""
+
+    def __init__(self, pools: PoolRegistry, rollouts: RolloutController) -> None:
+        self.pools = pools
+        self.rollouts = rollouts
+
+    async def primary(self, resolved: Resolved, *, exclude: Iterable[str] = ()) -> Placement:
+        handle, spec, queue = await self.pools.place(
+            resolved.route, resolved.cell, resolved.logical, exclude=exclude
+        )
+        return Placement(resolved.route, handle, spec, queue)
+
+    async def again(self, placement: Placement, resolved: Resolved, exclude: Iterable[str]) -> Placement:
+        """``placement``'s route placed again without the excluded backends (the filter)."""
+        handle, spec, queue = await self.pools.place(
+            placement.route, resolved.cell, resolved.logical, exclude=exclude
+        )
+        return Placement(placement.route, handle, spec, queue)
+
+    async def rollout(
+        self,
+        resolved: Resolved,
+        current: Placement,
+        shape: Shape,
+        price: Callable[[RouteConfig, BackendHandle, DispatchQueue], RequestRecord],
+    ) -> tuple[Placement, Diverted] | None:
+        """The candidate's pool when a rollout serves this request from it (a canary, or
+        promoted); ``price`` prices the request on a pool for the canary's hedge budget."""
+        diverted = await self.rollouts.divert(
+            resolved.logical,
+            resolved.route,
+            resolved.tenant,
+            request_class=resolved.identity.request_class,
+            shape=shape,
+            risk_class=resolved.identity.risk_class,
+            cell=resolved.cell,
+            mode=resolved.mode,
+            canary=resolved.canary and resolved.late is None,
+            current_pool=(current.handle, current.queue),
+            price=price,
+        )
+        if diverted is None:
+            return None
+        return Placement(diverted.route, diverted.handle, current.spec, diverted.queue), diverted
+
+    async def fallback(
+        self, route: RouteConfig, resolved: Resolved, *, exclude: Iterable[str] = ()
+    ) -> Placement | None:
+        """The fallback route's pool in the request's cell, only if warm right now."""
+        pool = await self.pools.warm(route, resolved.cell, resolved.logical, exclude=exclude)
+        if pool is None:
+            return None
+        handle, spec, queue = pool
+        return Placement(route, handle, spec, queue)

@@ -1,0 +1,231 @@
+"""The pool registry: every (backend, model) pool's dispatch queue, device set and load.
+
+This module owns the runtime's pools and the one way to reach them: the configured
+backends (``BackendHandle``), each pool's ``DispatchQueue`` created on first use, the
+device sets that backends with shared devices pool their models on, each pool's
+``PoolLoad`` (the ladder's evidence) and Triton's measured timing per pool. The
+placement stage (``gateway.chain.place``) asks it for candidates; rollouts, shadow
+traffic, telemetry, the status page and the job runner read pools through its public
+methods, never through another module's private fields.
+
+It decides nothing about a request: ranking is ``gateway.core.placement``'s, the ladder
+is ``gateway.core.overload``'s. It may await a backend (a model's spec, statistics); it
+never reads a request's policy, quota or price.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+from gateway import clock
+from gateway.backends.base import ModelSpec
+from gateway.backends.stats import PoolTiming, StatsSample, timing_between
+from gateway.config import GatewayConfig, RouteConfig, RouteTable
+from gateway.core import memory as device_memory
+from gateway.core.errors import Unavailable
+from gateway.core.load import PoolLoad
+from gateway.core.placement import placement_key
+from gateway.core.profile import DemandProfile
+from gateway.exchange import BackendHandle, GatewayListener
+from gateway.scheduler import DeviceSet, DispatchQueue, FleetBinding
+
+# Ladder step changes (the core returns them; bench/surge.py and bench/noisy_neighbour.py read them).
+overload_log = logging.getLogger("orchid.overload")
+
+Pool = tuple[BackendHandle, ModelSpec, DispatchQueue]
+
+
+class PoolRegistry:
+    """Backends and their pools. One per ``Gateway``."""
+
+    def __init__(self, config: GatewayConfig, routes: RouteTable, backends: dict[str, BackendHandle]) -> None:
+        self.config = config
+        self.routes = routes
+        self.backends = backends
+        self.fleet_slots: FleetBinding | None = None  # set by the server with state.backend redis
+        self.loads: dict[str, PoolLoad] = {}
+        self.timing: dict[str, PoolTiming] = {}
+        self._queues: dict[tuple[str, str], DispatchQueue] = {}
+        self._device_sets: dict[str, DeviceSet] = {}  # backends whose models share devices
+        self._stats_samples: dict[str, StatsSample] = {}
+        default = config.classes.get(config.default_class)
+        # One dwell budget per pool, whatever class arrives first: the default class's cap.
+        self.dwell_budget_ms = default.max_dwell_ms if default is not None else 20.0
+
+    # ------------------------------------------------------------------ reading
+
+    def queues(self) -> list[DispatchQueue]:
+        """Every pool's dispatch queue, in creation order."""
+        return list(self._queues.values())
+
+    def pools(self) -> Iterator[tuple[str, str, DispatchQueue]]:
+        """(backend name, backend model, queue) of every pool."""
+        for (backend_name, model), queue in list(self._queues.items()):
+            yield backend_name, model, queue
+
+    def queue_named(self, name: str) -> DispatchQueue | None:
+        """The dispatch queue of pool ``name`` (``backend/model``), if it exists."""
+        return next((q for q in self._queues.values() if q.name == name), None)
+
+    def queues_of_model(self, backend_model: str) -> list[DispatchQueue]:
+        """Every pool of ``backend_model``, on any backend."""
+        return [q for (_b, m), q in list(self._queues.items()) if m == backend_model]
+
+    def shared_device_set(self, backend_name: str) -> DeviceSet | None:
+        """The device set a backend with shared devices pools its models on, once one exists."""
+        return self._device_sets.get(backend_name)
+
+    def candidate_backends(self, route: RouteConfig, cell: str, exclude: Iterable[str] = ()) -> list[str]:
+        """The route's backends in ``cell``, in configured order, less ``exclude`` (the
+        backends a policy routing rule excluded: a placement filter)."""
+        excluded = frozenset(exclude)
+        names = route.backends or tuple(self.backends)
+        return [
+            n
+            for n in names
+            if n in self.backends and self.backends[n].labels.get("cell") == cell and n not in excluded
+        ]
+
+    # ------------------------------------------------------------------ pools
+
+    def queue_for(
+        self, backend_name: str, spec: ModelSpec, profile: DemandProfile | None = None
+    ) -> DispatchQueue:
+        """The pool of ``spec`` on the backend, created on first use. ``profile`` (the route's)
+        places the model's replica on the pool's devices for the live-memory bound."""
+        key = (backend_name, spec.name)
+        queue = self._queues.get(key)
+        if queue is None:
+            handle = self.backends[backend_name]
+            limits = self.config.limits
+            devices = spec.instances  # in the emulator each instance stands for one device
+            device_set = DeviceSet(devices, memory=handle.memory)
+            if handle.shared_devices:
+                devices = handle.devices
+                device_set = self._device_sets.setdefault(
+                    backend_name, DeviceSet(devices, memory=handle.memory)
+                )
+            queue = DispatchQueue(
+                f"{backend_name}/{spec.name}",
+                devices=devices,
+                slots=devices * handle.max_inflight_per_device,
+                max_queued=limits.max_queued_per_backend,
+                reserved_control=limits.reserved_control_slots,
+                device_set=device_set,
+            )
+            queue.apply_limits(limits)  # the turn cap and the per-tenant decode share
+            queue.device_set.short_lane = limits.short_lane_devices
+            queue.device_set.short_lane_soft = limits.short_lane_soft_devices
+            # Co-batching (dispatch rule 6) binds work into a batch waiting in the backend's
+            # queue, which a replica of a fleet cannot see the others' work in: it stays off
+            # there. A stream runs alone (one request per execution).
+            if not spec.decoupled and self.fleet_slots is None:
+                queue.co_batch_max = max(1, min(limits.co_batch_max, spec.max_batch_size))
+            queue.fleet = self.fleet_slots  # a fleet's shared dispatch slots (None: this process only)
+            queue.batch_profile = profile  # its batch cost, for co-batching (dispatch rule 6)
+            if profile is not None:
+                queue.device_set.place(spec.name, device_memory.resident_bytes(profile))
+            self._queues[key] = queue
+        return queue
+
+    async def place(
+        self, route: RouteConfig, cell: str, logical: str, *, exclude: Iterable[str] = ()
+    ) -> Pool:
+        """Filter, score, pick: the healthy backends of the route in ``cell`` (less
+        ``exclude``), ranked by ``core.placement``: the least predicted wait, then the least
+        recent offered demand per device (what each pool's ladder judges, so placement
+        never feeds a degrading pool more demand), then the least work still to run on the
+        pool's device set. Nothing is predicted when there is no choice."""
+        best: tuple[tuple[float, float, float], BackendHandle, ModelSpec, DispatchQueue] | None = None
+        candidates = self.candidate_backends(route, cell, exclude)
+        now = clock.now()
+        for name in candidates:
+            handle = self.backends[name]
+            backend = handle.client
+            if not backend.healthy:
+                continue
+            try:
+                spec = await backend.model_spec(route.backend_model, logical=logical)
+            except Unavailable:
+                continue
+            queue = self.queue_for(name, spec, self.routes.profiles.get(route.profile))
+            if len(candidates) > 1:
+                load = self.loads.get(queue.name)
+                key = placement_key(
+                    queue.predicted_wait_ms(now),
+                    load.offered_rate.ms_per_s(now) if load is not None else 0.0,
+                    sum(q.inflight_remaining_ms(now) for q in queue.device_set.queues),
+                    queue.devices,
+                )
+            else:
+                key = (0.0, 0.0, 0.0)
+            if best is None or key < best[0]:
+                best = (key, handle, spec, queue)
+        if best is None:
+            raise Unavailable(
+                f"no healthy backend serves model {logical!r} in this credential's privacy cell"
+            )
+        return best[1], best[2], best[3]
+
+    async def warm(
+        self, route: RouteConfig, cell: str, logical: str, *, exclude: Iterable[str] = ()
+    ) -> Pool | None:
+        """The route's pool in ``cell`` only if it is warm right now (a fallback never cold-loads)."""
+        try:
+            handle, spec, queue = await self.place(route, cell, logical, exclude=exclude)
+        except Unavailable:
+            return None
+        return (handle, spec, queue) if handle.client.is_warm(route.backend_model) else None
+
+    def load(self, queue: DispatchQueue, route: RouteConfig | None = None) -> PoolLoad:
+        """The pool's ladder evidence, created on first use (with the route's quality losses)."""
+        load = self.loads.get(queue.name)
+        if load is None:
+            load = PoolLoad(
+                queue.name,
+                devices=queue.devices,
+                dwell_budget_ms=self.dwell_budget_ms,
+                config=self.config.ladder,
+                protected_utilization=self.config.protected_utilization,
+            )
+            self.loads[queue.name] = load
+            if route is not None and route.quality is not None:
+                fallback = self.routes.models.get(route.fallback) if route.fallback else None
+                full = route.quality.score
+                reduced = route.reduced_output.quality.score if route.reduced_output else full
+                compact = fallback.quality.score if fallback and fallback.quality else full
+                load.set_quality(reduce_loss=max(0.0, full - reduced), fallback_loss=max(0.0, full - compact))
+        return load
+
+    # ------------------------------------------------------------------ periodic
+
+    def update_ladders(self, now: float, listener: GatewayListener) -> None:
+        """Step every pool's ladder from fresh evidence (called periodically)."""
+        for backend_name, _model, queue in self.pools():
+            load = self.loads.get(queue.name)
+            handle = self.backends.get(backend_name)
+            if load is None or handle is None:
+                continue
+            evidence_at = now if handle.client.healthy else handle.client.healthy_at
+            state = load.gather(now, queue, healthy=handle.client.healthy, evidence_at=evidence_at)
+            if state.changed:
+                overload_log.warning("pool %s ladder step -> %d: %s", load.name, state.step, state.reason)
+            listener.ladder(queue.name, int(state.step))
+
+    async def sample_statistics(self) -> None:
+        """Refresh per-pool Triton queue/compute timing from statistics deltas."""
+        for backend_name, model, queue in self.pools():
+            handle = self.backends.get(backend_name)
+            if handle is None or not handle.client.healthy:
+                continue
+            try:
+                sample = StatsSample.from_response(await handle.client.statistics(model))
+            except Exception:  # statistics are evidence, not a dependency of serving
+                continue
+            before = self._stats_samples.get(queue.name)
+            self._stats_samples[queue.name] = sample
+            if before is not None:
+                timing = timing_between(before, sample)
+                if timing is not None:
+                    self.timing[queue.name] = timing
