@@ -14,6 +14,7 @@ Redis's own clock; ``script_clock`` hands those scripts the test's time instead 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import re
@@ -25,7 +26,7 @@ import pytest
 from gateway import clock
 from gateway.config import StateConfig
 from gateway.core.errors import PermissionDenied, ResourceExhausted
-from gateway.core.quota import QuotaLedger, QuotaSettings, Reservation, Settlement
+from gateway.core.quota import AccountTerms, QuotaLedger, QuotaSettings, Reservation, Settlement
 from gateway.settings import QuotaSettingsSchema
 from gateway.state.redis_store import RedisFleet, RedisQuotaStore
 from tests.redis_server import RedisServer, redis_server
@@ -385,6 +386,329 @@ async def test_a_dead_replicas_slice_returns_when_its_lease_expires(redis_server
     assert (await alive.fleet_outstanding(redis_now=101.0)).count == 0
     await dead.fleet.client.aclose()
     await alive.fleet.client.aclose()
+
+
+# Live-token-limited accounts on slices: a slice carries a share of both buckets. No class
+# share, so nothing is borrowed and each bucket alone bounds what its account is admitted.
+LIVE_SLICED = QuotaSettingsSchema.model_validate(
+    {
+        "tenants": {
+            "m": {
+                "interactive": {
+                    "accelerator_ms_per_s": 100.0,
+                    "burst_ms": 200.0,
+                    "live_token_ms_per_s": 1000.0,
+                    "live_token_burst_ms": 2000.0,
+                    "max_concurrent": 16,
+                }
+            },
+            "n": {
+                "interactive": {
+                    "accelerator_ms_per_s": 50.0,
+                    "live_token_ms_per_s": 400.0,
+                    "max_concurrent": 12,
+                }
+            },
+            "w": {
+                "interactive": {
+                    "accelerator_ms_per_s": 100.0,
+                    "burst_ms": 200.0,
+                    "live_token_ms_per_s": 1000.0,
+                }
+            },
+        },
+    }
+).value()
+LIVE_ACCOUNTS = ("m", "n")
+
+
+async def _redis_levels(
+    store: RedisQuotaStore, tenant: str, request_class: str, now: float
+) -> tuple[float, float]:
+    """The account's accelerator-ms and live-token-ms levels in Redis at ``now`` (the script clock)."""
+    terms = store.terms(tenant, request_class)
+    assert terms.live_token_rate_ms_per_s is not None and terms.live_token_capacity_ms is not None
+    acct = store.keys(terms)[0]
+    live, updated = await store.fleet.client.hmget(acct, "llvl", "lupd")
+    if live is None:
+        live_level = terms.live_token_capacity_ms
+    else:
+        refill = terms.live_token_rate_ms_per_s * max(0.0, now - float(updated))
+        live_level = min(terms.live_token_capacity_ms, float(live) + refill)
+    return await _redis_level(store, tenant, request_class, now), live_level
+
+
+def _held(stores: list[RedisQuotaStore], tenant: str) -> tuple[float, float]:
+    """What the replicas' slices of the account hold unspent (taken from Redis, not yet
+    admitted on nor returned): accelerator-ms and live-token-ms."""
+    pieces = [p for s in stores for p in s._slices.get((tenant, "interactive"), ()) if not p.closed]
+    return sum(p.left_ms for p in pieces), sum(p.live_left_ms for p in pieces)
+
+
+def _exact_refusal(
+    error: ResourceExhausted,
+    levels: tuple[float, float],
+    units: int,
+    demand: tuple[float, float],
+    terms: AccountTerms,
+) -> bool:
+    """The refusal an exact reservation in Redis gives: the binding bucket's level in Redis
+    (what the slices hold apart) does not cover the request, or the concurrency is held."""
+    (level, live_level), (demand_ms, live_ms) = levels, demand
+    assert terms.live_token_capacity_ms is not None and terms.max_concurrent is not None
+    if error.rule == "quota.accelerator_ms":
+        return level < min(demand_ms, terms.capacity_ms) - 1e-6
+    if error.rule == "quota.live_token_ms":
+        return live_level < min(live_ms, terms.live_token_capacity_ms) - 1e-6
+    return error.rule == "quota.concurrency" and units + 1 > terms.max_concurrent
+
+
+async def _fleet(
+    redis_server: RedisServer, prefix: str, replicas: int = 2
+) -> tuple[list[RedisQuotaStore], list[list[float]]]:
+    stores = [
+        await _store(redis_server, prefix, quota_slice=0.25, settings=LIVE_SLICED, replica=f"r{i}")
+        for i in range(replicas)
+    ]
+    return stores, [script_clock(s) for s in stores]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_slices_with_a_live_token_bucket_keep_the_core_ledgers_books(
+    redis_server: RedisServer, seed: int
+) -> None:
+    """Two replicas on slices against the core ledger, at instants (no refill between two
+    operations, so the books must balance exactly): every request the fleet admits, the
+    ledger admits too; after every operation each bucket's level in the ledger equals its
+    level in Redis plus what the replicas' slices hold unspent; and every refusal is the one
+    an exact reservation in Redis gives (the fleet refuses only what its slices hold apart).
+    Between instants everything settles and the slices return: the buckets refill in full."""
+    rng = random.Random(seed)
+    stores, clocks = await _fleet(redis_server, f"lsd{seed}x{random.randrange(1 << 30)}:")
+    ledger = QuotaLedger(LIVE_SLICED)
+    admitted = on_slice = refused = 0
+    rules: set[str] = set()
+    for round_ in range(8):
+        now = 10.0 * (round_ + 1)  # the buckets refill in 2 s: full at every round's start
+        for at in clocks:
+            at[0] = now
+        open_pairs: list[tuple[Reservation, Reservation, RedisQuotaStore]] = []
+        for _ in range(60):
+            op = rng.random()
+            if op < 0.6 or not open_pairs:
+                store = rng.choice(stores)
+                tenant = rng.choice(LIVE_ACCOUNTS)
+                demand = rng.choice([1.0, 2.0, 4.0, 9.0, 20.0, 30.0, 60.0])  # slices: m 50 ms, n 25 ms
+                live = rng.choice([0.0, 20.0, 40.0, 80.0, 120.0, 180.0, 450.0, 700.0])  # m 500, n 200
+                try:
+                    theirs = await store.reserve(
+                        tenant, "interactive", demand_ms=demand, live_token_ms=live, now=now, redis_now=now
+                    )
+                except ResourceExhausted as error:
+                    await asyncio.gather(*(s.fleet.drain() for s in stores))
+                    levels = await _redis_levels(store, tenant, "interactive", now)
+                    units = (await _open_units(store, tenant, "interactive"))[1]
+                    terms = store.terms(tenant, "interactive")
+                    assert _exact_refusal(error, levels, units, (demand, live), terms), (error, levels, units)
+                    refused += 1
+                    rules.add(error.rule or "")
+                    continue
+                mine = ledger.reserve(tenant, "interactive", demand_ms=demand, live_token_ms=live, now=now)
+                open_pairs.append((mine, theirs, store))
+                admitted += 1
+                on_slice += theirs.id < 0  # the store numbers the requests on slices below zero
+            elif op < 0.95:
+                mine, theirs, store = open_pairs.pop(rng.randrange(len(open_pairs)))
+                if rng.random() < 0.3:
+                    expected, got = ledger.release(mine, now=now), store.release(theirs, now=now)
+                else:
+                    charged, charged_live = (
+                        mine.demand_ms * rng.choice([0.0, 0.5, 1.0]),
+                        mine.live_token_ms * rng.choice([0.0, 0.5, 1.0]),
+                    )
+                    expected = ledger.settle(
+                        mine, charged_ms=charged, charged_live_token_ms=charged_live, now=now
+                    )
+                    got = store.settle(
+                        theirs, charged_ms=charged, charged_live_token_ms=charged_live, now=now
+                    )
+                assert expected is not None and _comparable(got) == _comparable(expected)
+            else:
+                rng.choice(stores).retire_slices(older_than_s=0.0)  # a heartbeat retires them
+            await asyncio.gather(*(s.fleet.drain() for s in stores))
+            for tenant in LIVE_ACCOUNTS:
+                view = ledger.available(tenant, "interactive", now=now)
+                level, live_level = await _redis_levels(stores[0], tenant, "interactive", now)
+                held, live_held = _held(stores, tenant)
+                assert level + held == pytest.approx(view.available_accelerator_ms, abs=1e-6)
+                assert live_level + live_held == pytest.approx(view.available_live_token_ms, abs=1e-6)
+        for mine, theirs, store in open_pairs:
+            assert ledger.settle(mine, charged_ms=mine.demand_ms, now=now) is not None
+            assert store.settle(theirs, charged_ms=theirs.demand_ms, now=now) is not None
+        for store in stores:
+            await store.drain()  # returns every slice
+        assert (await stores[0].fleet_outstanding(redis_now=now)).count == 0
+        for tenant in LIVE_ACCOUNTS:
+            view = ledger.available(tenant, "interactive", now=now)
+            assert _held(stores, tenant) == (0.0, 0.0)
+            level, live_level = await _redis_levels(stores[0], tenant, "interactive", now)
+            assert level == pytest.approx(view.available_accelerator_ms, abs=1e-6)
+            assert live_level == pytest.approx(view.available_live_token_ms, abs=1e-6)
+    claimed = sum(s.slices_claimed for s in stores)
+    print(
+        f"seed {seed}: {admitted} admitted ({on_slice} on slices, {claimed} slices), "
+        f"{refused} refused {sorted(rules)}"
+    )
+    assert on_slice > admitted / 3 and claimed > 10  # many requests were admitted on slices
+    assert {"quota.accelerator_ms", "quota.live_token_ms"} <= rules  # both buckets bound
+    for store in stores:
+        await store.fleet.client.aclose()
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+async def test_slices_keep_a_fleet_within_both_buckets_over_time(
+    redis_server: RedisServer, seed: int
+) -> None:
+    """Two replicas on slices, time running, requests charged up to 1.7x their prediction
+    in either bucket: for each account and each bucket, what the fleet has admitted since
+    the start (charged when closed, predicted while open) never exceeds the burst plus the
+    refill since the start plus the observed excess over predictions -- the bound of
+    ``QuotaLedger``'s buckets, for live-token-ms exactly as for accelerator-ms -- and what
+    Redis, the slices and the admitted work hold together is what the bucket can have given."""
+    rng = random.Random(seed)
+    stores, clocks = await _fleet(redis_server, f"lst{seed}x{random.randrange(1 << 30)}:")
+    start = now = 50.0
+    admitted = {t: [0.0, 0.0] for t in LIVE_ACCOUNTS}  # closed: charged; open: predicted
+    excess = {t: [0.0, 0.0] for t in LIVE_ACCOUNTS}
+    open_: list[tuple[Reservation, RedisQuotaStore]] = []
+    grants = on_slice = refusals = 0
+
+    async def check() -> None:
+        await asyncio.gather(*(s.fleet.drain() for s in stores))
+        for tenant in LIVE_ACCOUNTS:
+            terms = stores[0].terms(tenant, "interactive")
+            assert terms.live_token_rate_ms_per_s is not None and terms.live_token_capacity_ms is not None
+            given = (
+                terms.capacity_ms + terms.rate_ms_per_s * (now - start),
+                terms.live_token_capacity_ms + terms.live_token_rate_ms_per_s * (now - start),
+            )
+            levels = await _redis_levels(stores[0], tenant, "interactive", now)
+            held = _held(stores, tenant)
+            for b in (0, 1):
+                assert admitted[tenant][b] <= given[b] + excess[tenant][b] + 1e-6, (tenant, b)
+                assert admitted[tenant][b] + levels[b] + held[b] <= given[b] + 1e-6, (tenant, b)
+
+    for _ in range(400):
+        now += rng.choice([0.0, 0.001, 0.01, 0.02, 0.05, 0.1])
+        for at in clocks:
+            at[0] = now
+        op = rng.random()
+        if op < 0.6 or not open_:
+            store, tenant = rng.choice(stores), rng.choice(LIVE_ACCOUNTS)
+            demand = rng.choice([1.0, 4.0, 9.0, 20.0, 60.0])
+            live = rng.choice([0.0, 40.0, 120.0, 180.0, 450.0, 700.0])
+            try:
+                reservation = await store.reserve(
+                    tenant, "interactive", demand_ms=demand, live_token_ms=live, now=now, redis_now=now
+                )
+            except ResourceExhausted:
+                refusals += 1
+            else:
+                admitted[tenant][0] += demand
+                admitted[tenant][1] += live
+                open_.append((reservation, store))
+                grants += 1
+                on_slice += reservation.id < 0
+        elif op < 0.95:
+            reservation, store = open_.pop(rng.randrange(len(open_)))
+            tenant = reservation.tenant
+            if rng.random() < 0.2:
+                charged = charged_live = 0.0
+                assert store.release(reservation, now=now) is not None
+            else:
+                charged = reservation.demand_ms * rng.choice([0.5, 1.0, 1.7])
+                charged_live = reservation.live_token_ms * rng.choice([0.5, 1.0, 1.7])
+                settled = store.settle(
+                    reservation, charged_ms=charged, charged_live_token_ms=charged_live, now=now
+                )
+                assert settled is not None
+            for b, (got, predicted) in enumerate(
+                ((charged, reservation.demand_ms), (charged_live, reservation.live_token_ms))
+            ):
+                admitted[tenant][b] += got - predicted
+                excess[tenant][b] += max(0.0, got - predicted)
+        else:
+            rng.choice(stores).retire_slices(older_than_s=0.0)
+        await check()
+    for reservation, store in open_:
+        assert store.release(reservation, now=now) is not None
+        admitted[reservation.tenant][0] -= reservation.demand_ms
+        admitted[reservation.tenant][1] -= reservation.live_token_ms
+    for store in stores:
+        await store.drain()
+    await check()
+    assert (await stores[0].fleet_outstanding(redis_now=now)).count == 0
+    assert all(_held(stores, t) == (0.0, 0.0) for t in LIVE_ACCOUNTS)
+    print(f"seed {seed}: {grants} admitted ({on_slice} on slices), {refusals} refused")
+    assert on_slice > 30 and grants > 80 and refusals > 30
+    for store in stores:
+        await store.fleet.client.aclose()
+
+
+async def test_a_live_token_limited_account_is_admitted_on_a_slice_without_a_round_trip(
+    redis_server: RedisServer,
+) -> None:
+    """Tenant w meters live-token-ms (1,000/s, burst 2,000) and accelerator-ms (100 ms/s,
+    burst 200): slices of 50 ms and 500 live-token-ms, taken from both buckets in one script
+    call. Requests of 5 ms and 100 live-token-ms: five on a slice (its live-token share binds)
+    for one reserve script call; the unused rest of both shares returns when it closes."""
+    store = await _store(
+        redis_server, f"lrt{random.randrange(1 << 30)}:", quota_slice=0.25, settings=LIVE_SLICED
+    )
+    script_clock(store)[0] = 10.0
+    calls: list[str] = []
+    run_script = store.fleet.run_script
+
+    def counted(script: Any, keys: list[str], args: list[str]) -> Any:
+        calls.append(script.sha)
+        return run_script(script, keys, args)
+
+    store.fleet.run_script = counted  # type: ignore[method-assign]
+
+    async def reserve(live: float = 100.0) -> Reservation:
+        return await store.reserve(
+            "w", "interactive", demand_ms=5.0, live_token_ms=live, now=0.0, redis_now=10.0
+        )
+
+    first = [await reserve() for _ in range(5)]
+    assert len(calls) == 1 and (store.remote_reservations, store.slices_claimed) == (1, 1)
+    # Both shares were debited in Redis in full by that one call.
+    assert await _redis_levels(store, "w", "interactive", 10.0) == (
+        pytest.approx(150.0),
+        pytest.approx(1500.0),
+    )
+    view = store.available("w", "interactive", now=clock.now())
+    assert 1500.0 - 1e-6 <= view.available_live_token_ms <= 1500.0 + 10.0  # the slice's rest (0) counted
+    # The slice's live-token share is spent (5 x 100 of 500): the sixth takes a second slice.
+    sixth = await reserve()
+    assert len(calls) == 2 and store.slices_claimed == 2
+    view = store.available("w", "interactive", now=clock.now())
+    assert 1400.0 - 1e-6 <= view.available_live_token_ms <= 1400.0 + 10.0  # 1,000 in Redis + 400 held
+    # More live-token-ms than a slice holds: reserved alone, one round trip.
+    alone = await reserve(live=600.0)
+    assert len(calls) == 3 and (store.remote_reservations, store.slices_claimed) == (3, 2)
+    for reservation in first:  # charged 3 ms and 60 live-token-ms each: the first slice closes
+        assert store.settle(reservation, charged_ms=3.0, charged_live_token_ms=60.0, now=0.0) is not None
+    assert store.release(sixth, now=0.0) is not None
+    assert store.settle(alone, charged_ms=5.0, charged_live_token_ms=600.0, now=0.0) is not None
+    await store.drain()  # the second slice returns, charged nothing
+    assert len(calls) == 3  # closing is sent in the background, nobody waits on it
+    assert (await store.fleet_outstanding(redis_now=10.0)).count == 0
+    assert await _redis_levels(store, "w", "interactive", 10.0) == (
+        pytest.approx(200.0 - 5 * 3.0 - 5.0),
+        pytest.approx(2000.0 - 5 * 60.0 - 600.0),
+    )
+    await store.fleet.client.aclose()
 
 
 def test_scaled_settings_are_one_replicas_share() -> None:

@@ -10,8 +10,12 @@ expires unless its replica renews it, and an expired lease closes as settled at 
 prediction (the request may have run; its replica is gone), so a dead replica's open
 reservations, queued work and borrowing come back by themselves; and a second, that a
 reservation may hold several units of concurrency (a replica's quota slice,
-``gateway.state.redis_store``). ``tests/test_state_quota.py`` runs the same cases through
-both ledgers (one request per reservation) and compares every answer.
+``gateway.state.redis_store``: one reservation of a share of the accelerator-ms bucket, of
+the live-token-ms bucket and of the concurrency, taken by ``RESERVE`` in one atomic call and
+closed by ``SETTLE`` at what its requests were charged of both, which returns the unused
+rest of both). ``tests/test_state_quota.py`` runs the same cases through both ledgers (one
+request per reservation) and compares every answer, and checks the slices' books against
+the core ledger's.
 
 Numbers travel as strings (``%.17g``): Lua would truncate a returned double to an integer.
 The bucket parameters (rates, capacities, limits) come from the caller's resolved
@@ -124,6 +128,11 @@ RESERVE: Final = (
 -- ARGV: now, ttl_s, metered, rate, cap, live_rate, live_cap, borrow_limit, max_concurrent,
 --       max_queued_ms, class_rate, class_cap, demand, live_demand, owner, units   ('' = none)
 -- units: the concurrency the reservation holds (a quota slice: several; '' = 1).
+-- A quota slice is one reservation: demand and live_demand are its shares of the account's
+-- accelerator-ms and live-token-ms buckets, both checked and debited here, atomically.
+-- Answers: {'ok', id, borrowed, now, level, class level, account borrowed, open units, queued,
+-- live level} or {'refused', rule, wait, need, level (the rule's), open units, queued, level,
+-- live level}; levels after this call, '' where the account has no such bucket.
 local acct, open, leases = KEYS[1], KEYS[2], KEYS[3]
 local units = tonumber(ARGV[16] or '') or 1
 local now = clock(ARGV[1])
@@ -147,7 +156,7 @@ end
 if ARGV[3] == '0' then
   if parent then parent.lvl = parent.lvl - demand; save(parent) end
   local id = open_reservation(0, 0)
-  return {'ok', tostring(id), '0', num(now), '', parent and num(parent.lvl) or '', '0', '0', '0'}
+  return {'ok', tostring(id), '0', num(now), '', parent and num(parent.lvl) or '', '0', '0', '0', ''}
 end
 local acc = bucket(acct, 'a', tonumber(ARGV[4]), tonumber(ARGV[5]))
 refill(acc, now)
@@ -200,7 +209,7 @@ end
 if grant == nil then refuse('quota.accelerator_ms', wait_ms(acc, need), need, acc.lvl) end
 if best ~= nil then
   return {'refused', best[1], tostring(best[2]), num(best[3]), num(best[4]), tostring(open_count),
-          num(queued)}
+          num(queued), num(acc.lvl), live and num(live.lvl) or ''}
 end
 acc.lvl = acc.lvl - (demand - grant)
 save(acc)
@@ -211,7 +220,7 @@ queued = queued + demand
 redis.call('HSET', acct, 'queued', num(queued), 'nq', tostring(nq + 1), 'borrowed', num(borrowed))
 local id = open_reservation(grant, 1)
 return {'ok', tostring(id), num(grant), num(now), num(acc.lvl), parent and num(parent.lvl) or '',
-        num(borrowed), tostring(open_count + units), num(queued)}
+        num(borrowed), tostring(open_count + units), num(queued), live and num(live.lvl) or ''}
 """
 )
 
@@ -221,6 +230,8 @@ SETTLE: Final = (
 -- KEYS: acct, open, leases, class
 -- ARGV: now, id, charged_ms, charged_live_token_ms, rate, cap, live_rate, live_cap,
 --       class_rate, class_cap
+-- A quota slice closes charged what its requests were charged of both buckets: the unused
+-- rest of its accelerator-ms and live-token-ms shares goes back.
 local acct, open, leases = KEYS[1], KEYS[2], KEYS[3]
 local now = clock(ARGV[1])
 local id = ARGV[2]

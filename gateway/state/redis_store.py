@@ -5,17 +5,19 @@ heartbeat, the membership it reads back, degraded mode) and ``RedisQuotaStore`` 
 ``QuotaStore`` the pipeline uses: the core's quota rules applied by ``gateway.state.lua``'s
 scripts, one round trip per reserve, start, settle or release, or per quota slice).
 
-Quota slices (``state.quota_slice``, a share of the account's burst and of its
-``max_concurrent``): a replica reserves a *slice* of an account in Redis (one reservation,
-debited in full, holding ``ceil(share x max_concurrent)`` of its concurrency) and admits its
-own requests on it with no round trip, settling them locally; a retired slice (spent, a
+Quota slices (``state.quota_slice``, a share of the account's burst, of its live-token-ms
+burst and of its ``max_concurrent``): a replica reserves a *slice* of an account in Redis
+(one reservation, debited in full from both buckets, holding ``ceil(share x max_concurrent)``
+of its concurrency) and admits its own requests on it with no round trip, each spending both
+buckets' shares locally, settling them locally; a retired slice (either share spent, a
 heartbeat interval old, or the store draining) closes in Redis, once its last request has
-settled, charged what its requests were charged: the unused rest goes back to the bucket.
-Every token a slice admits was debited in Redis first, so slices cannot overshoot a quota;
-what they cost is under-use (a replica's unused slice is unavailable to the others until it
-returns, at most about a heartbeat interval). A request larger than a slice, a refused
-slice, and accounts with a queued-work limit or a live-token bucket (both read each request)
-reserve one request per call as before; borrowing from the class share is per request only.
+settled, charged what its requests were charged of both: the unused rest of both goes back
+to the buckets. Every token a slice admits (accelerator-ms or live-token-ms) was debited in
+Redis first, so slices cannot overshoot a quota; what they cost is under-use (a replica's
+unused slice is unavailable to the others until it returns, at most about a heartbeat
+interval). A request larger than a slice (in either bucket), a refused slice, and accounts
+with a queued-work limit (it reads each request's start) reserve one request per call as
+before; borrowing from the class share is per request only.
 
 Rules of the edge:
 
@@ -346,9 +348,10 @@ class RedisFleet:
 
 @dataclass(slots=True, eq=False)
 class _Slice:
-    """A quota slice: one reservation in Redis (``size_ms``, ``units`` of concurrency) that
-    this replica admits its own requests on without a round trip, and closes in Redis with
-    their summed charge once retired and empty (the unused rest goes back to the bucket)."""
+    """A quota slice: one reservation in Redis (``size_ms``, ``live_size_ms`` live-token-ms,
+    ``units`` of concurrency) that this replica admits its own requests on without a round
+    trip, and closes in Redis with their summed charges once retired and empty (the unused
+    rest of both goes back to the buckets)."""
 
     terms: AccountTerms
     rid: int  # the reservation's id in Redis
@@ -356,7 +359,10 @@ class _Slice:
     units: int | None  # concurrent requests it may hold (None: the account has no limit)
     claimed_at: float  # this replica's clock
     left_ms: float  # size less what its open requests reserved and its closed ones were charged
+    live_size_ms: float | None = None  # its share of the live-token bucket (None: the account has none)
+    live_left_ms: float = 0.0  # as left_ms, of live_size_ms
     charged_ms: float = 0.0  # observed charges of its closed requests
+    charged_live_token_ms: float = 0.0  # and their observed live-token-ms
     inflight: int = 0
     retired: bool = False  # admits no more; closes in Redis when its last request settles
     closed: bool = False
@@ -372,6 +378,7 @@ class _Cached:
     open_count: int
     queued_ms: float
     at: float  # this replica's clock when it was read
+    live_level_ms: float | None = None  # the live-token bucket's (None: none or not reported)
 
 
 class RedisQuotaStore:
@@ -446,7 +453,13 @@ class RedisQuotaStore:
             else view.available_accelerator_ms
         )
         # What this replica's slices still hold is its to spend (already debited in Redis).
-        level += sum(s.left_ms for s in self._slices.get((terms.tenant, request_class), ()) if not s.retired)
+        held = [s for s in self._slices.get((terms.tenant, request_class), ()) if not s.retired]
+        level += sum(s.left_ms for s in held)
+        live_level = view.available_live_token_ms
+        live_rate, live_capacity = terms.live_token_rate_ms_per_s, terms.live_token_capacity_ms
+        if cached.live_level_ms is not None and live_rate is not None and live_capacity is not None:
+            live_level = min(live_capacity, cached.live_level_ms + live_rate * elapsed)
+            live_level += sum(s.live_left_ms for s in held)
         borrowable = 0.0
         if terms.class_rate_ms_per_s is not None and terms.class_capacity_ms is not None and level >= 0:
             class_level = (
@@ -464,7 +477,7 @@ class RedisQuotaStore:
             refill_ms_per_s=view.refill_ms_per_s,
             burst_ms=view.burst_ms,
             borrowable_ms=borrowable,
-            available_live_token_ms=view.available_live_token_ms,
+            available_live_token_ms=live_level,
             live_token_refill_ms_per_s=view.live_token_refill_ms_per_s,
             concurrent=cached.open_count,
             max_concurrent=view.max_concurrent,
@@ -518,9 +531,9 @@ class RedisQuotaStore:
         self._terms.check_lengths(tenant, request_class, input_tokens, output_tokens)
         if self.degraded:
             return self._reserve_degraded(tenant, request_class, demand_ms, live_token_ms, now)
-        if self._slice_size(terms, demand_ms) is not None:
+        if self._slice_size(terms, demand_ms, live_token_ms) is not None:
             on_slice = self._admit_on_slice(terms, tenant, demand_ms, live_token_ms, now)
-            if on_slice is None and await self._claim_slice(terms, demand_ms, now, redis_now):
+            if on_slice is None and await self._claim_slice(terms, demand_ms, live_token_ms, now, redis_now):
                 on_slice = self._admit_on_slice(terms, tenant, demand_ms, live_token_ms, now)
             if on_slice is not None:
                 return on_slice
@@ -551,8 +564,8 @@ class RedisQuotaStore:
             return self._reserve_degraded(tenant, request_class, demand_ms, live_token_ms, now)
         fields = [a.decode() if isinstance(a, bytes) else str(a) for a in answer]
         if fields[0] == "refused":
-            _, rule, wait, need, level, open_count, queued = fields
-            self._remember(terms, level=float(level), open_count=int(open_count), queued_ms=float(queued))
+            _, rule, wait, need, level, open_count, queued = fields[:7]
+            self._remember_refused(terms, fields)
             raise quota_refusal(
                 terms,
                 rule,
@@ -686,22 +699,30 @@ class RedisQuotaStore:
 
     # ------------------------------------------------------------------ quota slices
 
-    def _slice_size(self, terms: AccountTerms, demand_ms: float) -> float | None:
-        """The slice this account's requests are admitted on (None: one reservation each).
+    def _slice_size(
+        self, terms: AccountTerms, demand_ms: float, live_token_ms: float = 0.0
+    ) -> tuple[float, float | None] | None:
+        """The slice this account's requests are admitted on: its accelerator-ms and its
+        live-token-ms (``None``: the account has no live-token bucket); ``None``: one
+        reservation each.
 
-        Only a metered account whose limits a slice can carry: accelerator-ms and concurrency.
-        The queued-work limit reads each request's start and the live-token bucket each
-        request's memory, so those accounts (and a request larger than a slice) reserve in
-        Redis one by one."""
-        if (
-            self._slice_share <= 0.0
-            or not terms.metered
-            or terms.max_queued_ms is not None
-            or terms.live_token_rate_ms_per_s is not None
-        ):
+        Only a metered account whose limits a slice can carry: accelerator-ms, live-token-ms
+        and concurrency, each a ``quota_slice`` share of the account's, which the slice's
+        requests spend locally as ``QuotaLedger`` spends the buckets (a request on a slice
+        needs both shares to cover its prediction). The queued-work limit reads each
+        request's start, so such an account (and a request larger than a slice in either
+        bucket) reserves in Redis one by one."""
+        if self._slice_share <= 0.0 or not terms.metered or terms.max_queued_ms is not None:
             return None
         size = self._slice_share * terms.capacity_ms
-        return size if demand_ms <= size else None
+        if demand_ms > size:
+            return None
+        live_size: float | None = None
+        if terms.live_token_rate_ms_per_s is not None and terms.live_token_capacity_ms is not None:
+            live_size = self._slice_share * terms.live_token_capacity_ms
+            if live_token_ms > live_size:
+                return None
+        return size, live_size
 
     def _slice_units(self, terms: AccountTerms) -> int | None:
         if terms.max_concurrent is None:
@@ -721,10 +742,14 @@ class RedisQuotaStore:
         for piece in self._slices.get((terms.tenant, terms.request_class), ()):
             if piece.retired or (piece.units is not None and piece.inflight >= piece.units):
                 continue
-            if piece.left_ms < demand_ms - _EPSILON_MS:
+            if piece.left_ms < demand_ms - _EPSILON_MS or (
+                piece.live_size_ms is not None and piece.live_left_ms < live_token_ms - _EPSILON_MS
+            ):
                 self._retire(piece)  # spent: the rest goes back when its requests have settled
                 continue
             piece.left_ms -= demand_ms
+            if piece.live_size_ms is not None:
+                piece.live_left_ms -= live_token_ms
             piece.inflight += 1
             reservation = Reservation(
                 id=next(self._slice_ids),
@@ -742,15 +767,16 @@ class RedisQuotaStore:
         return None
 
     async def _claim_slice(
-        self, terms: AccountTerms, demand_ms: float, now: float, redis_now: float | None
+        self, terms: AccountTerms, demand_ms: float, live_token_ms: float, now: float, redis_now: float | None
     ) -> bool:
         """Claim a new slice of the account (one per account at a time: a request arriving
         while one is being claimed waits for that claim). False: none was granted."""
         key = (terms.tenant, terms.request_class)
         claim = self._claims.get(key)
         if claim is None:
-            size, units = self._slice_size(terms, demand_ms), self._slice_units(terms)
-            assert size is not None
+            sizes, units = self._slice_size(terms, demand_ms, live_token_ms), self._slice_units(terms)
+            assert sizes is not None
+            size, live_size = sizes
             cached = self._cache.get(key)
             if cached is not None and cached.level_ms is not None:
                 # The last answer says the slice would be refused: reserve this request alone.
@@ -759,8 +785,19 @@ class RedisQuotaStore:
                 limit = terms.max_concurrent
                 if level < size or (limit is not None and cached.open_count + (units or 1) > limit):
                     return False
+                live_rate, live_capacity = terms.live_token_rate_ms_per_s, terms.live_token_capacity_ms
+                if (
+                    live_size is not None
+                    and cached.live_level_ms is not None
+                    and live_rate is not None
+                    and live_capacity is not None
+                    and min(live_capacity, cached.live_level_ms + live_rate * elapsed) < live_size
+                ):
+                    return False
             # A task of its own: a caller cancelled meanwhile does not lose the granted slice.
-            claim = asyncio.get_running_loop().create_task(self._claim(terms, size, units, now, redis_now))
+            claim = asyncio.get_running_loop().create_task(
+                self._claim(terms, size, live_size, units, now, redis_now)
+            )
             self._claims[key] = claim
             claim.add_done_callback(lambda done: self._claim_done(key, done))
         return await asyncio.shield(claim) is not None
@@ -770,23 +807,33 @@ class RedisQuotaStore:
             del self._claims[key]
 
     async def _claim(
-        self, terms: AccountTerms, size: float, units: int | None, now: float, redis_now: float | None
+        self,
+        terms: AccountTerms,
+        size: float,
+        live_size: float | None,
+        units: int | None,
+        now: float,
+        redis_now: float | None,
     ) -> _Slice | None:
+        """One reservation in Redis of ``size`` accelerator-ms, ``live_size`` live-token-ms
+        (when the account has that bucket) and ``units`` of concurrency, in one script call:
+        both buckets are checked and debited atomically, as for one request."""
+        live = live_size is not None
         args = [
             _num(redis_now),
             repr(self.fleet.ttl_s),
             "1",
             _num(terms.rate_ms_per_s),
             _num(terms.capacity_ms),
-            "",
-            "",
+            _num(terms.live_token_rate_ms_per_s) if live else "",
+            _num(terms.live_token_capacity_ms) if live else "",
             "0",  # a slice is paid from the account's own bucket: borrowing stays per request
             _opt(terms.max_concurrent),
             "",
             _num(terms.class_rate_ms_per_s),
             _num(terms.class_capacity_ms),
             _num(size),
-            "0",
+            _num(live_size) if live else "0",
             self.fleet.replica_id,
             _opt(units),
         ]
@@ -796,13 +843,21 @@ class RedisQuotaStore:
             return None
         fields = [a.decode() if isinstance(a, bytes) else str(a) for a in answer]
         if fields[0] == "refused":
-            _, _rule, _wait, _need, level, open_count, queued = fields
-            self._remember(terms, level=float(level), open_count=int(open_count), queued_ms=float(queued))
+            self._remember_refused(terms, fields)
             return None
         rid, _borrowed = self._granted(terms, fields)
         self.remote_reservations += 1
         self.slices_claimed += 1
-        piece = _Slice(terms=terms, rid=rid, size_ms=size, units=units, claimed_at=now, left_ms=size)
+        piece = _Slice(
+            terms=terms,
+            rid=rid,
+            size_ms=size,
+            units=units,
+            claimed_at=now,
+            left_ms=size,
+            live_size_ms=live_size,
+            live_left_ms=live_size or 0.0,
+        )
         if self.degraded:  # failed meanwhile: its lease expires in Redis
             piece.retired = piece.closed = True
         else:
@@ -823,7 +878,9 @@ class RedisQuotaStore:
         if slices is not None and piece in slices:
             slices.remove(piece)
         if not self.degraded:  # degraded: its lease expires and closes it at its whole size
-            keys, args = self._settle_keys_args(piece.terms, piece.rid, piece.charged_ms, 0.0, None)
+            keys, args = self._settle_keys_args(
+                piece.terms, piece.rid, piece.charged_ms, piece.charged_live_token_ms, None
+            )
             self.fleet.send_script(self._settle, keys, args)
 
     def _remote(self, reservation: Reservation) -> tuple[Reservation, AccountTerms] | None:
@@ -835,7 +892,7 @@ class RedisQuotaStore:
     def _granted(self, terms: AccountTerms, fields: list[str], *, remember: bool = True) -> tuple[int, float]:
         """A granted reserve script's answer: the reservation's id and its borrowed ms; the
         account's levels it reports go to the cache (``remember``)."""
-        _, rid, borrowed, _at, level, class_level, acct_borrowed, open_count, queued = fields
+        _, rid, borrowed, _at, level, class_level, acct_borrowed, open_count, queued, live_level = fields
         if remember:
             self._remember(
                 terms,
@@ -844,8 +901,20 @@ class RedisQuotaStore:
                 borrowed_ms=float(acct_borrowed),
                 open_count=int(open_count),
                 queued_ms=float(queued),
+                live_level=float(live_level) if live_level else None,
             )
         return int(rid), float(borrowed)
+
+    def _remember_refused(self, terms: AccountTerms, fields: list[str]) -> None:
+        """A refused reserve script's answer: the account's levels it reports go to the cache."""
+        _, _rule, _wait, _need, _level, open_count, queued, level, live_level = fields
+        self._remember(
+            terms,
+            level=float(level),
+            open_count=int(open_count),
+            queued_ms=float(queued),
+            live_level=float(live_level) if live_level else None,
+        )
 
     def _remember(
         self,
@@ -856,12 +925,15 @@ class RedisQuotaStore:
         borrowed_ms: float = 0.0,
         open_count: int,
         queued_ms: float,
+        live_level: float | None = None,
     ) -> None:
         key = (terms.tenant, terms.request_class)
         before = self._cache.get(key)
         if class_level is None and before is not None:
             class_level = before.class_level_ms
-        self._cache[key] = _Cached(level, class_level, borrowed_ms, open_count, queued_ms, clock.now())
+        self._cache[key] = _Cached(
+            level, class_level, borrowed_ms, open_count, queued_ms, clock.now(), live_level
+        )
 
     def _local_ledger(self) -> QuotaLedger:
         if self._local is None:
@@ -949,11 +1021,14 @@ class RedisQuotaStore:
             sliced.inflight -= 1
             sliced.left_ms += reservation.demand_ms - charged_ms
             sliced.charged_ms += charged_ms
+            if sliced.live_size_ms is not None:
+                sliced.live_left_ms += reservation.live_token_ms - charged_live_token_ms
+                sliced.charged_live_token_ms += charged_live_token_ms
             if sliced.retired:
                 if sliced.inflight == 0:
                     self._close_slice(sliced)
-            elif sliced.left_ms < 0.0:  # observed work beyond the slice: settle the debt now
-                self._retire(sliced)
+            elif sliced.left_ms < 0.0 or sliced.live_left_ms < 0.0:
+                self._retire(sliced)  # observed work beyond the slice: settle the debt now
             return self._settlement(reservation, charged_ms, charged_live_token_ms, kind)
         entry = self._remote(reservation)
         if entry is None:
