@@ -318,8 +318,9 @@ class StateConfig(_Strict):
         default=0.05,
         ge=0.0,
         le=0.25,
-        description="share of an account's burst (and of its max_concurrent) a replica claims from "
-        "Redis in one reservation and admits on locally; 0 = one Redis round trip per request",
+        description="share of an account's bursts (accelerator-ms and live-token-ms, and of its "
+        "max_concurrent) a replica claims from Redis in one reservation and admits on locally; "
+        "0 = one Redis round trip per request",
     )
 
     @model_validator(mode="after")

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -54,7 +55,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
@@ -62,7 +63,7 @@ from pydantic import ValidationError
 from tritonclient.grpc import service_pb2
 
 from gateway import clock
-from gateway.backends.base import RepositoryControl
+from gateway.backends.base import Backend, RepositoryControl, infer_streamed
 from gateway.config import GatewayConfig, RouteConfig, RouteTable, TenantsFile
 from gateway.core import memory as device_memory
 from gateway.core.errors import ConfigError, FailedPrecondition, GatewayError, NotFound, Unavailable
@@ -181,8 +182,6 @@ def parse_rollout(
     route = routes.models.get(spec.route)
     if route is None:
         raise _at(document, ("route",), f"unknown route {spec.route!r}")
-    if route.streaming:
-        raise _at(document, ("route",), "streaming routes cannot be rolled out yet (unary routes only)")
     if spec.current.backend_model != route.backend_model:
         raise _at(
             document,
@@ -760,9 +759,12 @@ class RolloutController:
                 for _ in range(shape.repeat):
                     request = self._warmup_request(run, index, batched)
                     try:
-                        response = await client.infer(
-                            request, timeout_s=spec.warmup.timeout_s, logical=spec.route
-                        )
+                        if run.candidate_route.streaming:  # a decoupled model answers on a stream
+                            response = await infer_streamed(client, request, timeout_s=spec.warmup.timeout_s)
+                        else:
+                            response = await client.infer(
+                                request, timeout_s=spec.warmup.timeout_s, logical=spec.route
+                            )
                     except GatewayError as exc:
                         return [
                             f"{shape.bucket} shape {shape.input_tokens}/{shape.output_tokens}: {exc.message}"
@@ -933,6 +935,9 @@ class RolloutController:
     def settled(self, admitted: Admitted, settled: Settled, response: service_pb2.ModelInferResponse) -> None:
         """A finished request: a sample for its version if the step compares its cohort (a
         canary's answer reaches here only once ``candidate_answered`` found it valid)."""
+        canary = self._canary_run(admitted)
+        if canary is not None:  # a stream's outcome arrives here (a unary canary's already did)
+            canary.canaries.pop(admitted.record.identity.request_id, None)
         run = self._run_for(admitted.record)
         if run is None or admitted.decision.verdict is not Verdict.ADMIT:
             return
@@ -1095,6 +1100,34 @@ class RolloutController:
         )
         return False  # never returned, even when too late for the current version to answer
 
+    def candidate_result(
+        self, admitted: Admitted, response: service_pb2.ModelInferResponse, *, started: float, now: float
+    ) -> bool:
+        """One result of a streaming canary, checked before it may leave: each output's
+        datatype and value range against the declared outputs (a partial result is not the
+        whole answer's shape). False: it is invalid, a failing sample, and the stream ends for
+        the candidate (``gateway.streams`` answers again from the current version when nothing
+        was sent yet). True for anything that is not a canary."""
+        run = self._canary_run(admitted)
+        if run is None or not run.output_checks:
+            return True
+        partial = {
+            output.name: dataclasses.replace(check, shape=tuple(int(d) for d in output.shape))
+            for output in response.outputs
+            if (check := run.output_checks.get(output.name)) is not None
+        }
+        problems = check_outputs(response, partial, items=1, input_tokens=0, output_tokens=0, batched=False)
+        if not problems:
+            return True
+        run.canaries.pop(admitted.record.identity.request_id, None)
+        held_ms = (now - started) * 1000.0
+        bucket = admitted.record.shape.bucket
+        self._observe(run, True, Sample(held_ms, held_ms, invalid_output=True, fell_back=True, bucket=bucket))
+        self._hedge(run, "invalid_output", held_ms)
+        INVALID_OUTPUTS.labels(admitted.record.identity.model, run.spec.candidate.name, "hedged").inc()
+        log.info("rollout %s: invalid streaming canary result withheld: %s", run.name, problems[0])
+        return False
+
     def mirror(self, admitted: Admitted, tenant: Tenant) -> bool:
         """The shadow step: mirror a matching, privacy-eligible request to the warm candidate,
         off the caller's path, at most one at a time; its latency and
@@ -1147,7 +1180,10 @@ class RolloutController:
     ) -> None:
         started = clock.now()
         try:
-            response = await client.infer(request, timeout_s=timeout_s, logical=record.identity.model)  # type: ignore[attr-defined]
+            if run.candidate_route.streaming:  # a decoupled model answers on a stream
+                response = await infer_streamed(cast(Backend, client), request, timeout_s=timeout_s)
+            else:
+                response = await client.infer(request, timeout_s=timeout_s, logical=record.identity.model)  # type: ignore[attr-defined]
         except GatewayError as exc:
             ms = (clock.now() - started) * 1000.0
             timed_out = exc.status in ("CANCELLED", "DEADLINE_EXCEEDED")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from tritonclient.grpc import service_pb2
 
 from gateway import clock
-from gateway.backends.base import Backend
+from gateway.backends.base import Backend, infer_streamed
 from gateway.core.errors import GatewayError
 from gateway.core.overload import Shedder
 from gateway.core.overload import effects as overload_effects
@@ -94,7 +94,9 @@ class ShadowTraffic:
             return
         self.inflight[shadow.backend_model] = self.inflight.get(shadow.backend_model, 0) + 1
         self.sent += 1
-        task = asyncio.get_running_loop().create_task(self._send(client, mirrored, remaining_s, slot))
+        task = asyncio.get_running_loop().create_task(
+            self._send(client, mirrored, remaining_s, slot, route.streaming)
+        )
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -104,9 +106,13 @@ class ShadowTraffic:
         request: service_pb2.ModelInferRequest,
         timeout_s: float,
         slot: Slot | None = None,
+        streaming: bool = False,
     ) -> None:
         try:
-            await client.infer(request, timeout_s=timeout_s, logical=request.model_name)
+            if streaming:  # a decoupled model answers on a stream
+                await infer_streamed(client, request, timeout_s=timeout_s)
+            else:
+                await client.infer(request, timeout_s=timeout_s, logical=request.model_name)
         except GatewayError:
             pass  # a candidate's failure is evidence about the candidate, never the caller's problem
         finally:

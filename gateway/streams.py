@@ -40,11 +40,13 @@ from gateway.core.errors import (
     Cancelled,
     DeadlineExpired,
     GatewayError,
+    Internal,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
 from gateway.core.memory import LIVE_TOKENS_RULE
+from gateway.core.outputs import OUTPUT_CONTRACT_RULE
 from gateway.core.record import Mode
 from gateway.core.streaming import GapTracker, StreamObjectives
 from gateway.exchange import Admitted, CallContext
@@ -66,6 +68,10 @@ if TYPE_CHECKING:
 CANCEL_PARAMETER = "orchid.cancel"
 LIVE_RULE = LIVE_TOKENS_RULE  # the rule a stream that outgrew its device ends with
 MAX_PENDING = 1024  # requests in flight on one client stream; more are refused (RESOURCE_EXHAUSTED)
+
+
+class InvalidCanaryResult(Internal):
+    """A streaming canary's result outside its declared outputs (withheld from the caller)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -133,9 +139,12 @@ class StreamSession:
         try:
             async for raw in requests:
                 await self._submit(raw)
-            # Client half-closed: let every request in flight finish, then end.
-            running = [e.task for e in list(self.requests.values()) if e.task is not None]
-            await asyncio.gather(*running, return_exceptions=True)
+            # Client half-closed: let every request in flight finish (a canary answered again
+            # starts another task), then end.
+            while running := [
+                e.task for e in list(self.requests.values()) if e.task is not None and not e.task.done()
+            ]:
+                await asyncio.gather(*running, return_exceptions=True)
         finally:
             await self.out.put(None)
 
@@ -215,13 +224,17 @@ class StreamSession:
         self._end(entry, now=clock.now())
         await self._fail(Cancelled("the request was cancelled by the caller"), entry.client_id)
 
-    def _end(self, entry: _StreamRequest, *, now: float) -> None:
+    def _end(self, entry: _StreamRequest, *, now: float, counted: bool = False) -> None:
         """Free what a request that ended early held (its backend call, slot and entry) and
         settle it once: by the work it ran (no lesson for the estimator), or refunded if it
         never started."""
         if entry.done:
             return
         entry.done = True
+        if entry.started and not counted:  # a canary cancelled or cut off is no outcome of its own
+            self.chain.rollouts.candidate_failed(
+                entry.admitted, asyncio.CancelledError(), started=entry.started, now=now
+            )
         if entry.backend_call is not None:
             entry.backend_call.cancel()
         entry.release()
@@ -287,13 +300,24 @@ class StreamSession:
         chain.execute.starting(admitted, self.tenant, entry.started)
         try:
             await self._run_backend(entry)
+        except InvalidCanaryResult as invalid:  # the rollout counted it; never sent on
+            now = clock.now()
+            if entry.tracker.results == 0 and not entry.done:  # nothing sent: answer again
+                entry.release()
+                entry.done = True
+                self._forget(entry)
+                chain.settle.abandon(admitted, started=None, now=now)
+                await self._again(entry, invalid)
+            elif not entry.done:
+                self._end(entry, now=now, counted=True)
+                await self._fail(invalid, entry.client_id)
         except GatewayError as error:
             now = clock.now()
-            if (
-                entry.tracker.results == 0
-                and not entry.done
-                and chain.rollouts.candidate_failed(admitted, error, started=entry.started, now=now)
-            ):
+            if entry.done:
+                return
+            # A canary's failure is its rollout's sample (counted once, here).
+            rescue = chain.rollouts.candidate_failed(admitted, error, started=entry.started, now=now)
+            if rescue and entry.tracker.results == 0:
                 # A canary failed before its first result: the current version answers, once.
                 entry.release()
                 entry.done = True
@@ -301,9 +325,8 @@ class StreamSession:
                 chain.settle.abandon(admitted, started=None, now=now)
                 await self._again(entry, error)
                 return
-            if not entry.done:
-                self._end(entry, now=now)
-                await self._fail(error, entry.client_id)
+            self._end(entry, now=now, counted=True)
+            await self._fail(error, entry.client_id)
 
     async def _again(self, entry: _StreamRequest, error: GatewayError) -> None:
         try:
@@ -373,6 +396,13 @@ class StreamSession:
         final = flag_response(response, "triton_final_response")
         has_output = len(response.outputs) > 0
         now = clock.now()
+        if has_output and not self.chain.rollouts.candidate_result(
+            admitted, response, started=entry.started, now=now
+        ):
+            raise InvalidCanaryResult(
+                f"model {admitted.record.identity.model!r} answered outside its output contract",
+                rule=OUTPUT_CONTRACT_RULE,
+            )
         gap_ms = entry.tracker.result(now) if has_output else None
         if has_output and entry.slot is not None and not entry.slot.grow_live(entry.token_bytes, now):
             # Its device has no live room left for the next token: the stream ends here.

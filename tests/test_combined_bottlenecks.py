@@ -276,14 +276,14 @@ def test_upstream_expectation_fails_when_the_gateway_ignores_the_callers_deadlin
     work left of the caller's deadline would run short requests on full-v18 with no slack
     left for its execution and failure reserves (the worksheet's -12 ms): the slow-80ms
     phase's short-class bound fails; the long class, whose deadline is untouched, holds."""
-    from gateway.pipeline import Gateway
+    from gateway.chain.resolve import Resolve
 
-    real = Gateway._deadline_ms
+    real = Resolve.deadline_ms
 
-    def at_least_the_class_default(self: Gateway, call: Any, request_class: Any) -> float:
-        return max(float(request_class.default_deadline_ms), real(self, call, request_class))
+    def at_least_the_class_default(call: Any, request_class: Any) -> float:
+        return max(float(request_class.default_deadline_ms), real(call, request_class))
 
-    monkeypatch.setattr(Gateway, "_deadline_ms", at_least_the_class_default)
+    monkeypatch.setattr(Resolve, "deadline_ms", staticmethod(at_least_the_class_default))
     document = simulate(COMBINED["upstream"])
     broken = {(e["phase"], e["scope"], e["figure"]) for e in failed(document)}
     assert ("slow-80ms", "class short", "degraded_pct") in broken

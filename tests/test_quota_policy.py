@@ -48,7 +48,9 @@ def test_a_tenant_past_its_own_balance_borrows_idle_share_instead_of_being_refus
         try:
             call = CallContext(metadata=(), time_remaining_s=5.0, received_at=time.monotonic())
             view = gw.quotas.available("orchid", "interactive", now=call.received_at)
-            admitted = await gw.admit(long_request(), tenant, call, operation="ModelInfer", mode=Mode.ONLINE)
+            admitted = await gw.chain.admit(
+                long_request(), tenant, call, operation="ModelInfer", mode=Mode.ONLINE
+            )
             gw.quotas.release(admitted.reservation, now=time.monotonic())
             return (
                 view.available_accelerator_ms,
@@ -82,7 +84,7 @@ def test_a_tenant_with_nothing_to_borrow_is_refused_by_the_policy_rule(gateway: 
         gw.quotas.settle(drain, charged_ms=2.0 * drain.demand_ms + 1000.0, now=now)
         try:
             call = CallContext(metadata=(), time_remaining_s=5.0, received_at=time.monotonic())
-            await gw.admit(long_request(), tenant, call, operation="ModelInfer", mode=Mode.ONLINE)
+            await gw.chain.admit(long_request(), tenant, call, operation="ModelInfer", mode=Mode.ONLINE)
         finally:
             # Refill the debt so later tests see a healthy ledger.
             account = gw.quotas._account_for("orchid", "interactive")

@@ -24,6 +24,7 @@ What must hold, measured in the run:
 from __future__ import annotations
 
 import asyncio
+import queue
 import statistics
 import time
 from collections import Counter
@@ -33,7 +34,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from gateway.backends.local import LocalTriton
 from orchid_tools.harness import GatewayProcess, example_config
@@ -223,3 +224,147 @@ def test_a_stream_flood_keeps_the_in_share_tenants_first_results(gateway_streams
         f"refused, {len(early)} early ({flood_report}); lumen decoding at most {overlap} (share {share})"
     )
     assert overlap <= share
+
+
+# --------------------------------------------------------------------------- one stream at a time
+
+
+class StreamCall:
+    """One ModelStreamInfer call the test writes to as it goes (a queue feeds its requests)."""
+
+    def __init__(self, address: str, key: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.outbox: queue.Queue[bytes | None] = queue.Queue()
+
+        def requests() -> Iterator[bytes]:
+            while (item := self.outbox.get()) is not None:
+                yield item
+
+        self.replies = self.channel.stream_stream(STREAM)(
+            requests(), metadata=(("authorization", f"Bearer {key}"),), timeout=30.0
+        )
+
+    def send(self, payload: bytes) -> None:
+        self.outbox.put(payload)
+
+    def next(self) -> tuple[service_pb2.ModelStreamInferResponse, float]:
+        raw = next(self.replies)
+        return service_pb2.ModelStreamInferResponse.FromString(raw), time.monotonic()
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self.channel.close()
+
+
+def request_of(
+    request_id: str, *, input_tokens: int = INPUT_TOKENS, output_tokens: int = OUTPUT_TOKENS, **params: float
+) -> bytes:
+    request = service_pb2.ModelInferRequest.FromString(stream_request(request_id))
+    request.inputs[0].ClearField("shape")
+    request.inputs[0].shape.extend([input_tokens])
+    request.raw_input_contents[0] = np.arange(input_tokens, dtype=np.int32).tobytes()
+    request.parameters["orchid.max_output_tokens"].int64_param = output_tokens
+    for name, value in params.items():
+        request.parameters[f"orchid.{name}"].double_param = value
+    return request.SerializeToString()
+
+
+def executions(triton: LocalTriton) -> int:
+    """How many requests Triton has executed for the stream model (its own statistics)."""
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(triton.address))
+    stats = stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=MODEL))
+    return sum(int(s.inference_stats.success.count) for s in stats.model_stats)
+
+
+@pytest.mark.slow
+def test_a_stream_whose_first_result_cannot_arrive_in_time_is_refused_before_it_runs(
+    gateway_streams: str, triton_streams: LocalTriton
+) -> None:
+    before = executions(triton_streams)
+    call = StreamCall(gateway_streams, ORCHID_KEY)
+    try:
+        # 8,192 tokens of prompt take about 410 device-ms to prefill here: a 50 ms first result
+        # cannot happen, though the call's own deadline would allow the whole stream.
+        call.send(request_of("hopeless", input_tokens=8192, first_result_ms=50.0))
+        reply, _ = call.next()
+    finally:
+        call.close()
+    assert reply.error_message.startswith("DEADLINE_EXCEEDED"), reply.error_message
+    params = reply.infer_response.parameters
+    assert params["orchid-rule"].string_param == "deadline-infeasible"
+    assert reply.infer_response.id == "hopeless"
+    assert executions(triton_streams) == before  # it never reached the backend
+
+
+@pytest.mark.slow
+def test_every_result_reports_its_gap_and_the_final_response_the_objectives(gateway_streams: str) -> None:
+    call = StreamCall(gateway_streams, ORCHID_KEY)
+    replies: dict[str, list[service_pb2.ModelInferResponse]] = {"kept": [], "missed": []}
+    try:
+        call.send(request_of("kept", output_tokens=8, gap_ms=1000.0))
+        call.send(request_of("missed", output_tokens=8, gap_ms=0.001))
+        finals = 0
+        while finals < 2:
+            reply, _ = call.next()
+            assert not reply.error_message, reply.error_message
+            response = reply.infer_response
+            replies[response.id].append(response)
+            finals += response.parameters["triton_final_response"].bool_param
+    finally:
+        call.close()
+    for name, objective, met in (("kept", 1000.0, True), ("missed", 0.001, False)):
+        *partials, final = replies[name]
+        assert len(partials) == 8
+        assert "orchid.gap_ms" not in partials[0].parameters  # the first result has no gap before it
+        assert all(p.parameters["orchid.gap_ms"].double_param >= 0.0 for p in partials[1:])
+        assert all(p.parameters["orchid.complete"].bool_param is False for p in partials)
+        params = final.parameters
+        assert params["orchid.gaps"].int64_param == 7
+        assert params["orchid.gap_objective_ms"].double_param == objective
+        assert params["orchid.gap_objective_met"].bool_param is met
+        assert (params["orchid.gaps_over_objective"].int64_param > 0) is not met
+        assert (
+            params["orchid.max_gap_ms"].double_param
+            >= max(p.parameters["orchid.gap_ms"].double_param for p in partials[1:]) - 1.0
+        )  # measured at the gateway, not the client
+        assert params["orchid.first_result_met"].bool_param is True
+        assert params["orchid.complete"].bool_param is True
+        assert params["orchid.charged_accelerator_ms"].double_param > 0.0
+
+
+@pytest.mark.slow
+def test_cancelling_one_request_frees_its_slot_while_the_others_go_on(gateway_streams: str) -> None:
+    """The stream pool has two devices. A and B (512 tokens each, orchid's most; about 160
+    device-ms) take both; cancelling A must free its device: C, sent after the cancel, gets its first result
+    while B is still decoding, and B completes."""
+    call = StreamCall(gateway_streams, ORCHID_KEY)
+    seen: dict[str, list[tuple[service_pb2.ModelStreamInferResponse, float]]] = {"A": [], "B": [], "C": []}
+    try:
+        call.send(request_of("A", output_tokens=512))
+        call.send(request_of("B", output_tokens=512))
+        while not (seen["A"] and seen["B"]):  # both decoding
+            reply, at = call.next()
+            seen[reply.infer_response.id].append((reply, at))
+        cancel = service_pb2.ModelInferRequest(model_name=MODEL, id="cancel-A")
+        cancel.parameters["orchid.cancel"].string_param = "A"
+        call.send(cancel.SerializeToString())
+        call.send(request_of("C", output_tokens=4))
+        done: set[str] = set()
+        while done != {"A", "B", "C"}:
+            reply, at = call.next()
+            name = reply.infer_response.id
+            seen[name].append((reply, at))
+            final = reply.infer_response.parameters["triton_final_response"].bool_param
+            if reply.error_message or final:
+                done.add(name)
+    finally:
+        call.close()
+    a_end, _ = seen["A"][-1]
+    assert a_end.error_message.startswith("CANCELLED"), a_end.error_message
+    assert a_end.infer_response.parameters["orchid.complete"].bool_param is False
+    assert len(seen["A"]) < 512  # Triton stopped decoding it
+    b_final, b_end = seen["B"][-1]
+    assert not b_final.error_message and b_final.infer_response.parameters["orchid.complete"].bool_param
+    assert len(seen["B"]) == 513  # every token, then the final response
+    c_first = next(at for reply, at in seen["C"] if reply.infer_response.outputs)
+    assert c_first < b_end  # C ran on A's freed device, not after B

@@ -27,6 +27,8 @@ from typing import Protocol, runtime_checkable
 
 from tritonclient.grpc import service_pb2
 
+from gateway.core.errors import GatewayError, Unavailable
+
 
 @dataclass(frozen=True, slots=True)
 class InputSpec:
@@ -128,3 +130,56 @@ class RepositoryControl(Protocol):
     async def unload_model(self, model: str, *, timeout_s: float) -> None: ...
 
     async def repository_index(self) -> list[tuple[str, str, str]]: ...
+
+
+async def infer_streamed(
+    backend: Backend, request: service_pb2.ModelInferRequest, *, timeout_s: float | None
+) -> service_pb2.ModelInferResponse:
+    """One request to a decoupled (streaming) model, answered as one response: the request on
+    a backend stream of its own, every partial response's outputs concatenated along their
+    first dimension, in order (a rollout's warm-up and shadow judge a streaming candidate's
+    whole answer against its output contract this way). A backend error reply raises
+    UNAVAILABLE with its message (bounded by the caller's error mapping)."""
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+
+    async def one() -> AsyncIterator[service_pb2.ModelInferRequest]:
+        yield request
+
+    combined = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+    chunks: dict[str, list[bytes]] = {}
+    rows: dict[str, int] = {}
+    call = backend.stream(one(), timeout_s=timeout_s)
+    try:
+        async for reply in _replies(call, request.model_name):
+            if reply.error_message:
+                raise Unavailable(f"{request.model_name}: {reply.error_message[:512]}")
+            response = reply.infer_response
+            for index, output in enumerate(response.outputs):
+                if output.name not in chunks:
+                    tensor = combined.outputs.add(name=output.name, datatype=output.datatype)
+                    tensor.shape.extend(output.shape)
+                    chunks[output.name], rows[output.name] = [], 0
+                if index < len(response.raw_output_contents):
+                    chunks[output.name].append(response.raw_output_contents[index])
+                rows[output.name] += int(output.shape[0]) if output.shape else 1
+            final = response.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                break
+    finally:
+        call.cancel()
+    for tensor in combined.outputs:
+        if tensor.shape:
+            tensor.shape[0] = rows[tensor.name]
+        combined.raw_output_contents.append(b"".join(chunks[tensor.name]))
+    return combined
+
+
+async def _replies(call: BackendStream, model: str) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+    """The call's replies; a broken stream (a transport error) is UNAVAILABLE."""
+    try:
+        async for reply in call:
+            yield reply
+    except GatewayError:
+        raise
+    except Exception as exc:
+        raise Unavailable(f"streaming backend failed for {model} ({type(exc).__name__})") from exc
