@@ -547,16 +547,12 @@ class RouteConfig(_Strict):
     risk_class: str = Field(default="standard", description="minimum risk class of its requests")
     # The route's output contract (``gateway.core.outputs``, the same checks a rollout
     # declares): every answer is checked before it is returned, an invalid one refused with
-    # INTERNAL (rule ``output.contract``); empty: not checked.
+    # INTERNAL (rule ``output.contract``); a stream's every result (datatype and range: a
+    # result's shape is its own), an invalid one never forwarded and its stream ended with
+    # that error; empty: not checked.
     outputs: dict[str, OutputCheckValue] = Field(
         default_factory=dict, description="output name -> its checks"
     )
-
-    @model_validator(mode="after")
-    def _output_contract(self) -> RouteConfig:
-        if self.outputs and self.streaming:
-            raise ValueError("outputs: a streaming route's answers are not checked yet (unary routes only)")
-        return self
 
     def for_tenant(self, model: str, tenant: TenantConfig) -> RouteConfig | None:
         """This route as ``tenant`` runs it. A dedicated tenant runs only on the backend model

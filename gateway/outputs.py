@@ -4,7 +4,8 @@ The contract itself (``OutputCheck``) and its judgement (``output_problems``) li
 ``gateway.core.outputs``; this module only decodes a ``ModelInferResponse`` into
 ``OutputFacts`` (shape, datatype, value count, lowest and highest value: never the values
 themselves) and counts what it finds. Used by the request path for a route's declared
-``outputs`` and by rollouts for a candidate's declared outputs (warm-up, canary, shadow).
+``outputs`` and by rollouts for a candidate's declared outputs (warm-up, canary, shadow);
+a stream's results one by one (``check_result``: datatype and range).
 
 Metric: ``orchid_invalid_outputs_total{model,version,action}`` (``refused``: the caller got
 INTERNAL, rule ``output.contract``; ``fallback``: answered from the warm fallback;
@@ -13,6 +14,7 @@ INTERNAL, rule ``output.contract``; ``fallback``: answered from the warm fallbac
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -77,4 +79,21 @@ def check_outputs(
         input_tokens=input_tokens,
         output_tokens=output_tokens,
         batched=batched,
+    )
+
+
+def check_result(response: service_pb2.ModelInferResponse, checks: Mapping[str, OutputCheck]) -> list[str]:
+    """What is wrong with one result of a stream ([] = valid): each output's datatype and value
+    range against the declared checks. A stream's result is a piece of the answer, so its
+    shape is its own (the whole answer's shape is judged where the whole answer is seen: a
+    rollout's warm-up, ``gateway.backends.base.infer_streamed``)."""
+    if not checks:
+        return []
+    own = {
+        output.name: dataclasses.replace(check, shape=tuple(int(d) for d in output.shape))
+        for output in response.outputs
+        if (check := checks.get(output.name)) is not None
+    }
+    return output_problems(
+        output_facts(response), own, items=1, input_tokens=0, output_tokens=0, batched=False
     )

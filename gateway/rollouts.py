@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -80,7 +79,7 @@ from gateway.core.rollout import (
     hedge_budget_ms,
 )
 from gateway.evidence import population
-from gateway.outputs import INVALID_OUTPUTS, check_outputs
+from gateway.outputs import INVALID_OUTPUTS, check_outputs, check_result
 from gateway.policy.metrics import get_or_create
 from gateway.settings import rollout_data, rollout_spec
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, parse_yaml
@@ -1111,12 +1110,7 @@ class RolloutController:
         run = self._canary_run(admitted)
         if run is None or not run.output_checks:
             return True
-        partial = {
-            output.name: dataclasses.replace(check, shape=tuple(int(d) for d in output.shape))
-            for output in response.outputs
-            if (check := run.output_checks.get(output.name)) is not None
-        }
-        problems = check_outputs(response, partial, items=1, input_tokens=0, output_tokens=0, batched=False)
+        problems = check_result(response, run.output_checks)
         if not problems:
             return True
         run.canaries.pop(admitted.record.identity.request_id, None)

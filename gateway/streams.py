@@ -59,6 +59,7 @@ from gateway.messages import (
     partial_template,
     stream_error,
 )
+from gateway.outputs import INVALID_OUTPUTS, check_result
 from gateway.scheduler import Slot
 
 if TYPE_CHECKING:
@@ -403,6 +404,17 @@ class StreamSession:
                 f"model {admitted.record.identity.model!r} answered outside its output contract",
                 rule=OUTPUT_CONTRACT_RULE,
             )
+        if has_output and admitted.route.outputs:
+            problems = check_result(response, admitted.route.outputs)
+            if problems:  # the route's contract: never forwarded; the stream ends here
+                INVALID_OUTPUTS.labels(
+                    admitted.record.identity.model, admitted.route.version, "refused"
+                ).inc()
+                raise Internal(
+                    f"model {admitted.record.identity.model!r} answered outside its output contract: "
+                    f"{problems[0]}",
+                    rule=OUTPUT_CONTRACT_RULE,
+                )
         gap_ms = entry.tracker.result(now) if has_output else None
         if has_output and entry.slot is not None and not entry.slot.grow_live(entry.token_bytes, now):
             # Its device has no live room left for the next token: the stream ends here.

@@ -17,6 +17,9 @@ command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
 # redis-server: the shared state of a fleet of replicas (state.backend: redis); its tests
 # and `scripts/demo.sh --replicas N` start their own on a free port.
 command -v redis-server >/dev/null 2>&1 || apt_packages+=(redis-server)
+# nghttp2-client (h2load): the load generator of bench/overhead.py and bench/surge.py
+# (scripts/regenerate-figures.sh runs them).
+command -v h2load >/dev/null 2>&1 || apt_packages+=(nghttp2-client)
 # postgresql: the job store several replicas share (jobs.store: postgres); its tests start
 # their own cluster (initdb + pg_ctl, Debian's /usr/lib/postgresql/N/bin) on a free port.
 command -v pg_ctl >/dev/null 2>&1 || compgen -G '/usr/lib/postgresql/*/bin/pg_ctl' >/dev/null \

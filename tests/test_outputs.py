@@ -18,9 +18,8 @@ from tritonclient.utils import InferenceServerException
 
 from gateway.backends.local import LocalTriton
 from gateway.config import RouteConfig, load_routes
-from gateway.core.errors import ConfigError
 from gateway.core.outputs import OutputCheck, OutputFacts, output_problems
-from gateway.outputs import INVALID_OUTPUTS, check_outputs, output_facts
+from gateway.outputs import INVALID_OUTPUTS, check_outputs, check_result, output_facts
 from tests.conftest import ORCHID_KEY, ROOT, ThreadedGateway, bearer, gateway_config
 
 CHECKS = {
@@ -67,7 +66,7 @@ def test_output_facts_read_a_response_and_nan_is_out_of_any_range() -> None:
     assert check_outputs(reply, {}, items=1, input_tokens=1, output_tokens=1, batched=False) == []
 
 
-def test_a_route_declares_outputs_and_a_streaming_route_may_not_yet(tmp_path: Path) -> None:
+def test_a_route_declares_outputs_and_so_does_a_streaming_route(tmp_path: Path) -> None:
     data = yaml.safe_load((ROOT / "routes" / "orchid.yaml").read_text())
     data["models"]["full-v18"]["outputs"] = {
         "OUTPUT_IDS": {"datatype": "INT32", "shape": ["items", "output_tokens"], "max_value": 31999}
@@ -75,10 +74,21 @@ def test_a_route_declares_outputs_and_a_streaming_route_may_not_yet(tmp_path: Pa
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
     routes = load_routes(tmp_path)
     assert routes.models["full-v18"].outputs["OUTPUT_IDS"].max_value == 31999
-    data["models"]["full-v18-stream"]["outputs"] = data["models"]["full-v18"]["outputs"]
+    data["models"]["full-v18-stream"]["outputs"] = {
+        "OUTPUT_IDS": {"datatype": "INT32", "shape": ["output_tokens"], "min_value": 0, "max_value": 31999}
+    }
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match="streaming route's answers are not checked yet"):
-        load_routes(tmp_path)
+    stream = load_routes(tmp_path).models["full-v18-stream"]
+    # A stream's results are judged one by one: datatype and range, each result's own shape.
+    result = service_pb2.ModelInferResponse()
+    tensor = result.outputs.add(name="OUTPUT_IDS", datatype="INT32")
+    tensor.shape.append(1)
+    result.raw_output_contents.append(np.array([7], dtype=np.int32).tobytes())
+    assert check_result(result, stream.outputs) == []
+    result.raw_output_contents[0] = np.array([40_000], dtype=np.int32).tobytes()
+    assert check_result(result, stream.outputs) == ["output OUTPUT_IDS has a value above 31999"]
+    result.outputs[0].datatype = "FP32"
+    assert check_result(result, stream.outputs)[0].startswith("output OUTPUT_IDS is FP32")
     with pytest.raises(ValueError, match="min_value must not exceed max_value"):
         RouteConfig.model_validate(
             {
