@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from gateway.auth import Tenant
     from gateway.chain import RequestChain
 
+log = logging.getLogger(__name__)
 CANCEL_PARAMETER = "orchid.cancel"
 LIVE_RULE = LIVE_TOKENS_RULE  # the rule a stream that outgrew its device ends with
 MAX_PENDING = 1024  # requests in flight on one client stream; more are refused (RESOURCE_EXHAUSTED)
@@ -378,7 +380,10 @@ class StreamSession:
         except (GatewayError, asyncio.CancelledError):
             raise
         except Exception as exc:  # the backend stream broke
-            raise Unavailable(f"streaming backend failed ({type(exc).__name__})") from None
+            code = getattr(exc, "code", None)
+            why = f"{type(exc).__name__} {code().name}" if callable(code) else type(exc).__name__
+            log.warning("stream request %s: backend stream broke: %s", admitted.record.identity.request_id, exc)
+            raise Unavailable(f"streaming backend failed ({why})") from None
         finally:
             call.cancel()
         if not entry.done:
