@@ -382,7 +382,9 @@ class StreamSession:
         except Exception as exc:  # the backend stream broke
             code = getattr(exc, "code", None)
             why = f"{type(exc).__name__} {code().name}" if callable(code) else type(exc).__name__
-            log.warning("stream request %s: backend stream broke: %s", admitted.record.identity.request_id, exc)
+            log.warning(
+                "stream request %s: backend stream broke: %s", admitted.record.identity.request_id, exc
+            )
             raise Unavailable(f"streaming backend failed ({why})") from None
         finally:
             call.cancel()
