@@ -240,11 +240,13 @@ class StreamSession:
             )
         if entry.backend_call is not None:
             entry.backend_call.cancel()
+        live_token_ms = self._live_token_ms(entry, now)
         entry.release()
         self._forget(entry)
         if not entry.started:
             self.chain.settle.abandon(entry.admitted, started=None, now=now)
             return
+        self.chain.settle.abandon(entry.admitted, started=entry.started, now=now)  # quota: what it held
         summary = entry.tracker.finish(now)
         settled = self.chain.settle.run(
             entry.admitted,
@@ -255,8 +257,17 @@ class StreamSession:
             learn=False,
             first_result=self._first_result(entry, now),
             finished_answer=False,
+            observed_live_token_ms=live_token_ms,
         )
         self.chain.listener.stream_settled(settled, summary)
+
+    @staticmethod
+    def _live_token_ms(entry: _StreamRequest, now: float) -> float | None:
+        """The live-token-ms the stream was observed to hold on its device (its slot's live
+        bytes over time, growing with its tokens), before its slot is released."""
+        if entry.slot is None or entry.token_bytes <= 0:
+            return None
+        return entry.slot.live_byte_ms(now) / entry.token_bytes
 
     @staticmethod
     def _first_result(entry: _StreamRequest, now: float) -> float:
@@ -437,6 +448,7 @@ class StreamSession:
             return False
         # The final response: settle once, with the stream's summary.
         entry.done = True
+        live_token_ms = self._live_token_ms(entry, now)
         entry.release()
         self._forget(entry)
         first_result = self._first_result(entry, now)
@@ -448,6 +460,7 @@ class StreamSession:
             finished=now,
             output_tokens=summary.results,
             first_result=first_result,
+            observed_live_token_ms=live_token_ms,
         )
         self.chain.listener.settled(settled)
         self.chain.listener.stream_settled(settled, summary)

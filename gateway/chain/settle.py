@@ -43,6 +43,7 @@ class Settle:
         first_result: float | None = None,
         finished_answer: bool = True,
         co_batch: CoBatch | None = None,
+        observed_live_token_ms: float | None = None,
     ) -> Settled:
         """Charge observed work: backend time minus the time the request waited in Triton's
         own queue, and teach the estimator. That wait is ``backend_wait_s`` when the
@@ -89,6 +90,7 @@ class Settle:
             output_tokens=output_tokens,
             learn=learn,
             now=finished,
+            observed_live_token_ms=observed_live_token_ms,
         )
         complete = finished_answer and admitted.decision.max_output_tokens is None
         if not complete:

@@ -46,13 +46,22 @@ def settle(
     learn: bool,
     now: float,
     solo_factor: float = 1.0,
+    observed_live_token_ms: float | None = None,
 ) -> Outcome:
-    """Charge observed work and (with ``learn``: a final answer) teach the estimator.
+    """Charge observed work and (with ``learn``: a final answer) settle its quota and teach
+    the estimator; without ``learn`` only the outcome is built (a request that ended early
+    settles its quota by what it held: ``abandon``).
     ``solo_factor``: what the request would have held alone per ms of its share of a
-    co-batch (the members' solo prices over the batch's predicted cost; 1 when not co-batched)."""
+    co-batch (the members' solo prices over the batch's predicted cost; 1 when not co-batched).
+    ``observed_live_token_ms``: the live state it was observed to hold (a stream's, which grows
+    with its tokens); otherwise its predicted live-token-ms stretched to the observed time."""
     observed_ms = observed_accelerator_ms(wall_ms, backend_queue_ms, batch)
     demand = record.demand
-    live_token_ms = charged_live_token_ms(demand, observed_ms)
+    live_token_ms = (
+        observed_live_token_ms
+        if observed_live_token_ms is not None
+        else charged_live_token_ms(demand, observed_ms)
+    )
     if learn:
         quotas.settle(reservation, charged_ms=observed_ms, charged_live_token_ms=live_token_ms, now=now)
         base_ms = (
