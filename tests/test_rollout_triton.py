@@ -31,7 +31,6 @@ import pytest
 import redis.asyncio as aioredis
 import tritonclient.grpc as grpcclient
 import yaml
-from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from gateway.backends.local import LocalTriton
@@ -79,11 +78,9 @@ EXPLICIT = (
     "--strict-readiness=false",
     "--load-model=full-v18",
     "--load-model=compact-v11",
-    "--load-model=full-v18-stream",
     f"--grpc-restricted-protocol=model-repository:orchid-repository-key={REPOSITORY_KEY}",
 )
 WARMUP_REQUESTS = 3  # the rollout below warms with 2 short + 1 long
-STREAM_CANDIDATE = "full-v19-stream-slow"
 
 
 @dataclass
@@ -96,7 +93,7 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("rollout")
     repository = root / "repo" / "model_repository"
-    for model in ("full-v18", "compact-v11", "full-v18-stream"):
+    for model in ("full-v18", "compact-v11"):
         shutil.copytree(
             MODEL_REPOSITORY / model, repository / model, ignore=shutil.ignore_patterns("__pycache__")
         )
@@ -125,18 +122,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 f'parameters [\n  {{ key: "{key}", value: {{ string_value: "{value}" }} }},\n',
             )
         (repository / name / "config.pbtxt").write_text(config)
-    # A streaming candidate of full-v18-stream, 100x slower (a decoupled model's version change).
-    shutil.copytree(
-        MODEL_REPOSITORY / "full-v18-stream" / "1",
-        repository / STREAM_CANDIDATE / "1",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    stream_config = (MODEL_REPOSITORY / "full-v18-stream" / "config.pbtxt").read_text()
-    stream_config = stream_config.replace('name: "full-v18-stream"', f'name: "{STREAM_CANDIDATE}"')
-    stream_config = stream_config.replace(
-        "parameters [\n", 'parameters [\n  { key: "time_factor_scale", value: { string_value: "100" } },\n'
-    )
-    (repository / STREAM_CANDIDATE / "config.pbtxt").write_text(stream_config)
     faults = root / "faults"
     faults.mkdir()
     (faults / "full-v19-badload.fail_load").write_text("")
@@ -176,7 +161,7 @@ def rollout_config(address: str, **changes: Any) -> GatewayConfig:
 def gateway(stack: Stack, tmp_path: Path) -> Iterator[ThreadedGateway]:
     with grpcclient.InferenceServerClient(stack.triton.address) as client:
         client.load_model("full-v18", headers=REPOSITORY)  # a promotion earlier unloaded it
-        for name in (*CANDIDATES, STREAM_CANDIDATE):
+        for name in CANDIDATES:
             if repository_states(stack.triton.address).get(name) == "READY":
                 client.unload_model(name, headers=REPOSITORY)
     telemetry = TelemetryConfig(decision_log=str(tmp_path / "decisions.jsonl"))
@@ -531,7 +516,7 @@ def test_a_gateway_restart_mid_rollout_resumes_it_from_its_durable_state(
     rollout completes: promoted, the old version drained and unloaded."""
     with grpcclient.InferenceServerClient(stack.triton.address) as client:
         client.load_model("full-v18", headers=REPOSITORY)  # a promotion earlier unloaded it
-        for name in (*CANDIDATES, STREAM_CANDIDATE):
+        for name in CANDIDATES:
             if repository_states(stack.triton.address).get(name) == "READY":
                 client.unload_model(name, headers=REPOSITORY)
     config = rollout_config(stack.triton.address, rollouts_state_dir=tmp_path / "state")
@@ -696,7 +681,7 @@ def reset_stack(stack: Stack) -> None:
     """full-v18 loaded, no candidate: as every test here expects to begin."""
     with grpcclient.InferenceServerClient(stack.triton.address) as client:
         client.load_model("full-v18", headers=REPOSITORY)
-        for name in (*CANDIDATES, STREAM_CANDIDATE):
+        for name in CANDIDATES:
             if repository_states(stack.triton.address).get(name) == "READY":
                 client.unload_model(name, headers=REPOSITORY)
 
@@ -870,139 +855,3 @@ def test_the_repository_api_needs_its_key(stack: Stack, tmp_path: Path) -> None:
         assert run.rollout.reason.startswith("load failed: loading 'full-v19' failed:")
     finally:
         running.stop()
-
-
-# --------------------------------------------------------------------------- a streaming route
-
-
-@dataclass
-class StreamLoad:
-    """Closed-loop streaming clients of tenant orchid (the canary cohort) on full-v18-stream:
-    each stream one request (256 tokens in, 16 out), its final response asked for. Every
-    result is checked by the client (a token in the vocabulary); a stream that ends in an
-    error, or with fewer tokens, is a failure."""
-
-    address: str
-    answers: list[Answer] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> None:
-        for _ in range(2):
-            thread = threading.Thread(target=self._client, daemon=True)
-            thread.start()
-            self.threads.append(thread)
-
-    def _client(self) -> None:
-        request = service_pb2.ModelInferRequest(model_name="full-v18-stream", id="s")
-        tensor = request.inputs.add(name="INPUT_IDS", datatype="INT32")
-        tensor.shape.extend([256])
-        request.raw_input_contents.append((np.arange(256, dtype=np.int32) % 1000).tobytes())
-        request.parameters["orchid.max_output_tokens"].int64_param = 16
-        request.parameters["triton_enable_empty_final_response"].bool_param = True
-        payload = request.SerializeToString()
-        with grpc.insecure_channel(self.address) as channel:
-            call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
-            while not self.stop.is_set():
-                sent = time.monotonic()
-                tokens, error, version, reason = 0, "", "", ""
-                try:
-                    for raw in call(
-                        iter([payload]), metadata=(("authorization", f"Bearer {ORCHID_KEY}"),), timeout=2.0
-                    ):
-                        reply = service_pb2.ModelStreamInferResponse.FromString(raw)
-                        if reply.error_message:
-                            error = reply.error_message
-                            break
-                        response = reply.infer_response
-                        if response.outputs:
-                            token = np.frombuffer(response.raw_output_contents[0], dtype=np.int32)
-                            if not (0 <= int(token.min()) <= int(token.max()) < VOCAB):
-                                error = "invalid result"
-                            tokens += 1
-                        params = response.parameters
-                        if params["triton_final_response"].bool_param:
-                            version = params["orchid.model_version"].string_param
-                            reason = params["orchid.route_reason"].string_param
-                            break
-                except grpc.RpcError as exc:
-                    error = str(exc.code())
-                if not error and tokens != 16:
-                    error = f"{tokens} results"
-                self.answers.append(Answer(sent, time.monotonic(), "orchid", "short", error, version, reason))
-
-    def finish(self) -> list[Answer]:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=10)
-        return list(self.answers)
-
-
-def test_a_slow_streaming_candidate_is_canaried_and_rolled_back(
-    gateway: ThreadedGateway, stack: Stack, tmp_path: Path
-) -> None:
-    """A streaming route's version change runs through the same chain: the candidate warms on a
-    stream of its own, takes canaries from its cohort (hedged to their first result), and its
-    guardrails roll it back; no caller's stream fails or sees an invalid result."""
-    spec: dict[str, Any] = {
-        "name": "stream-slow",
-        "route": "full-v18-stream",
-        "current": {"backend_model": "full-v18-stream", "version": "1"},
-        "candidate": {"backend_model": STREAM_CANDIDATE, "version": "1", "label": "v19-stream"},
-        "memory": {"min_live_tokens": 100_000},
-        "warmup": {
-            "shapes": [
-                {"bucket": "short", "input_tokens": 256, "output_tokens": 16, "repeat": 2},
-                {"bucket": "long", "input_tokens": 2048, "output_tokens": 16},
-            ],
-            "outputs": {
-                "OUTPUT_IDS": {
-                    "datatype": "INT32",
-                    "shape": ["output_tokens"],
-                    "min_value": 0,
-                    "max_value": 31999,
-                }
-            },
-        },
-        "steps": [
-            {
-                "kind": "canary",
-                "cohorts": [{"classes": ["interactive"], "buckets": ["short"], "tenants": ["orchid"]}],
-                "weight": 0.5,
-                "intervals": 2,
-            },
-            {"kind": "promote"},
-        ],
-        "analysis": {"interval_s": 1.0, "min_samples": 3},
-        "guardrails": [
-            {"metric": "completion_p95_ratio", "max": 2.0, "failures": 2},
-            {"metric": "error_rate_delta", "max": 0.0, "failures": 1},
-            {"metric": "invalid_output_rate", "max": 0.0, "failures": 1},
-        ],
-        "drain": {"max_wait_s": 20},
-    }
-    path = tmp_path / "stream-slow.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    load = StreamLoad(gateway.address)
-    load.start()
-    try:
-        wait_until(lambda: len(load.answers) >= 20, "the streaming load running before the rollout starts")
-        reply = rollout_call(gateway.address, OPS_KEY, "start", str(path))
-        gw = gateway.server.gateway
-        assert gw is not None
-        run = gateway.call_soon(lambda: gw.rollouts.run_named(reply.name))
-        assert run.task is not None
-        gateway.call(asyncio.wait_for(asyncio.shield(run.task), 60))
-        settled = len(load.answers)
-        wait_until(lambda: len(load.answers) >= settled + 20, "20 streams after the rollout's end")
-    finally:
-        answers = load.finish()
-    rollout = run.rollout
-    assert rollout.ready_at is not None, rollout.report()  # warmed on a stream of its own
-    assert rollout.phase is Phase.ROLLED_BACK, rollout.report()
-    assert rollout.reason.startswith("guardrail"), rollout.reason
-    assert rollout.diverted >= 1  # canaries were sent to the candidate
-    no_failures(answers)
-    assert rollout.rolled_back_at is not None
-    assert all(a.version == "1" for a in answers if a.sent > rollout.rolled_back_at)
-    assert repository_states(stack.triton.address)[STREAM_CANDIDATE] == "UNAVAILABLE"
