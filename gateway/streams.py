@@ -89,7 +89,6 @@ class _StreamRequest:
     tracker: GapTracker
     template: service_pb2.ModelInferResponse  # partial responses' provenance (``partial_template``)
     token_bytes: int  # live state each generated token adds (``Slot.grow_live``)
-    canary: bool = True
     started: float = 0.0
     slot: Slot | None = None
     backend_call: BackendStream | None = None
@@ -179,7 +178,7 @@ class StreamSession:
         except GatewayError as error:
             await self._fail(error, client_id)
             return
-        self._start(request, admitted, call, client_id, canary=True)
+        self._start(request, admitted, call, client_id)
 
     def _start(
         self,
@@ -187,8 +186,6 @@ class StreamSession:
         admitted: Admitted,
         call: CallContext,
         client_id: str,
-        *,
-        canary: bool,
     ) -> None:
         budget = admitted.record.budget
         objectives = StreamObjectives(
@@ -207,7 +204,6 @@ class StreamSession:
             GapTracker(call.received_at, objectives),
             partial_template(admitted.record, admitted.decision, admitted.evidence),
             token_live_bytes(admitted),
-            canary=canary,
         )
         self.requests[self._key(client_id, entry)] = entry
         entry.task = asyncio.get_running_loop().create_task(self._execute(entry))
@@ -356,7 +352,7 @@ class StreamSession:
             self.chain.rollouts.hedge_unanswered(entry.admitted, refused)
             await self._fail(refused, entry.client_id)
             return
-        self._start(entry.request, admitted, entry.call, entry.client_id, canary=False)
+        self._start(entry.request, admitted, entry.call, entry.client_id)
 
     def _forget(self, entry: _StreamRequest) -> None:
         for key, value in list(self.requests.items()):

@@ -40,6 +40,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from gateway.backends.local import LocalTriton
 from orchid_tools.harness import GatewayProcess, example_config
 from tests.conftest import LUMEN_KEY, ORCHID_KEY, ROOT, emulator_parameters, own_triton
+from tests.test_noisy_neighbour import schedule
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 MODEL = "full-v18-stream"
@@ -113,15 +114,6 @@ def stream_request(request_id: str) -> bytes:
     request.parameters["orchid.first_result_ms"].int64_param = int(FIRST_RESULT_MS)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
     return request.SerializeToString()
-
-
-def schedule(rate: float, start: float, end: float, rng: np.random.Generator) -> list[float]:
-    times, t = [], start
-    while True:
-        t += float(rng.exponential(1.0 / rate))
-        if t >= end:
-            return times
-        times.append(t)
 
 
 CLIENT_STREAMS = {"orchid": 2, "lumen": 8}  # each tenant's client streams, its requests spread over them
