@@ -21,12 +21,15 @@ when the slot is released.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gateway import clock
 from gateway.config import LimitsConfig
 from gateway.core import dispatch
 from gateway.core.dispatch import CONTROL_CLASS, DeviceSet, Waiter
+
+if TYPE_CHECKING:
+    from gateway.state.device_leases import Lease
 
 __all__ = ["CONTROL_CLASS", "DeviceSet", "DispatchQueue", "Slot"]
 
@@ -35,8 +38,16 @@ class FleetBinding(Protocol):
     """The fleet's dispatch slots (``gateway.state.device_leases.FleetSlots``)."""
 
     async def bind(
-        self, pool: str, *, limit: int, predicted_ms: float, latest_start: float, long: bool = False
-    ) -> str | None: ...
+        self,
+        pool: str,
+        *,
+        limit: int,
+        predicted_ms: float,
+        latest_start: float,
+        long: bool = False,
+        cost_ms: float | None = None,
+        devices: int = 0,
+    ) -> Lease: ...
 
     def release(self, pool: str, lease: str | None) -> None: ...
 
@@ -45,6 +56,14 @@ class Slot(dispatch.Slot):
     """A core slot released on the event loop's clock."""
 
     fleet: tuple[FleetBinding, str | None] | None = None  # the fleet's slot it binds on, if any
+    fleet_start: float | None = None  # its predicted start behind the fleet's bound work
+
+    def backend_wait_s(self, sent: float) -> float:
+        """In a fleet, the wait Redis predicted behind the fleet's bound work when its lease was
+        granted (``gateway.state.device_leases``); otherwise this replica's prediction."""
+        if self.fleet_start is not None:
+            return max(0.0, self.fleet_start - sent)
+        return super().backend_wait_s(sent)
 
     def grow_live(self, live_bytes: int, now: float | None = None) -> bool:
         """A stream's live state grows by its new tokens' ``live_bytes`` (core rule 9): True when
@@ -201,9 +220,13 @@ class DispatchQueue(dispatch.DispatchQueue):
                     predicted_ms=predicted_ms,
                     latest_start=latest_start,
                     long=slot.long,
+                    cost_ms=slot.cost_ms,
+                    devices=self.device_set.devices,
                 )
             except BaseException:
                 slot.release(clock.now())  # never bound: the local slot goes to the next waiter
                 raise
-            slot.fleet = (self.fleet, lease)
+            slot.fleet = (self.fleet, lease.id)
+            if lease.wait_s is not None:
+                slot.fleet_start = clock.now() + lease.wait_s
         return slot

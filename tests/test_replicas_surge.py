@@ -24,7 +24,15 @@ exchanged, ``PoolLoad.add_admitted``); replicas near a threshold sat a step apar
 (the request path now acts on the highest step any replica holds, ``PoolLoad.fleet_step``);
 and the plan's order of capping and fallback followed learned savings across a knife edge,
 so a replica flipped between capping 46 % of the surge and diverting 20 %
-(``overload.QUALITY_TIE``). Before, the fleet degraded 15-25 points more of the surge.
+(``overload.QUALITY_TIE``). Before, the fleet degraded 15-25 points more of the surge. Later,
+a replica charged the time its request waited in Triton's queue behind the other replica's
+work as device time (its own view of the bound work missed it): the fleet's learned prices
+ran 1.5 % above the single replica's, which its ladder read as 1 % more demand, and the fleet
+degraded 4-6 points more of every run (up to 11 under the full suite's load, past the bound).
+A lease's grant now answers that wait from the fleet's bound work in Redis
+(``gateway.state.device_leases.Lease``): prices within 1 %, and in four runs the fleet's
+degraded share differed from the single replica's by -4.9 to +2.4 points (before, +4 to +6
+in five runs alone).
 
 The bound on each share's difference is computed from the run's own counts: three standard
 errors of the difference of the two shares (``share_bound``), binomial or, where outcomes

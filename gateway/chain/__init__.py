@@ -402,7 +402,7 @@ class RequestChain:
             queued_s=started - call.received_at,
             started=started,
             finished=finished,
-            backend_wait_s=max(0.0, slot.predicted_start - slot.started_at),
+            backend_wait_s=slot.backend_wait_s(started),
             co_batch=slot.group,
         )
         self.listener.settled(settled)

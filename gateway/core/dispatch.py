@@ -274,6 +274,12 @@ class Slot:
             return self.cost_ms
         return 0.0 if self.group.finished else self.group.cost_ms
 
+    def backend_wait_s(self, sent: float) -> float:
+        """Its predicted wait in the backend's queue, sent to the backend at ``sent``: from its
+        binding to its predicted start (a request bound ahead waits for the device before it).
+        Settlement subtracts it from the backend time it charges."""
+        return max(0.0, self.predicted_start - self.started_at)
+
     def grow_live(self, live_bytes: int, now: float) -> bool:
         """Its live state grows by ``live_bytes`` (a stream's new tokens: rule 9). True when
         charged (or nothing to grow); False when the device it runs on has no live room left

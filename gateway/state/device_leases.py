@@ -24,8 +24,15 @@ hold no lease). The fleet's bound holds across a degraded spell when every repli
 Redis together (Redis down); when only some do (a partition), the others still bind up to
 the slots Redis counts, and the fleet may exceed the bound by the degraded replicas' shares
 until their leases expire: ``fail_mode: closed`` is the choice that never exceeds it.
-Not done here: the dispatch queue's predicted wait still counts only this replica's bound
-work (the fleet's would need the core's list schedule to take remote work).
+
+A grant answers the request's predicted wait in the backend's queue behind the fleet's bound
+work, from the leases' predicted ends as Redis holds them at that moment (``Lease.wait_s``):
+settlement subtracts it from the backend time it charges. This replica's own view (its bound
+work, the others' as of the last load exchange) would miss the others' work bound since, and
+charge the time a request waited behind it in Triton's queue as its device time (1.5 % more per
+request in ``tests/test_replicas_surge.py``, which the fleet's ladder read as demand). A lease
+bound again while it lingers, or a degraded spell's local share, answers no wait (``None``:
+this replica's own prediction stands).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import math
 from itertools import count
+from typing import NamedTuple
 
 from gateway import clock
 from gateway.core.dispatch import LATE_RULE
@@ -40,7 +48,7 @@ from gateway.core.errors import DeadlineExpired, Unavailable
 from gateway.state import lua
 from gateway.state.redis_store import REDIS_FAILURES, RULE_STATE_UNAVAILABLE, RedisFleet, still_cancelled
 
-__all__ = ["LINGER_S", "LONG_LEASE", "FleetSlots", "slot_keys"]
+__all__ = ["LINGER_S", "LONG_LEASE", "FleetSlots", "Lease", "slot_keys"]
 
 # A returned lease stays with its replica this long for the pool's next request (which then
 # binds without a round trip) before it goes back to the fleet. Back-to-back requests on a
@@ -51,6 +59,15 @@ LINGER_S = 0.003
 # The suffix of a lease held by long-bucket work: the other replicas count it against the short
 # lane (``DeviceSet.remote_long_ends``).
 LONG_LEASE = ":L"
+
+
+class Lease(NamedTuple):
+    """One of the fleet's slots, bound: its lease id (``None`` on the degraded local share) and
+    its predicted wait in the backend's queue behind the fleet's bound work, when Redis
+    answered one (``None``: a lingering lease bound again, or the local share)."""
+
+    id: str | None
+    wait_s: float | None = None
 
 
 def slot_keys(key_prefix: str, pool: str) -> list[str]:
@@ -87,11 +104,23 @@ class FleetSlots:
         return leased + self._local.get(pool, 0)
 
     async def bind(
-        self, pool: str, *, limit: int, predicted_ms: float, latest_start: float, long: bool = False
-    ) -> str | None:
-        """Take one of the fleet's ``limit`` slots of ``pool``; the lease to ``release`` later
-        (``None``: bound on the degraded local share). ``long``: long-bucket work, marked in
+        self,
+        pool: str,
+        *,
+        limit: int,
+        predicted_ms: float,
+        latest_start: float,
+        long: bool = False,
+        cost_ms: float | None = None,
+        devices: int = 0,
+    ) -> Lease:
+        """Take one of the fleet's ``limit`` slots of ``pool`` on its ``devices``; the lease to
+        ``release`` later and the request's predicted wait behind the fleet's bound work (see
+        the module docstring). ``predicted_ms``: this replica's prediction of the request's
+        end from now (its wait and ``cost_ms``, its device time; the cost is the prediction
+        when not given), kept as a reused lease's end. ``long``: long-bucket work, marked in
         the lease id (``LONG_LEASE``) so every replica counts it against the short lane."""
+        cost = predicted_ms if cost_ms is None else cost_ms
         while True:
             if self.fleet.degraded:
                 if self.fleet.config.fail_mode == "closed":
@@ -103,7 +132,7 @@ class FleetSlots:
                 # went away: they are bound at Triton as much as the local ones.
                 if self.in_flight(pool) < max(1, limit // self.fleet.size):
                     self._local[pool] = self._local.get(pool, 0) + 1
-                    return None
+                    return Lease(None)
                 wait_s = math.inf  # until this replica frees one of its share
             else:
                 spare = self._spare.get(pool, {})
@@ -115,12 +144,13 @@ class FleetSlots:
                         self.fleet.send_script(
                             self._reend, self.keys(pool), [reuse, repr(max(0.0, predicted_ms))]
                         )
-                    return reuse
+                    return Lease(reuse)
                 lease = f"{self.fleet.replica_id}:{next(self._ids)}{LONG_LEASE if long else ''}"
                 # Requests still in flight on the degraded local share hold no lease in Redis:
                 # back in the fleet, this replica leaves their slots free until they end.
                 fleet_limit = limit - self._local.get(pool, 0)
-                args = ["", repr(self.fleet.ttl_s), str(fleet_limit), lease, repr(max(0.0, predicted_ms))]
+                ttl, cost_arg = repr(self.fleet.ttl_s), repr(max(0.0, cost))
+                args = ["", ttl, str(fleet_limit), lease, cost_arg, str(devices)]
                 try:
                     answer = await self.fleet.run_script(self._acquire, self.keys(pool), args)
                 except REDIS_FAILURES as failure:  # degraded now: decided again on the local share
@@ -128,7 +158,7 @@ class FleetSlots:
                     continue
                 if int(answer[0]) == 1:
                     self._held.setdefault(pool, set()).add(lease)
-                    return lease
+                    return Lease(lease, float(answer[2]) if devices > 0 else None)
                 wait_s = float(answer[1])
             self.waits += 1
             now = clock.now()

@@ -340,8 +340,13 @@ return redis.call('ZRANGE', KEYS[1], 0, -1)
 
 SLOT_ACQUIRE: Final = r"""
 -- KEYS: leases (id -> expiry), ends (id -> predicted end); ARGV: now ('' = TIME), ttl_s, limit,
--- id, predicted_ms. Reaps expired leases; grants if fewer than limit are held, else answers how
--- long until the soonest predicted end (at least 5 ms: work running past its prediction).
+-- id, cost_ms, devices. Reaps expired leases; grants if fewer than limit are held, else answers
+-- how long until the soonest predicted end (at least 5 ms: work running past its prediction).
+-- A grant answers its predicted wait in the backend's queue: with as many leases held as the
+-- D devices (or more), it starts when the first device frees, the soonest predicted end (work
+-- past its prediction ends now), taken with the rest of the queue as one batch (the backend's
+-- dynamic batcher, as the dispatch queue's own list schedule has it); its own predicted end is
+-- that start plus its cost.
 local now
 if ARGV[1] ~= '' then now = tonumber(ARGV[1]) else
   local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1000000 end
@@ -351,9 +356,17 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('
 end
 local held = redis.call('ZCARD', KEYS[1])
 if held < tonumber(ARGV[3]) then
+  local ends = {}
+  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do ends[#ends + 1] = tonumber(v) end
+  local devices = tonumber(ARGV[6])
+  local start = now
+  if devices > 0 and #ends >= devices then
+    local frees = math.min(unpack(ends))
+    if frees > now then start = frees end
+  end
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[4])
-  redis.call('HSET', KEYS[2], ARGV[4], string.format('%.17g', now + tonumber(ARGV[5]) / 1000))
-  return {1, held + 1}
+  redis.call('HSET', KEYS[2], ARGV[4], string.format('%.17g', start + tonumber(ARGV[5]) / 1000))
+  return {1, held + 1, string.format('%.17g', start - now)}
 end
 local soonest = nil
 for _, v in ipairs(redis.call('HVALS', KEYS[2])) do
