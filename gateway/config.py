@@ -334,6 +334,67 @@ class StateConfig(_Strict):
         return self
 
 
+class FeatureSourceConfig(_Strict):
+    """A feature source the routes' feature contracts read (``gateway.features``): a Feast
+    feature server's HTTP endpoint and its registry file (where the definition versions are)."""
+
+    url: str = Field(pattern=r"^https?://", description="the feature server (POST /get-online-features)")
+    registry: Path | None = Field(
+        default=None,
+        description="its registry file (Feast's registry.db), read for each feature service's "
+        "definition_version tag at load and whenever it changes; None: versions are not checked",
+    )
+    timeout_ms: float = Field(
+        default=50.0, gt=0, description="a read's longest wait (less if the request's slack is)"
+    )
+    budget_ms: float = Field(
+        default=20.0,
+        gt=0,
+        description="the read latency it should keep to: over it, new requests are refused early",
+    )
+    latency_quantile: float = Field(
+        default=0.95, gt=0, lt=1, description="of recent reads: the upstream reserve"
+    )
+    window_s: float = Field(
+        default=5.0, gt=0, description="the recent reads the reserve and backpressure judge"
+    )
+    min_samples: int = Field(default=8, ge=1, description="reads in the window before it may backpressure")
+    probe_interval_s: float = Field(
+        default=0.5, gt=0, description="while backpressured, one read per interval"
+    )
+    max_concurrency: int = Field(
+        default=16, ge=1, description="reads in flight at once (one connection each)"
+    )
+    cache_ttl_ms: float = Field(default=1000.0, ge=0, description="a cached read's longest life; 0: no cache")
+    cache_entries: int = Field(default=4096, ge=0)
+    backpressure: bool = Field(default=True, description="refuse early while the source is late or failing")
+
+
+class FeatureRefConfig(_Strict):
+    """One feature of a route's contract."""
+
+    ref: str = Field(pattern=r"^[A-Za-z0-9_]+:[A-Za-z0-9_]+$", description="view:feature on the source")
+    max_age_s: float = Field(gt=0, description="older values are missing (event time to now)")
+    missing: Literal["refuse", "default", "allow"] = "refuse"
+    default: float = Field(
+        default=0.0, allow_inf_nan=False, description="the value used when missing: default"
+    )
+
+
+class FeatureContractConfig(_Strict):
+    """A route's upstream features (``gateway.core.upstream.FeatureContract``)."""
+
+    source: str = Field(description="one of gateway.yaml's feature_sources")
+    feature_service: str = Field(min_length=1)
+    definition_version: str = Field(min_length=1, description="the version the model was trained on")
+    entities: dict[str, str] = Field(min_length=1, description="join key -> request parameter carrying it")
+    features: tuple[FeatureRefConfig, ...] = Field(min_length=1)
+    input: str = Field(
+        min_length=1, description="the model input they reach it as (FP32, declared by the model)"
+    )
+    max_entities: int = Field(default=16, ge=1, le=1024, description="entities one request may read at most")
+
+
 class GatewayConfig(_Strict):
     listen: str = "127.0.0.1:8001"
     tenants_file: Path
@@ -360,6 +421,9 @@ class GatewayConfig(_Strict):
         default=StateConfig(), description="shared state of a fleet of replicas (gateway/state/)"
     )
     jobs: JobsConfig | None = Field(default=None, description="async/batch jobs; None: no jobs service")
+    feature_sources: dict[str, FeatureSourceConfig] = Field(
+        default_factory=dict, description="feature sources routes' feature contracts read (gateway.features)"
+    )
     rollouts_dir: Path | None = Field(
         default=None, description="directory of rollout files (gateway.rollouts); None: no rollouts"
     )
@@ -553,6 +617,9 @@ class RouteConfig(_Strict):
     outputs: dict[str, OutputCheckValue] = Field(
         default_factory=dict, description="output name -> its checks"
     )
+    features: FeatureContractConfig | None = Field(
+        default=None, description="upstream features read for each request (gateway.features)"
+    )
 
     def for_tenant(self, model: str, tenant: TenantConfig) -> RouteConfig | None:
         """This route as ``tenant`` runs it. A dedicated tenant runs only on the backend model
@@ -627,6 +694,9 @@ def _route_error(directory: Path, loc: KeyPath, problem: str, *, key: str | None
     return ConfigError(str(directory), key_path(loc) if key is None else key, problem)
 
 
+route_error = _route_error  # for cross-file checks of route contracts outside this module
+
+
 def _resolve(base: Path, value: Path) -> Path:
     return value if value.is_absolute() else (base / value).resolve()
 
@@ -656,6 +726,12 @@ def load_gateway_config(path: Path) -> GatewayConfig:
                 else None
             ),
             "local_triton": local,
+            "feature_sources": {
+                name: source.model_copy(update={"registry": _resolve(base, source.registry)})
+                if source.registry is not None
+                else source
+                for name, source in config.feature_sources.items()
+            },
             "rollouts_dir": _resolve(base, config.rollouts_dir) if config.rollouts_dir else None,
             "rollouts_state_dir": _resolve(base, config.rollouts_state_dir)
             if config.rollouts_state_dir
@@ -794,6 +870,13 @@ def check_references(config: GatewayConfig, tenants: TenantsFile, routes: RouteT
                 ("models", name, "risk_class"),
                 f"unknown risk class {route.risk_class!r} (declared: {', '.join(config.risk_classes)})",
                 key=f"models.{name}.risk_class",
+            )
+        if route.features is not None and route.features.source not in config.feature_sources:
+            raise _route_error(
+                config.routes_dir,
+                ("models", name, "features", "source"),
+                f"unknown feature source {route.features.source!r} "
+                f"(declared: {', '.join(config.feature_sources) or 'none'})",
             )
         for index, backend in enumerate(route.backends):
             if backend not in backend_names:

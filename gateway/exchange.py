@@ -24,6 +24,7 @@ from gateway.core.memory import DeviceMemory
 from gateway.core.quota import Reservation
 from gateway.core.record import Decision, Outcome, RequestRecord
 from gateway.core.settlement import StreamSummary
+from gateway.core.upstream import FeatureSnapshot
 from gateway.policy.snapshot import PolicyResult
 from gateway.scheduler import DispatchQueue
 
@@ -89,6 +90,7 @@ class Admitted:
     evidence: Evidence | None = None  # the quality evidence a degraded answer rests on
     # A canary's hedge: the candidate must answer by then, leaving the current version time.
     canary_deadline_at: float | None = None
+    features: FeatureSnapshot | None = None  # the upstream features it reads (provenance)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +100,7 @@ class Settled:
     outcome: Outcome
     stages: StageTimes | None = None
     evidence: Evidence | None = None  # the quality evidence a degraded answer rests on
+    features: FeatureSnapshot | None = None  # the upstream features it read (provenance)
 
 
 class GatewayListener:

@@ -163,6 +163,8 @@ def provenance(settled: Settled, stream: StreamSummary | None = None) -> dict[st
     out = decision_provenance(settled.record, settled.decision, settled.evidence)
     out["orchid.complete"] = settled.outcome.complete
     out["orchid.charged_accelerator_ms"] = round(settled.outcome.charged_accelerator_ms, 3)
+    if settled.features is not None:
+        out.update(settled.features.provenance())
     if stream is not None:
         out.update(stream_provenance(stream))
     return out

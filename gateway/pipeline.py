@@ -25,6 +25,7 @@ from gateway.core.load import PoolLoad
 from gateway.core.record import Mode
 from gateway.evidence import EvidenceStore
 from gateway.exchange import BackendHandle, CallContext, GatewayListener
+from gateway.features import Features
 from gateway.idempotent import OPERATION_ID, OnlineOperations
 from gateway.messages import parse_infer_request
 from gateway.policy.store import PolicyStore
@@ -63,6 +64,7 @@ class Gateway:
         self.estimator = Estimator()
         self.rollouts = RolloutController(self.pools, routes, self.evidence)  # none by default
         self.shadows = ShadowTraffic(self.pools, routes, self.rollouts)
+        self.features = Features(config, routes)  # upstream feature sources (none by default)
         self.chain = RequestChain(
             config,
             tenants,
@@ -75,6 +77,7 @@ class Gateway:
             self.rollouts,
             self.shadows,
             self.listener,
+            self.features,
         )
         self.operations = OnlineOperations()  # online requests' orchid.operation_id
         self.accepting = True

@@ -50,6 +50,7 @@ from gateway.config import (
 )
 from gateway.core.errors import ConfigError
 from gateway.exchange import BackendHandle, GatewayListener
+from gateway.features import check_contracts
 from gateway.jobs import service as jobs_service
 from gateway.jobs.runner import JobRunner, limits_of
 from gateway.jobs.store import JobStore, open_store
@@ -134,6 +135,7 @@ def load_configuration(config: GatewayConfig) -> tuple[TenantsFile, RouteTable]:
     check_references(config, tenants, routes)
     check_memory(config, routes)
     check_dedicated(config, tenants, routes)
+    check_contracts(config, routes)
     return tenants, routes
 
 
@@ -435,6 +437,7 @@ class GatewayServer:
             self.jobs_store.close()
         if self.gateway is not None:
             await self.gateway.rollouts.close()
+            await self.gateway.features.close()
             for handle in self.gateway.backends.values():
                 await handle.client.close()
         if self.local_triton is not None:

@@ -38,12 +38,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from gateway import clock
 from gateway.config import TelemetryConfig
 from gateway.core.record import Decision, RequestRecord, Verdict
 from gateway.core.streaming import StreamSummary
 from gateway.exchange import GatewayListener, Settled, StageTimes
+from gateway.features import AGE_BUCKETS_S, Features
 from gateway.pipeline import Gateway
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.snapshot import PolicyResult
@@ -290,6 +292,7 @@ class GatewayCollector:
         for name, (doc, labels) in GATEWAY_GAUGES.items():
             yield GaugeMetricFamily(name, doc, labels=list(labels))
         yield CounterMetricFamily(CO_BATCHED, CO_BATCHED_HELP, labels=["pool"])
+        yield from _feature_families(None)
 
     def collect(self) -> Iterator[Metric]:
         families = {
@@ -333,6 +336,61 @@ class GatewayCollector:
                     )
         yield from families.values()
         yield co_batched
+        yield from _feature_families(gateway.features if gateway is not None else None)
+
+
+def _feature_families(features: Features | None) -> Iterator[Metric]:
+    """Each feature source's reads by outcome, its cache's hits and misses, the age of the
+    oldest value each request used, its upstream reserve and state (``gateway.features``)."""
+    reads = CounterMetricFamily(
+        "orchid_feature_reads",
+        "Feature reads by outcome: read, cache_hit, refused (the contract), failed, timeout, "
+        "backpressure, incompatible, definitions_unavailable",
+        labels=["source", "outcome"],
+    )
+    hits = CounterMetricFamily(
+        "orchid_feature_cache_hits", "Feature reads the scoped cache answered", labels=["source"]
+    )
+    misses = CounterMetricFamily(
+        "orchid_feature_cache_misses", "Feature reads the cache did not answer", labels=["source"]
+    )
+    entries = GaugeMetricFamily(
+        "orchid_feature_cache_entries", "Entries in the feature cache", labels=["source"]
+    )
+    reserve = GaugeMetricFamily(
+        "orchid_feature_upstream_reserve_ms",
+        "The upstream reserve a request's slack sets aside: the source's recent read latency quantile",
+        labels=["source"],
+    )
+    state = GaugeMetricFamily(
+        "orchid_feature_source_state",
+        "1 for the source's state (ok, late, failing)",
+        labels=["source", "state"],
+    )
+    age = HistogramMetricFamily(
+        "orchid_feature_value_age_seconds",
+        "Age (event time to use) of the oldest feature value each request used",
+        labels=["source"],
+    )
+    if features is not None:
+        now = clock.now()
+        for name, source in features.sources.items():
+            for outcome, count in sorted(source.outcomes.items()):
+                reads.add_metric([name, outcome], float(count))
+            hits.add_metric([name], float(source.cache.hits))
+            misses.add_metric([name], float(source.cache.misses))
+            entries.add_metric([name], float(len(source.cache)))
+            health = source.source.health
+            reserve.add_metric([name], health.reserve_ms(now))
+            current = health.state(now)
+            for each in ("ok", "late", "failing"):
+                state.add_metric([name, each], 1.0 if each == current else 0.0)
+            cumulative, buckets = 0, []
+            for bound, count in zip(AGE_BUCKETS_S, source.age_counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else f"{bound:g}", float(cumulative)))
+            age.add_metric([name], buckets, source.age_sum_s)
+    yield from (reads, hits, misses, entries, reserve, state, age)
 
 
 class Telemetry(GatewayListener):

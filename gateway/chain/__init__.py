@@ -49,8 +49,10 @@ from gateway.core.load import FlowLoad, PoolLoad
 from gateway.core.overload import effects as overload_effects
 from gateway.core.record import Identity, Mode, RequestRecord, Shape, Verdict
 from gateway.core.rollout import HEDGE_REASON
+from gateway.core.upstream import FeatureContract
 from gateway.evidence import DENIED_DEGRADATION, EvidenceStore
 from gateway.exchange import Admitted, BackendHandle, CallContext, GatewayListener, Settled
+from gateway.features import Features
 from gateway.messages import attach_provenance
 from gateway.policy.context import quality_floor
 from gateway.policy.schema import PolicyContext
@@ -95,6 +97,7 @@ class RequestChain:
         rollouts: RolloutController,
         shadows: ShadowTraffic,
         listener: GatewayListener,
+        features: Features,
     ) -> None:
         self.config = config
         self.tenants = tenants
@@ -113,6 +116,7 @@ class RequestChain:
         self.wait = Wait(config, pools, quotas, self._weight)
         self.settle = Settle(pools, quotas, estimator)
         self.execute = Execute(rollouts, shadows, self.settle)
+        self.features = features
 
     def _weight(self, tenant: str) -> float:
         known = self.tenants.tenants.get(tenant)
@@ -142,6 +146,11 @@ class RequestChain:
         resolved = self.resolve.run(
             request, tenant, call, operation=operation, mode=mode, late=late, canary=canary
         )
+        contract = self.features.contract(resolved.route)
+        if contract is not None:  # refused here, before any placement, if the source cannot serve it
+            resolved = dataclasses.replace(
+                resolved, features=contract, upstream_reserve_ms=self.features.gate(contract, clock.now())
+            )
         placement = await self.place.primary(resolved)
         shape = shape_of(resolved, placement)
         now = clock.now()
@@ -301,7 +310,7 @@ class RequestChain:
             and verdicts.reduced_output.valid
         ):
             used_evidence = verdicts.reduced_output.evidence
-        return Admitted(
+        admitted = Admitted(
             record=chosen.record,
             decision=decision,
             route=chosen.placement.route,
@@ -320,6 +329,32 @@ class RequestChain:
             and chosen.placement.route.backend_model == diverted.route.backend_model
             else None,
         )
+        if resolved.features is None:
+            return admitted
+        return await self._read_features(admitted, resolved, resolved.features)
+
+    async def _read_features(
+        self, admitted: Admitted, resolved: Resolved, contract: FeatureContract
+    ) -> Admitted:
+        """Read the request's features (after its quota reservation, before the dispatch queue:
+        no device time is queued for a request whose features cannot be had) within the time
+        its deadline leaves beyond the reserves for what follows; on a refusal its reservation
+        is refunded."""
+        budget = admitted.record.budget
+        after_ms = budget.reserve_exec_ms + budget.reserve_fail_ms + budget.queue_wait_ms
+        try:
+            values, snapshot = await self.features.fetch(
+                contract,
+                resolved.request,
+                tenant=resolved.identity.tenant,
+                scope=f"{resolved.cell}/{resolved.identity.risk_class}",
+                time_left_s=admitted.deadline_at - clock.now() - after_ms / 1000.0,
+            )
+        except BaseException:
+            self.settle.abandon(admitted, started=None, now=clock.now())
+            raise
+        self.features.attach(admitted.backend_request, contract, values)
+        return dataclasses.replace(admitted, features=snapshot)
 
     def _fallback_pass(
         self,

@@ -65,7 +65,9 @@ class Price:
             queue=placement.queue,
             reserves=pricing.Reserves(
                 deadline_ms=resolved.deadline_ms,
-                upstream_ms=request_class.reserve_upstream_ms,
+                upstream_ms=request_class.reserve_upstream_ms
+                if resolved.upstream_reserve_ms is None
+                else resolved.upstream_reserve_ms,
                 fail_ms=request_class.reserve_fail_ms,
                 first_result_ms=objectives.first_result_ms if objectives is not None else None,
                 gap_ms=objectives.gap_ms if objectives is not None else None,

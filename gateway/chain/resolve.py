@@ -23,6 +23,7 @@ from gateway.core.errors import DeadlineInfeasible, InvalidArgument, NotFound, P
 from gateway.core.record import Identity, Mode
 from gateway.core.risk import resolve_risk_class
 from gateway.core.streaming import StreamObjectives
+from gateway.core.upstream import FeatureContract
 from gateway.exchange import Admitted, CallContext, new_request_id
 from gateway.rollouts import RolloutController
 from gateway.shape import RequestHints, check_backend_controls, read_hints, stream_objectives_for
@@ -44,6 +45,10 @@ class Resolved:
     objectives: StreamObjectives | None = None  # a stream's first-result, gap and completion
     late: Admitted | None = None  # a late rescue's first admission (``gateway.chain.wait``)
     canary: bool = True  # false: a canary's re-answer by the current version
+    # The route's feature contract and the upstream reserve its source's measured latency
+    # sets aside (``gateway.features``); None: the class's constant reserve.
+    features: FeatureContract | None = None
+    upstream_reserve_ms: float | None = None
 
     @property
     def logical(self) -> str:

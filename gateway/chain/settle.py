@@ -96,7 +96,14 @@ class Settle:
         if not complete:
             outcome = dataclasses.replace(outcome, complete=False)
         stages = StageTimes(admitted.received_at, admitted.admitted_at, started, finished)
-        return Settled(admitted.record, admitted.decision, outcome, stages, evidence=admitted.evidence)
+        return Settled(
+            admitted.record,
+            admitted.decision,
+            outcome,
+            stages,
+            evidence=admitted.evidence,
+            features=admitted.features,
+        )
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:
         """A request that failed or was cancelled: settle quota by what it held, or refund."""
