@@ -64,7 +64,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   # whose protobuf and grpcio the gateway runs with, so generated and runtime versions match.
   .venv/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))' \
     | xargs -d '\n' .venv/bin/python -m pip install --quiet
-  .venv/bin/python -m pip install --quiet --no-build-isolation -e '.[dev,triton]'
+  # features: Feast, for the feature-server tests and the demo (see pyproject.toml).
+  .venv/bin/python -m pip install --quiet --no-build-isolation -e '.[dev,triton,features]'
   # An editable build only warns when a build step fails: check the generated modules import.
   .venv/bin/python -c 'import gateway._proto.admin_pb2_grpc'
   touch "$stamp"

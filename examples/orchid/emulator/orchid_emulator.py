@@ -64,6 +64,12 @@ do not fit together, or when one request alone exceeds the device. The same numb
 gateway's live-memory bound (the route's profile, the backend's ``device_memory_gib`` and
 ``runtime_reserve_gib``). Weights beside the reserve that exceed the device fail the load.
 
+Features (optional input ``FEATURES``, TYPE_FP32; the ``ranker-v3`` model declares it): a
+request that carries it gets it back, as float32, in the output ``FEATURES_SEEN`` beside
+``OUTPUT_IDS``, so a test can prove which features reached the model. They change neither the
+tokens nor the cost. A request without it (and every model without the input) answers as before;
+one batch may mix both.
+
 Cancellation: decode runs in steps; between steps the emulator checks
 `request.is_cancelled()` and stops decoding a cancelled request, which frees
 the instance early exactly as a real server frees a slot.
@@ -304,6 +310,7 @@ class BatchEmulator(_Emulator):
         p = self.profile
         work = []
         responses: list = [None] * len(requests)
+        seen: dict[int, np.ndarray] = {}  # request index -> the FEATURES it carried
         for i, request in enumerate(requests):
             try:
                 ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
@@ -311,6 +318,9 @@ class BatchEmulator(_Emulator):
             except ValueError as exc:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
                 continue
+            features = pb_utils.get_input_tensor_by_name(request, "FEATURES")  # optional input
+            if features is not None:
+                seen[i] = np.asarray(features.as_numpy(), dtype=np.float32)
             work.append((i, request, ids, n_out))
         forced = self.faults.execution_error() if work else None
         if forced is not None:
@@ -361,7 +371,10 @@ class BatchEmulator(_Emulator):
                     out = out + VOCAB  # outside the vocabulary: an invalid answer
                 if ids.ndim == 2:  # batched model: [batch, tokens]
                     out = np.tile(out, (ids.shape[0], 1))
-                responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT_IDS", out)])
+                tensors = [pb_utils.Tensor("OUTPUT_IDS", out)]
+                if i in seen:  # a model with a FEATURES input answers what it received
+                    tensors.append(pb_utils.Tensor("FEATURES_SEEN", seen[i]))
+                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
         return responses
 
     def _sleep(self, ms: float) -> None:
