@@ -1203,6 +1203,22 @@ def compute_worksheet(workload: Workload, *, source: str = "") -> Worksheet:
     return Worksheet(tuple(sections), source)
 
 
+def with_upstream(worksheet: Worksheet, workload: Workload, gateway: Path) -> Worksheet:
+    """``worksheet`` and the Upstream/downstream section of the gateway config ``gateway``
+    (``orchid_tools.capacity_features``): its routes' feature contracts and sources, at the
+    workload's rates for classes calling those routes."""
+    from gateway.config import load_gateway_config, load_routes
+    from orchid_tools.capacity_features import route_rates, upstream_section
+
+    config = load_gateway_config(gateway)
+    routes = load_routes(config.routes_dir)
+    rates = route_rates({name: (c.model, c.rate_per_s) for name, c in workload.classes.items()})
+    section = upstream_section(config, routes, rates)
+    if section is None:
+        return worksheet
+    return Worksheet((*worksheet.sections, section), worksheet.source)
+
+
 # --------------------------------------------------------------------------- rendering
 
 
@@ -1230,6 +1246,12 @@ def render_json(worksheet: Worksheet) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="workload description (YAML), e.g. examples/orchid/workload.yaml")
     parser.add_argument("--json", action="store_true", help="emit the figures as JSON instead of a table")
+    parser.add_argument(
+        "--gateway",
+        type=Path,
+        metavar="CONFIG",
+        help="a gateway config: add the Upstream/downstream section from its feature sources and routes",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1240,5 +1262,12 @@ def run(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     worksheet = compute_worksheet(workload, source=str(args.file))
+    gateway = getattr(args, "gateway", None)
+    if gateway is not None:
+        try:
+            worksheet = with_upstream(worksheet, workload, gateway)
+        except ConfigError as exc:
+            print(exc, file=sys.stderr)
+            return 2
     sys.stdout.write(render_json(worksheet) if args.json else render_text(worksheet))
     return 0

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -82,6 +83,7 @@ from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError, Unav
 from gateway.core.evidence import Evidence, EvidenceKey
 from gateway.core.rollout import CANARY_REASON, RolloutSpec
 from gateway.core.streaming import GapTracker, StreamObjectives, StreamSummary
+from gateway.core.upstream import RULE_BACKPRESSURE
 from gateway.evidence import population
 from gateway.exchange import BackendHandle, CallContext, GatewayListener
 from gateway.messages import flag_response
@@ -96,6 +98,17 @@ from gateway.server import (
 )
 from gateway.settings import DemandProfileValue
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, parse_yaml, read_yaml
+from orchid_tools.simulate_features import (
+    Compare,
+    Entities,
+    FeatureLog,
+    SourceModel,
+    entity_bytes,
+    install,
+    last_refusal_after,
+    run_label,
+    with_backpressure,
+)
 from orchid_tools.virtual_time import VirtualTimeLoop
 
 MS_PER_S = 1000.0
@@ -211,6 +224,9 @@ class ArrivalClass(_Strict):
         default=None, gt=0, description="orchid.first_result_ms (streaming)"
     )
     gap_ms: float | None = Field(default=None, gt=0, description="orchid.gap_ms (streaming)")
+    entities: Entities | None = Field(
+        default=None, description="a route with a features contract: the entities its requests read"
+    )
 
     @model_validator(mode="after")
     def _one_rate(self) -> ArrivalClass:
@@ -308,7 +324,18 @@ EXPECTED_FIGURES = (
     "max_step",  # the highest ladder step of any pool (or ``pool``) in the phase
     "first_result_on_time_pct",  # a streaming class: first result by its objective, % of offered
     "gap_objective_met_pct",  # a streaming class: no gap over its objective, % of admitted streams
+    # With feature_sources (orchid_tools.simulate_features):
+    "feature_reads",  # reads of the source (answered or not)
+    "feature_cache_hits",  # answered by the runtime's feature cache
+    "feature_cache_hit_pct",  # of reads + hits
+    "feature_read_failures",  # reads that failed or timed out
+    "backpressure_refusals",  # refused early with features.upstream_backpressure
+    "backpressure_refusals_pct",  # of offered
+    "backpressure_last_refusal_s",  # seconds from the phase's start to its last such refusal (0: none)
+    "expired_device_ms",  # device time of requests answered late or whose deadline passed as they ran
+    "expired_device_ms_per_s",
 )
+FEATURE_FIGURES = EXPECTED_FIGURES[EXPECTED_FIGURES.index("feature_reads") :]
 
 
 class Expectation(_Strict):
@@ -324,16 +351,27 @@ class Expectation(_Strict):
         default={}, description="figure <= the versus phase's + this (recovery: back to pre-fault)"
     )
     because: str = ""
+    run: str | None = Field(
+        default=None, description="with compare: the run judged (e.g. backpressure=false); default the first"
+    )
+    versus_run: str | None = Field(default=None, description="with compare: the run max_ratio compares with")
+    max_ratio: dict[str, float] = Field(
+        default={}, description="figure <= this x the same figure in versus_run (which must be > 0)"
+    )
 
     @model_validator(mode="after")
     def _figures(self) -> Expectation:
-        for part in ("min", "max", "max_above"):
+        if bool(self.max_ratio) != (self.versus_run is not None):
+            raise _Keyed(
+                "versus_run", "max_ratio needs versus_run (the run compared with), and versus_run max_ratio"
+            )
+        for part in ("min", "max", "max_above", "max_ratio"):
             for name in getattr(self, part):
                 if name not in EXPECTED_FIGURES:
                     raise _Keyed(f"{part}.{name}", f"unknown figure (known: {', '.join(EXPECTED_FIGURES)})")
         if bool(self.max_above) != (self.versus is not None):
             raise _Keyed("versus", "max_above needs versus (the phase compared with), and versus max_above")
-        if not (self.min or self.max or self.max_above):
+        if not (self.min or self.max or self.max_above or self.max_ratio):
             raise _Keyed("max", "an expectation bounds at least one figure")
         if self.pool is not None and not any("max_step" in b for b in (self.min, self.max, self.max_above)):
             raise _Keyed("pool", "pool applies to max_step only: bound max_step too")
@@ -360,6 +398,10 @@ class Scenario(_Strict):
     evidence: list[PublishedEvidence] = []
     expect: list[Expectation] = []
     report: ReportSpec = ReportSpec()
+    feature_sources: dict[str, SourceModel] = Field(
+        default={}, description="the gateway config's feature sources, simulated (simulate_features)"
+    )
+    compare: Compare | None = Field(default=None, description="run the same arrivals once per value")
 
     @model_validator(mode="after")
     def _references(self) -> Scenario:
@@ -405,6 +447,15 @@ class Scenario(_Strict):
             kind, _, name = expectation.scope.partition(" ")
             if kind == "class" and name not in self.arrivals:
                 raise _Keyed(f"expect[{e}].scope", f"unknown arrival class {name!r}")
+            runs = self.compare.labels() if self.compare is not None else []
+            for key, named in (("run", expectation.run), ("versus_run", expectation.versus_run)):
+                if named is not None and named not in runs:
+                    raise _Keyed(
+                        f"expect[{e}].{key}",
+                        f"unknown run {named!r} (runs: {', '.join(runs) or 'none: set compare'})",
+                    )
+        if self.compare is not None and not self.feature_sources:
+            raise _Keyed("compare", "compare: backpressure needs feature_sources")
         return self
 
     @property
@@ -528,6 +579,7 @@ class ClassFacts:
     streaming: bool = False  # ModelStreamInfer (mode: streaming)
     first_result_ms: float | None = None  # a stream's first-result objective (the class's, or its own)
     gap_ms: float | None = None  # a stream's gap objective (None: none)
+    features_source: str | None = None  # the feature source its route's contract reads
 
 
 def _resolve(base: Path, value: Path) -> Path:
@@ -565,6 +617,17 @@ def prepare(
         update["policies_dir"] = policies_dir.resolve()
     if scenario.tenants is not None:
         update["tenants_file"] = source.path
+    for name in scenario.feature_sources:
+        if name not in config.feature_sources:
+            raise source.error(
+                f"feature_sources.{name}",
+                f"unknown feature source {name!r} (the gateway config's: {_known(config.feature_sources)})",
+            )
+    if scenario.feature_sources:
+        # The simulated sources read no registry: definition versions are not what is simulated.
+        update["feature_sources"] = {
+            n: s.model_copy(update={"registry": None}) for n, s in config.feature_sources.items()
+        }
     config = config.model_copy(update=update)
     if scenario.tenants is not None:
         inline = dict(scenario.tenants)
@@ -725,6 +788,15 @@ def _class_facts(
         rate = spec.raw_capacity_share * raw
     deadline_ms = spec.deadline_ms or config.classes[request_class].default_deadline_ms
     klass = config.classes[request_class]
+    features_source = route.features.source if route.features is not None else None
+    if features_source is not None and features_source not in scenario.feature_sources:
+        raise source.error(
+            f"{key}.model",
+            f"model {spec.model!r} reads features from {features_source!r}: "
+            f"declare it under feature_sources (its latency)",
+        )
+    if spec.entities is not None and features_source is None:
+        raise source.error(f"{key}.entities", f"model {spec.model!r} reads no features")
     first_result_ms = spec.first_result_ms or klass.first_result_ms
     return ClassFacts(
         name=name,
@@ -743,6 +815,7 @@ def _class_facts(
         streaming=streaming,
         first_result_ms=min(first_result_ms or deadline_ms, deadline_ms) if streaming else None,
         gap_ms=(spec.gap_ms or klass.gap_ms) if streaming else None,
+        features_source=features_source,
     )
 
 
@@ -959,22 +1032,30 @@ class RunRecord:
     rollouts: list[dict[str, Any]] = field(default_factory=list)
     # A streaming arrival's results against its objectives (measured where its caller reads them).
     streams: dict[int, StreamSummary] = field(default_factory=dict)
+    # With feature_sources: per arrival, read / read_failed / cache_hit.
+    features: FeatureLog = field(default_factory=FeatureLog)
 
 
-def run_once(prepared: Prepared, arrivals: list[Arrival], *, policies_dir: Path | None = None) -> RunRecord:
-    """Run the production runtime over ``arrivals`` on a fresh virtual-time loop."""
+def run_once(
+    prepared: Prepared, arrivals: list[Arrival], *, policies_dir: Path | None = None, seed: int | None = None
+) -> RunRecord:
+    """Run the production runtime over ``arrivals`` on a fresh virtual-time loop (``seed``: of the
+    simulated feature sources and entity draws; default the scenario's)."""
     config = prepared.config
     if policies_dir is not None:
         config = config.model_copy(update={"policies_dir": policies_dir.resolve()})
     policy = load_policies(config)
     loop = VirtualTimeLoop()
     try:
-        return loop.run_until_complete(_run(prepared, config, policy, arrivals))
+        used = prepared.scenario.seed if seed is None else seed
+        return loop.run_until_complete(_run(prepared, config, policy, arrivals, used))
     finally:
         loop.close()
 
 
-async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals: list[Arrival]) -> RunRecord:
+async def _run(
+    prepared: Prepared, config: GatewayConfig, policy: Any, arrivals: list[Arrival], seed: int
+) -> RunRecord:
     loop = asyncio.get_running_loop()
     scenario = prepared.scenario
     names = list(scenario.arrivals)
@@ -1029,6 +1110,20 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
     gateway = await assemble_gateway(
         config, prepared.tenants, prepared.routes, handles, policy, listener=recorder
     )
+    if scenario.feature_sources:
+
+        def caller() -> int | None:
+            task = asyncio.current_task()
+            return callers.get(task) if task is not None else None
+
+        install(
+            gateway.features,
+            dict(scenario.feature_sources),
+            seed=seed,
+            t0=t0,
+            caller=caller,
+            log=record.features,
+        )
     background = [
         loop.create_task(update_ladders_forever(gateway), name="ladders"),
         loop.create_task(sample_statistics_forever(gateway), name="stats"),
@@ -1092,6 +1187,16 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
     for name, f in zip(names, facts, strict=True):
         templates.append(request_template(f, scenario.arrivals[name], prepared.routes.models[f.model]))
         metadata.append((("authorization", f"Bearer {minted_key(f.tenant)}"),))
+    # A class whose route reads features: each request names its entities (drawn per class).
+    entity_draws = {
+        k: (
+            gateway.features.contract(prepared.routes.models[f.model]),
+            scenario.arrivals[n].entities or Entities(),
+            np.random.default_rng([seed, 2000 + k]),
+        )
+        for k, (n, f) in enumerate(zip(names, facts, strict=True))
+        if f.features_source is not None
+    }
     done = loop.create_future()
     remaining = [count]
 
@@ -1113,6 +1218,9 @@ async def _run(prepared: Prepared, config: GatewayConfig, policy: Any, arrivals:
         f = facts[arrival.klass]
         # The id first, then the template: protobuf merges concatenated messages.
         raw = service_pb2.ModelInferRequest(id=str(index)).SerializeToString() + templates[arrival.klass]
+        draw = entity_draws.get(arrival.klass)
+        if draw is not None and draw[0] is not None:
+            raw += entity_bytes(draw[0], draw[1], draw[2])
         # Upstream work (features, preprocessing) already spent part of the caller's deadline.
         elapsed_ms = upstream[arrival.klass] + sum(
             ms for a, u, chosen, ms in slow_upstream if arrival.klass in chosen and a <= arrival.at_s < u
@@ -1272,6 +1380,7 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
     wasted: dict[tuple[int, int], float] = defaultdict(float)
     useful: dict[tuple[int, int], float] = defaultdict(float)
     shadow_ms: dict[int, float] = defaultdict(float)
+    expired: dict[tuple[int, int], float] = defaultdict(float)  # the caller's deadline passed as it ran
     for index, execution in record.executions:
         if index < 0 or index >= len(record.arrivals):
             continue
@@ -1284,12 +1393,16 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             useful[key] += execution.device_ms
         else:
             wasted[key] += execution.device_ms
+            if record.outcome[index] in ("missed", "late"):
+                expired[key] += execution.device_ms
 
     per: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
     rules: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
     degradations: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
     saving: dict[tuple[int, int], float] = defaultdict(float)
     offered_ms: dict[tuple[int, int], float] = defaultdict(float)
+    backpressured: dict[tuple[int, int], list[float]] = defaultdict(list)  # arrival times
+    feature_counts: dict[tuple[int, int], Counter[str]] = defaultdict(Counter)
     for index, arrival in enumerate(record.arrivals):
         key = (arrival.phase, arrival.klass)
         f = facts[arrival.klass]
@@ -1309,6 +1422,34 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
                 degradations[key][f"{approximation}: {record.rule[index]}"] += 1
         elif record.rule[index]:
             rules[key][f"{outcome}:{record.rule[index]}"] += 1
+        if outcome == "rejected_early" and record.rule[index] == RULE_BACKPRESSURE:
+            backpressured[key].append(arrival.at_s)
+        read = record.features.outcome.get(index)
+        if read is not None:
+            feature_counts[key][read] += 1
+
+    features_on = bool(scenario.feature_sources)
+
+    def feature_figures(keys: Sequence[tuple[int, int]], duration: float, start_s: float) -> dict[str, Any]:
+        counts = Counter[str]()
+        times: list[float] = []
+        for key in keys:
+            counts.update(feature_counts.get(key, Counter()))
+            times += backpressured.get(key, [])
+        reads = counts["read"] + counts["read_failed"]
+        offered_n = sum(per[key]["offered"] for key in keys if key in per)
+        waste = sum(expired[key] for key in keys)
+        return {
+            "feature_reads": reads,
+            "feature_read_failures": counts["read_failed"],
+            "feature_cache_hits": counts["cache_hit"],
+            "feature_cache_hit_pct": _pct(counts["cache_hit"], reads + counts["cache_hit"]),
+            "backpressure_refusals": len(times),
+            "backpressure_refusals_pct": _pct(len(times), offered_n),
+            "backpressure_last_refusal_s": _r(last_refusal_after(times, start_s)),
+            "expired_device_ms": _r(waste),
+            "expired_device_ms_per_s": _r(waste / duration),
+        }
 
     def block(
         counts: Counter[str], duration: float, offered: float, waste: float, served: float
@@ -1357,6 +1498,8 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             entry["degradations"] = dict(sorted(degradations.get(key, Counter()).items()))
             if facts[k].streaming:
                 entry.update(_stream_figures(record, p, k, counts["offered"]))
+            if features_on:
+                entry.update(feature_figures([key], duration, window.start_s))
             classes_out[name] = entry
         tenants_out: dict[str, Any] = {}
         for tenant in sorted({f.tenant for f in facts}):
@@ -1372,11 +1515,15 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             entry["weight"] = prepared.tenants.tenants[tenant].weight
             entry["share_of_served_pct"] = _pct(t_served, total_served)
             entry["share_of_offered_pct"] = _pct(t_offered, total_offered)
+            if features_on:
+                entry.update(feature_figures([(p, k) for k in members], duration, window.start_s))
             tenants_out[tenant] = entry
         totals = block(total, duration, total_offered, total_waste, total_served)
         totals["fallback_saving_ms_per_s"] = _r(total_saving / duration)
         totals["shadow_device_ms"] = _r(shadow_ms[p])
         totals["shadow_device_ms_per_s"] = _r(shadow_ms[p] / duration)
+        if features_on:
+            totals.update(feature_figures([(p, k) for k in range(len(names))], duration, window.start_s))
         phases_out.append(
             {
                 "name": window.name,
@@ -1427,6 +1574,7 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
             for f in facts
         },
         "faults": record.faults,
+        **({"feature_sources": _feature_sources(prepared)} if scenario.feature_sources else {}),
         "rollouts": record.rollouts,
         "phases": phases_out,
         "timeline": _timeline(prepared, record, windows),
@@ -1434,6 +1582,31 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
     document["expectations"] = check_expectations(scenario, document)
     document["expectations_held"] = all(e["held"] for e in document["expectations"])
     return document
+
+
+def _feature_sources(prepared: Prepared) -> dict[str, Any]:
+    """Each simulated source: the gateway config's settings the runtime judges it by, and the
+    scenario's latency model."""
+    out: dict[str, Any] = {}
+    for name, model in sorted(prepared.scenario.feature_sources.items()):
+        config = prepared.config.feature_sources[name]
+        out[name] = {
+            "backpressure": config.backpressure,
+            "budget_ms": config.budget_ms,
+            "timeout_ms": config.timeout_ms,
+            "latency_quantile": config.latency_quantile,
+            "window_s": config.window_s,
+            "min_samples": config.min_samples,
+            "probe_interval_s": config.probe_interval_s,
+            "max_concurrency": config.max_concurrency,
+            "cache_ttl_ms": config.cache_ttl_ms,
+            "median_ms": model.median_ms,
+            "p95_ms": model.p95_ms,
+            "failure_rate": model.failure_rate,
+            "value_age_s": model.value_age_s,
+            "incidents": [i.model_dump() for i in model.incidents],
+        }
+    return out
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:
@@ -1495,13 +1668,34 @@ def _figure(phase: Mapping[str, Any], expectation: Expectation, name: str) -> fl
     return None if value is None else float(value)
 
 
-def check_expectations(scenario: Scenario, document: Mapping[str, Any]) -> list[dict[str, Any]]:
+def check_expectations(
+    scenario: Scenario, document: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """Every bound of the scenario's ``expect:`` against the report's figures: what it asked,
     what the run had, whether it held. A figure the phase does not have (nothing offered in
-    its scope) does not hold: an expectation must not pass by having nothing to judge."""
-    phases = {p["name"]: p for p in document["phases"]}
+    its scope) does not hold: an expectation must not pass by having nothing to judge.
+    ``runs`` (with ``compare:``): each run's report by label, for ``run`` and ``versus_run``."""
     out: list[dict[str, Any]] = []
     for expectation in scenario.expect:
+        judged = document
+        if expectation.run is not None:
+            found = (runs or {}).get(expectation.run)
+            if found is None:  # the runs are not there yet (report() before compare): not held
+                out.append(
+                    {
+                        "phase": expectation.phase,
+                        "scope": expectation.scope,
+                        "run": expectation.run,
+                        "figure": "",
+                        "bound": "max",
+                        "limit": None,
+                        "value": None,
+                        "held": False,
+                    }
+                )
+                continue
+            judged = found
+        phases = {p["name"]: p for p in judged["phases"]}
         phase = phases[expectation.phase]
         scope = expectation.scope + (f" {expectation.pool}" if expectation.pool else "")
         bounds: list[tuple[str, str, float]] = [("min", n, v) for n, v in expectation.min.items()]
@@ -1510,6 +1704,18 @@ def check_expectations(scenario: Scenario, document: Mapping[str, Any]) -> list[
             assert expectation.versus is not None
             base = _figure(phases[expectation.versus], expectation, name)
             bounds.append(("max", name, math.nan if base is None else base + margin))
+        ratio_base: dict[str, float | None] = {}
+        for name, ratio in expectation.max_ratio.items():
+            assert expectation.versus_run is not None
+            other = (runs or {}).get(expectation.versus_run)
+            base = (
+                None
+                if other is None
+                else _figure({p["name"]: p for p in other["phases"]}[expectation.phase], expectation, name)
+            )
+            ratio_base[name] = base
+            # The compared run must have some of it: a ratio of nothing proves nothing.
+            bounds.append(("max", name, math.nan if base is None or base <= 0 else ratio * base))
         for kind, name, limit in bounds:
             value = _figure(phase, expectation, name)
             held = value is not None and not math.isnan(limit)
@@ -1527,6 +1733,12 @@ def check_expectations(scenario: Scenario, document: Mapping[str, Any]) -> list[
             if expectation.versus is not None and name in expectation.max_above:
                 entry["versus"] = expectation.versus
                 entry["margin"] = expectation.max_above[name]
+            if expectation.run is not None:
+                entry["run"] = expectation.run
+            if name in expectation.max_ratio:
+                entry["versus_run"] = expectation.versus_run
+                entry["ratio"] = expectation.max_ratio[name]
+                entry["versus_value"] = ratio_base[name]
             if expectation.because:
                 entry["because"] = expectation.because.strip()
             out.append(entry)
@@ -1743,6 +1955,8 @@ def render_text(document: Mapping[str, Any]) -> str:
                 f" {_fmt(t['served_device_ms_per_s']):>12} {_fmt(t['share_of_served_pct'], '%'):>11}"
                 f" {_fmt(t['on_time_pct'], '%'):>8} {_fmt(t['degraded_pct'], '%'):>8}"
             )
+    if "feature_sources" in document:
+        lines += _render_features(document, pw)
     timeline = document["timeline"]
     lines.append("")
     lines.append(f"Ladder step, max per {timeline['interval_s']:g} s:")
@@ -1758,12 +1972,58 @@ def render_text(document: Mapping[str, Any]) -> str:
             limit = "n/a" if e["limit"] is None else f"{e['limit']:g}"
             if "versus" in e:
                 limit += f" ({e['versus']} + {e['margin']:g})"
+            if "ratio" in e:
+                versus = "n/a" if e["versus_value"] is None else f"{e['versus_value']:g}"
+                limit += f" ({e['ratio']:g} x {versus} in {e['versus_run']})"
             value = "n/a" if e["value"] is None else f"{e['value']:g}"
+            run = f" [{e['run']}]" if "run" in e else ""
             lines.append(
                 f"  {'held  ' if e['held'] else 'FAILED'} {e['phase']:<{pw}} {e['scope']:<16} "
-                f"{e['figure']} {value} {sign} {limit}"
+                f"{e['figure']}{run} {value} {sign} {limit}"
             )
     return "\n".join(lines) + "\n"
+
+
+def _render_features(document: Mapping[str, Any], pw: int) -> list[str]:
+    """The feature sources (settings, latency model), per phase their reads, cache hits,
+    refusals by backpressure and expired device time; with ``compare:``, each run's."""
+    lines = [""]
+    for name, f in document["feature_sources"].items():
+        lines.append(
+            f"Feature source {name}: budget {f['budget_ms']:g} ms (p{f['latency_quantile'] * 100:g} of "
+            f"{f['window_s']:g} s, {f['min_samples']} reads min), timeout {f['timeout_ms']:g} ms, "
+            f"probe every {f['probe_interval_s']:g} s, cache TTL {f['cache_ttl_ms']:g} ms, "
+            f"backpressure {'on' if f['backpressure'] else 'off'}"
+        )
+        model = (
+            f"  reads: median {f['median_ms']:g} ms, p95 {f['p95_ms']:g} ms, failures {f['failure_rate']:.0%}"
+        )
+        for i in f["incidents"]:
+            model += (
+                f"; {i['at_s']:g}-{i['until_s']:g} s: median {i['median_ms']:g} ms, p95 {i['p95_ms']:g} ms,"
+                f" failures {i['failure_rate']:.0%}"
+            )
+        lines.append(model)
+    runs = document.get("runs") or {"": document}
+    lines.append("")
+    lines.append(
+        f"{'phase':<{pw}} {'run':<20} {'reads':>6} {'hits':>6} {'hit %':>6} {'failed':>6}"
+        f" {'bp refused':>10} {'bp %':>6} {'last bp s':>9} {'on time':>8} {'rej early':>9}"
+        f" {'expired dev-ms':>14} {'expired ms/s':>12}"
+    )
+    for p, phase in enumerate(document["phases"]):
+        for label, run in runs.items():
+            t = run["phases"][p]["totals"]
+            lines.append(
+                f"{phase['name']:<{pw}} {label or '-':<20} {t['feature_reads']:>6,}"
+                f" {t['feature_cache_hits']:>6,}"
+                f" {_fmt(t['feature_cache_hit_pct']):>6} {t['feature_read_failures']:>6,}"
+                f" {t['backpressure_refusals']:>10,} {_fmt(t['backpressure_refusals_pct']):>6}"
+                f" {t['backpressure_last_refusal_s']:>9.2f} {_fmt(t['on_time_pct'], '%'):>8}"
+                f" {_fmt(t['rejected_early_pct'], '%'):>9} {_fmt(t['expired_device_ms']):>14}"
+                f" {_fmt(t['expired_device_ms_per_s']):>12}"
+            )
+    return lines
 
 
 _LABELS = {
@@ -1919,15 +2179,45 @@ def simulate(
         raise ConfigError(str(compare_policies), "", "policy directory does not exist")
     used_seed = scenario.seed if seed is None else seed
     arrivals = schedule(prepared, used_seed)
-    baseline = report(prepared, run_once(prepared, arrivals), seed=used_seed)
+    baseline = _report_runs(prepared, arrivals, used_seed, None)
     if compare_policies is None:
         return baseline
-    candidate = report(prepared, run_once(prepared, arrivals, policies_dir=compare_policies), seed=used_seed)
+    candidate = _report_runs(prepared, arrivals, used_seed, compare_policies)
     return {
         "baseline": baseline,
         "candidate": candidate,
         "differences": differences(baseline, candidate),
     }
+
+
+def _report_runs(
+    prepared: Prepared, arrivals: list[Arrival], seed: int, policies_dir: Path | None
+) -> dict[str, Any]:
+    """One run's report; with the scenario's ``compare:``, one run per value over the same
+    arrivals: the first value's report, with every run's (timeline left out) under ``runs``."""
+    scenario = prepared.scenario
+    if scenario.compare is None:
+        return report(prepared, run_once(prepared, arrivals, policies_dir=policies_dir, seed=seed), seed=seed)
+    runs: dict[str, dict[str, Any]] = {}
+    for value in scenario.compare.backpressure:
+        config = prepared.config.model_copy(
+            update={"feature_sources": with_backpressure(prepared.config.feature_sources, value)}
+        )
+        variant = dataclasses.replace(prepared, config=config)
+        runs[run_label(value)] = report(
+            variant, run_once(variant, arrivals, policies_dir=policies_dir, seed=seed), seed=seed
+        )
+    first = runs[run_label(scenario.compare.backpressure[0])]
+    document = dict(first)
+    document["runs"] = {
+        label: {k: v for k, v in run.items() if k in ("phases", "feature_sources", "expectations_held")}
+        for label, run in runs.items()
+    }
+    document["expectations"] = check_expectations(scenario, first, runs)
+    document["expectations_held"] = all(e["held"] for e in document["expectations"])
+    for run in document["runs"].values():  # each run's own expectations are the document's
+        run.pop("expectations_held", None)
+    return document
 
 
 def render_json(document: Mapping[str, Any]) -> str:
