@@ -358,7 +358,11 @@ class FeatureSourceConfig(_Strict):
     window_s: float = Field(
         default=5.0, gt=0, description="the recent reads the reserve and backpressure judge"
     )
-    min_samples: int = Field(default=8, ge=1, description="reads in the window before it may backpressure")
+    min_samples: int = Field(
+        default=20,
+        ge=1,
+        description="reads in the window before it may backpressure (20: one slow read is not a p95)",
+    )
     probe_interval_s: float = Field(
         default=0.5, gt=0, description="while backpressured, one read per interval"
     )
@@ -367,7 +371,12 @@ class FeatureSourceConfig(_Strict):
     )
     cache_ttl_ms: float = Field(default=1000.0, ge=0, description="a cached read's longest life; 0: no cache")
     cache_entries: int = Field(default=4096, ge=0)
-    backpressure: bool = Field(default=True, description="refuse early while the source is late or failing")
+    backpressure: bool = Field(
+        default=True,
+        description="the source's latency reaches admission: its measured quantile is the requests' "
+        "upstream reserve, and new requests are refused early while it is late or failing; false: "
+        "the class's constant reserve, every request reads",
+    )
 
 
 class FeatureRefConfig(_Strict):

@@ -24,6 +24,7 @@ class SlowProxy:
         self.upstream_port = parts.port or 80
         self.delay_ms = delay_ms
         self.fail = False
+        self.requests = 0  # HTTP requests forwarded (``POST`` request lines seen)
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -60,6 +61,8 @@ class SlowProxy:
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delayed: bool) -> None:
             with contextlib.suppress(OSError, asyncio.CancelledError):
                 while data := await src.read(65536):
+                    if not delayed:
+                        self.requests += data.count(b"POST /")
                     if delayed and self.delay_ms > 0:
                         await asyncio.sleep(self.delay_ms / 1000.0)
                     dst.write(data)

@@ -122,19 +122,27 @@ def test_a_late_source_backpressures_with_one_probe_per_interval_and_clears_when
     now = 0.5
     assert health.state(now) == "late"
     assert health.backpressure(now) is None  # the first is a probe
+    assert health.reserve_ms(now) == 20.0  # reserving its slow past would refuse the probe itself
     refusal = health.backpressure(now + 0.1)
     assert refusal is not None and refusal.rule == upstream.RULE_BACKPRESSURE
     assert "80 ms" in refusal.message and health.retry_after_ms(now + 0.1) == 400
     assert health.backpressure(now + 0.5) is None  # the next probe
-    # The source recovered: probes measure it fast; once the slow reads leave the window it
-    # stops refusing (never stuck: the probes keep measuring it).
-    t = now + 0.5
+    health.record(now + 0.58, 80.0, ok=True)  # still slow: still late, whatever the window says
+    assert health.state(now + 5.0) == "late"
+    # The source recovered: two good probes in a row clear it (never stuck, and not only once
+    # the slow reads have left the window).
+    t = now + 5.0
     while health.state(t) != "ok":
         if health.backpressure(t) is None:
-            health.record(t, 5.0, ok=True)
+            health.record(t + 0.005, 5.0, ok=True)
         t += 0.05
-        assert t < 10.0, "still backpressured long after the source recovered"
-    assert t <= 0.4 + 2.0 + 0.6
+        assert t < 20.0, "still backpressured long after the source recovered"
+    assert t <= now + 5.0 + 2 * health.probe_interval_s + 0.05
+    assert health.reserve_ms(t) == 5.0  # the good probes are the evidence now
+    # Slow again: it takes min_samples reads to trip again.
+    for i in range(4):
+        health.record(t + 0.01 * i, 80.0, ok=True)
+    assert health.state(t + 0.05) == "late"
 
 
 def test_a_failing_source_backpressures() -> None:

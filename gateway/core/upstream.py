@@ -189,28 +189,49 @@ class FeatureSnapshot:
 
 @dataclass
 class UpstreamHealth:
-    """One feature source's recent fetches: latency samples and failures over ``window_s``.
+    """One feature source's recent reads: latency samples and failures over ``window_s``.
 
     ``reserve_ms``: the ``quantile`` of recent latencies (the budget before any sample): what a
-    request's slack sets aside for its features. ``backpressure``: the refusal new requests get
-    while the source is late (that quantile over ``budget_ms``, with at least ``min_samples``)
-    or failing (``min_samples`` recent fetches, most of them failed); one probe per
-    ``probe_interval_s`` still goes through so the state clears once the source recovers."""
+    request's slack sets aside for its features. The source turns ``late`` when that quantile
+    exceeds ``budget_ms``, or ``failing`` when most recent reads failed (either with at least
+    ``min_samples`` in the window); from then on new requests are refused (``backpressure``)
+    but for one probe per ``probe_interval_s``, and it stays so, whatever the window says,
+    until ``recover_probes`` probes in a row came back within the budget: then the evidence
+    from before them is dropped and it is ``ok`` again. Recovery is thus seen within a few
+    probe intervals of the source's, not when the slow samples age out of the window (before,
+    a 2 s window refused the first two seconds of a recovered source's traffic), and a
+    source that stays slow is never read by more than the probes."""
 
     budget_ms: float
     window_s: float = 5.0
     quantile: float = 0.95
-    min_samples: int = 8
+    min_samples: int = 20
     probe_interval_s: float = 0.5
+    recover_probes: int = 2
     capacity: int = 512
     _samples: deque[tuple[float, float, bool]] = field(default_factory=deque)  # (at, ms, ok)
     _last_probe: float = -math.inf
+    _tripped: str = ""  # "late" or "failing" while backpressuring, else ""
+    _good_probes: int = 0
     refused: int = 0
 
     def record(self, now: float, latency_ms: float, *, ok: bool) -> None:
+        """A read ended ``now`` after ``latency_ms`` (``ok``: answered). While backpressuring,
+        reads are probes: enough good ones in a row clear the state."""
         self._samples.append((now, latency_ms, ok))
         while len(self._samples) > self.capacity:
             self._samples.popleft()
+        if not self._tripped:
+            return
+        if ok and latency_ms <= self.budget_ms:
+            self._good_probes += 1
+            if self._good_probes >= self.recover_probes:
+                self._tripped, self._good_probes = "", 0
+                # Only the good probes remain as evidence: the source recovered.
+                keep = [s for s in self._samples if s[1] <= self.budget_ms and s[2]][-self.recover_probes :]
+                self._samples = deque(keep)
+        else:
+            self._good_probes = 0
 
     def _recent(self, now: float) -> list[tuple[float, float, bool]]:
         while self._samples and now - self._samples[0][0] > self.window_s:
@@ -224,21 +245,28 @@ class UpstreamHealth:
         return recent[max(0, min(len(recent), math.ceil(self.quantile * len(recent))) - 1)]
 
     def reserve_ms(self, now: float) -> float:
+        """The upstream reserve of a request admitted now: the measured quantile (the budget
+        before any sample). While backpressuring, the budget: the requests let through then
+        are probes, there to measure the source; reserving its slow past would refuse them on
+        their slack before they read, and the state would never clear."""
         measured = self.latency_quantile_ms(now)
-        return self.budget_ms if measured is None else measured
+        return self.budget_ms if measured is None or self._tripped else measured
 
     def state(self, now: float) -> str:
-        """``ok``, ``late`` or ``failing``, from the recent window."""
+        """``ok``, ``late`` or ``failing``."""
+        if self._tripped:
+            return self._tripped
         recent = self._recent(now)
         if len(recent) < self.min_samples:
             return "ok"
         failed = sum(1 for _, _, ok in recent if not ok)
-        if failed * 2 > len(recent):
-            return "failing"
         measured = self.latency_quantile_ms(now)
-        if measured is not None and measured > self.budget_ms:
-            return "late"
-        return "ok"
+        if failed * 2 > len(recent):
+            self._tripped = "failing"
+        elif measured is not None and measured > self.budget_ms:
+            self._tripped = "late"
+        self._good_probes = 0
+        return self._tripped or "ok"
 
     def backpressure(self, now: float) -> Refusal | None:
         """None: the request may read the source (always, for one probe per interval); else the
@@ -254,7 +282,7 @@ class UpstreamHealth:
         why = (
             "most recent reads failed"
             if state == "failing"
-            else f"its p{self.quantile * 100:g} read latency is {measured:.0f} ms, "
+            else f"its p{self.quantile * 100:g} read latency is {measured or 0:.0f} ms, "
             f"over its {self.budget_ms:g} ms budget"
         )
         return Refusal(RULE_BACKPRESSURE, f"the feature source is {state}: {why}")

@@ -162,10 +162,11 @@ class Features:
 
     # ------------------------------------------------------------------ gate
 
-    def gate(self, contract: FeatureContract, now: float) -> float:
+    def gate(self, contract: FeatureContract, now: float) -> float | None:
         """Before placement: refuse a request whose features cannot be read as its model was
         trained (definitions) or should not be read now (backpressure); else the upstream
-        reserve (ms) its slack sets aside."""
+        reserve (ms) its slack sets aside: the source's measured read latency quantile, or
+        with the source's ``backpressure`` off None (the class's constant reserve)."""
         state = self.sources[contract.source]
         state.refresh(now)
         if state.registry is not None:
@@ -183,13 +184,12 @@ class Features:
                 state.count("incompatible")
                 raise FailedPrecondition(problem, rule=upstream.RULE_INCOMPATIBLE)
         health = state.source.health
-        if state.source.config.backpressure:
-            refusal = health.backpressure(now)
-            if refusal is not None:
-                state.count("backpressure")
-                raise Unavailable(
-                    refusal.message, rule=refusal.rule, retry_after_ms=health.retry_after_ms(now)
-                )
+        if not state.source.config.backpressure:
+            return None
+        refusal = health.backpressure(now)
+        if refusal is not None:
+            state.count("backpressure")
+            raise Unavailable(refusal.message, rule=refusal.rule, retry_after_ms=health.retry_after_ms(now))
         return health.reserve_ms(now)
 
     # ------------------------------------------------------------------ fetch

@@ -1,0 +1,145 @@
+"""A late feature source reaches admission (issue 29): new requests are refused before they read
+or queue, with their own rule and a retry-after; only probes read the source meanwhile; once the
+source recovers, the probes see it and requests are served again (no stuck state). Against the
+real Feast server behind ``orchid_tools.slowproxy.SlowProxy`` and the session Triton.
+
+The side-by-side figures (the same schedule with ``backpressure: false``: device time wasted,
+reads made, how long a refused caller waited) are ``bench/features_backpressure.py``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from gateway.backends.local import LocalTriton
+from gateway.config import FeatureSourceConfig
+from orchid_tools.featurestore import FeastServer
+from orchid_tools.slowproxy import SlowProxy
+from tests.conftest import ThreadedGateway, gateway_config
+from tests.feast_server import feast_server
+from tests.test_features import ask
+
+__all__ = ["feast_server"]
+
+PROBE_S = 0.3
+
+
+@pytest.fixture
+def slow(feast_server: FeastServer) -> Iterator[SlowProxy]:
+    with SlowProxy(feast_server.url) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def behind_proxy(
+    triton: LocalTriton, feast_server: FeastServer, slow: SlowProxy, tmp_path: Path
+) -> Iterator[ThreadedGateway]:
+    source = FeatureSourceConfig(
+        url=slow.url,
+        registry=feast_server.registry_path,
+        timeout_ms=100.0,
+        budget_ms=40.0,
+        min_samples=20,
+        window_s=10.0,
+        probe_interval_s=PROBE_S,
+        cache_ttl_ms=0.0,  # every request reads
+    )
+    running = ThreadedGateway(gateway_config(triton.address, feature_sources={"feast": source}))
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def backpressured(error: InferenceServerException) -> bool:
+    """The gateway's backpressure refusal (``features.upstream_backpressure``: tritonclient
+    shows the status and message, not the rule in the trailers)."""
+    message = str(error.message())
+    return error.status() == "StatusCode.UNAVAILABLE" and message.startswith("the feature source is")
+
+
+def outcome(gateway: ThreadedGateway, user: int) -> InferenceServerException | None:
+    try:
+        ask(gateway, user)
+    except InferenceServerException as error:
+        return error
+    return None
+
+
+def test_a_late_source_is_refused_early_read_only_by_probes_and_served_again_once_it_recovers(
+    behind_proxy: ThreadedGateway, slow: SlowProxy
+) -> None:
+    gateway = behind_proxy
+    normal = [outcome(gateway, 1 + i % 5) for i in range(10)]
+    assert all(e is None for e in normal), [str(e) for e in normal]  # normal: served
+
+    slow.delay_ms = 150.0  # the source is late: every read outlives its 100 ms timeout
+    refused = None
+    for i in range(40):
+        error = outcome(gateway, 1 + i % 5)
+        if error is not None and backpressured(error):
+            refused = error
+            break
+    assert refused is not None, ("a late source never made the gateway refuse early", str(error))
+    assert refused.status() == "StatusCode.UNAVAILABLE"
+    assert "over its 40 ms budget" in str(refused.message()) or "failed" in str(refused.message())
+
+    # Refused at once and with a retry-after; only one read per probe interval reaches the source.
+    reads, started = slow.requests, time.monotonic()
+    early = 0
+    for i in range(30):
+        error = outcome(gateway, 1 + i % 5)
+        assert error is not None, "a request was served by a source 150 ms late"
+        early += backpressured(error)
+    elapsed = time.monotonic() - started
+    assert early >= 25
+    assert slow.requests - reads <= 1 + elapsed / PROBE_S + 1, "requests read a late source"
+
+    slow.delay_ms = 0.0  # recovered: two good probes in a row clear it, and every request reads again
+    served_in_a_row, tries = 0, 0
+    while served_in_a_row < 10:
+        tries += 1
+        assert tries < 400, "still refused long after the source recovered"
+        if outcome(gateway, 1 + tries % 5) is None:
+            served_in_a_row += 1
+        else:
+            served_in_a_row = 0
+            gateway.call(asyncio.sleep(0.02))
+
+
+@pytest.fixture
+def failing(feast_server: FeastServer) -> Iterator[SlowProxy]:
+    with SlowProxy(feast_server.url) as proxy:
+        yield proxy
+
+
+def test_a_source_that_is_down_is_refused_with_its_own_rule(
+    triton: LocalTriton, feast_server: FeastServer, failing: SlowProxy
+) -> None:
+    source = FeatureSourceConfig(
+        url=failing.url,
+        registry=feast_server.registry_path,
+        min_samples=3,
+        probe_interval_s=5.0,
+        cache_ttl_ms=0.0,
+    )
+    running = ThreadedGateway(gateway_config(triton.address, feature_sources={"feast": source}))
+    running.start()
+    try:
+        failing.fail = True
+        first = outcome(running, 1)
+        assert first is not None and first.status() == "StatusCode.UNAVAILABLE"
+        assert "features.source_failed" in str(first.debug_details() or "") or "unreachable" in str(
+            first.message()
+        )
+        rules = [outcome(running, 1) for _ in range(6)]
+        assert any(e is not None and "most recent reads failed" in str(e.message()) for e in rules)
+    finally:
+        running.stop()
