@@ -1,14 +1,22 @@
 """``orchid-gateway demo``: one command from nothing to a working stack and a readable report.
 
-Owns the demo workload and its report. It starts the local stack in-process (a
-``GatewayServer`` from the config, which supervises the embedded Triton and opens the job
-store), waits until the gateway and its models are ready, and drives the four modes of work
-through it at once:
+Owns the demo workload and its report. It starts a Feast feature server over a copy of the
+example feature repository (``orchid_tools.featurestore.FeastServer``, in a temporary
+directory, never the repository's ``examples/`` tree) and points the config's
+``feature_sources.feast`` at it, then starts the local stack in-process (a ``GatewayServer``
+from the config, which supervises the embedded Triton and opens the job store), waits until the
+gateway and its models are ready, and drives the five modes of work through it at once:
 
 * **online**: a short mixed workload with *unmodified* ``tritonclient.grpc`` (the sync
   client from a bounded thread pool, ``tritonclient.grpc.aio`` on the event loop) from the
   demo tenants;
 * **streaming**: ``start_stream``/``async_stream_infer`` on the streaming model;
+* **features**: online requests to the route ``ranker`` from tenant orchid, each naming a
+  ``user_id`` whose features the gateway reads from Feast and judges by the route's feature
+  contract: mostly users with fresh values (answered, some from the gateway's feature cache),
+  a few for user 7 (values 3 days old: refused as stale) and user 8 (none: refused as missing);
+  ``--no-features`` (or no ``feast`` command: ``scripts/bootstrap.sh`` installs it) skips it
+  and says so;
 * **async**: ``--async-jobs`` requests through ``orchid.jobs.v1.Operations.Submit``;
 * **batch**: one JSONL batch of ``--batch-items`` lines through ``SubmitBatch``, with a
   progress bar while it runs (redrawn in place on a terminal, a line per tenth otherwise).
@@ -37,7 +45,8 @@ holds the example's directory.
 
 Exit codes: 0 the workload ran, something was admitted and every job completed (each batch
 one answer per item); 1 nothing was admitted, or a job did not complete within
-``--jobs-timeout`` (it stays in the store and resumes on the next start); 2 usage or
+``--jobs-timeout`` (it stays in the store and resumes on the next start), or the features
+mode was to run and did not (Feast failed to start) or had no request answered; 2 usage or
 configuration error; 3 the stack could not start (a job state directory another gateway
 holds included).
 
@@ -54,7 +63,9 @@ import logging
 import math
 import random
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
@@ -65,6 +76,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
+import httpx
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
@@ -78,6 +90,7 @@ from gateway.core.errors import ConfigError
 from gateway.jobs.batch import request_from_json
 from gateway.jobs.store import StateDirectoryBusy
 from gateway.server import GatewayServer
+from orchid_tools.featurestore import FeastServer, FeastStartError, feast_executable
 from orchid_tools.jobs import Progress
 
 log = logging.getLogger("orchid.demo")
@@ -541,6 +554,235 @@ async def drive(
     return WorkloadResult(outcomes, offered, elapsed, unfinished)
 
 
+# --------------------------------------------------------------------------- features
+
+FEATURE_SOURCE = "feast"  # the example config's feature source, the one the demo starts
+FEATURE_MODEL = "ranker"  # the example route with a feature contract (routes/orchid.yaml)
+FEATURE_TENANT = "orchid"
+FEATURE_SERVICE = "ranker_v12"  # the route's feature service (its features: block)
+FEATURE_INPUT_TOKENS = 16
+# The example feature repository's users (examples/orchid/features/README.md): 1..50 have
+# values 1 h old; user 7's only row is 3 days old (the contract refuses it: stale), user 8 has
+# none (refused: missing).
+FEATURE_USERS = range(1, 51)
+STALE_USER = 7
+MISSING_USER = 8
+FRESH_USERS = tuple(u for u in FEATURE_USERS if u not in (STALE_USER, MISSING_USER))
+FEATURES_RATE = 8.0  # ranker requests per second (--features-rate)
+RULE_STALE = "features.stale"  # the orchid-rule of the contract's refusals (gateway.core.upstream)
+RULE_MISSING = "features.missing"
+FEATURE_SCENARIO = Scenario(
+    "ranker user_id", FEATURE_TENANT, "interactive", FEATURE_MODEL, FEATURE_INPUT_TOKENS, "aio", 0.0
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureSettings:
+    """The features mode: ranker requests for the demo's duration, Poisson at ``rate`` with at
+    most ``workers`` in flight. A share ``stale_share`` asks for user 7 and ``missing_share``
+    for user 8; the rest for fresh users, the lower ids more often (so some reads repeat within
+    the gateway's cache life). ``skip`` says why the mode does not run ("": it runs)."""
+
+    rate: float = FEATURES_RATE
+    workers: int = 4
+    seed: int = 7
+    stale_share: float = 0.06
+    missing_share: float = 0.04
+    skip: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureOutcome:
+    user: int
+    outcome: Outcome
+
+    @property
+    def refusal(self) -> str:
+        """Why the gateway refused it: "stale", "missing" (the contract), else the deciding rule
+        (``features.`` left off) or the status; "" when it was answered."""
+        o = self.outcome
+        if o.admitted:
+            return ""
+        if o.rule == RULE_STALE:
+            return "stale"
+        if o.rule == RULE_MISSING:
+            return "missing"
+        return o.rule.removeprefix("features.") if o.rule else o.status
+
+    @property
+    def against_contract(self) -> bool:
+        """Answered for user 7 or 8, or refused by the contract for the wrong reason (a fresh user
+        as stale or missing, user 7 as missing, user 8 as stale). A refusal for another reason (the
+        source late or failing) says nothing about the contract."""
+        expected = {STALE_USER: "stale", MISSING_USER: "missing"}.get(self.user, "")
+        if self.outcome.admitted:
+            return expected != ""
+        return self.refusal in ("stale", "missing") and self.refusal != expected
+
+
+@dataclass(slots=True)
+class FeaturesResult:
+    source: str  # where the features come from, in words
+    outcomes: list[FeatureOutcome] = field(default_factory=list)
+    offered: int = 0
+    elapsed_s: float = 0.0
+    unfinished: int = 0
+
+    @property
+    def answered(self) -> list[FeatureOutcome]:
+        return [f for f in self.outcomes if f.outcome.admitted]
+
+
+def feature_user(rng: random.Random, settings: FeatureSettings) -> int:
+    draw = rng.random()
+    if draw < settings.stale_share:
+        return STALE_USER
+    if draw < settings.stale_share + settings.missing_share:
+        return MISSING_USER
+    return rng.choices(FRESH_USERS, [1.0 / (i + 1) for i in range(len(FRESH_USERS))])[0]
+
+
+def feature_config(config: GatewayConfig, url: str, registry: Path) -> GatewayConfig:
+    """The config with its ``feature_sources.feast`` pointed at a running feature server."""
+    sources = dict(config.feature_sources)
+    source = sources.get(FEATURE_SOURCE)
+    if source is None:
+        raise ConfigError("feature_sources", "", f"the config has no feature source {FEATURE_SOURCE!r}")
+    sources[FEATURE_SOURCE] = source.model_copy(update={"url": url, "registry": registry.resolve()})
+    return config.model_copy(update={"feature_sources": sources})
+
+
+def warm_feast(url: str, reads: int = 3) -> None:
+    """A few reads straight from the feature server before the workload, so its first (cold)
+    read is not one of the demo's: the route's feature service for a fresh user."""
+    with httpx.Client(timeout=10.0) as client:
+        for user in FRESH_USERS[:reads]:
+            with contextlib.suppress(httpx.HTTPError):
+                client.post(
+                    f"{url}/get-online-features",
+                    json={"feature_service": FEATURE_SERVICE, "entities": {"user_id": [user]}},
+                )
+
+
+def features_skip_reason(config: GatewayConfig, no_features: bool) -> str:
+    """Why the features mode will not run ("" when it will)."""
+    if no_features:
+        return "--no-features"
+    if FEATURE_SOURCE not in config.feature_sources:
+        return f"the config has no feature_sources.{FEATURE_SOURCE}"
+    feast = feast_executable()
+    if not feast.exists():
+        return (
+            f"Feast is not installed ({feast} is missing; scripts/bootstrap.sh installs the features "
+            "extra: pip install -e '.[features]')"
+        )
+    return ""
+
+
+async def feature_call(client: aioclient.InferenceServerClient, user: int, salt: int) -> FeatureOutcome:
+    """One ranker request for ``user`` with unmodified ``tritonclient.grpc.aio``."""
+    scenario = FEATURE_SCENARIO
+    inputs = make_inputs(scenario, salt)
+    started = time.perf_counter()
+    try:
+        result = await client.infer(
+            scenario.model,
+            inputs,
+            headers=bearer(scenario.key),
+            parameters={**scenario.parameters(), "user_id": user},
+        )
+    except Exception as error:
+        return FeatureOutcome(user, error_outcome(scenario, error, time.perf_counter() - started))
+    latency = time.perf_counter() - started
+    return FeatureOutcome(
+        user, Outcome(scenario, OK, latency, provenance=provenance_of(result.get_response()))
+    )
+
+
+async def drive_features(
+    address: str, settings: FeatureSettings, duration_s: float, result: FeaturesResult, drain_s: float = 30.0
+) -> FeaturesResult:
+    """Poisson arrivals of ranker requests for ``duration_s``, at most ``settings.workers`` in
+    flight. The first three ask for user 1, 7 and 8 (shuffled), so even a short run shows an
+    answer and both refusals; then users are drawn (``feature_user``)."""
+    rng = random.Random(settings.seed)
+    tour = [1, STALE_USER, MISSING_USER]
+    rng.shuffle(tour)
+    loop = asyncio.get_running_loop()
+    client = aioclient.InferenceServerClient(address)
+    slots = asyncio.Semaphore(settings.workers)
+    tasks: set[asyncio.Task[FeatureOutcome]] = set()
+
+    async def one(user: int, salt: int) -> FeatureOutcome:
+        try:
+            return await feature_call(client, user, salt)
+        finally:
+            slots.release()
+
+    started = time.perf_counter()
+    end = started + duration_s
+    next_at = started
+    try:
+        while next_at < end:
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            await slots.acquire()
+            user = tour.pop() if tour else feature_user(rng, settings)
+            result.offered += 1
+            task = loop.create_task(one(user, 50_000 + result.offered))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            task.add_done_callback(
+                lambda t: result.outcomes.append(t.result()) if not t.cancelled() else None
+            )
+            next_at += rng.expovariate(settings.rate)
+        if tasks:
+            _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
+            result.unfinished = len(pending)
+            for task in pending:
+                task.cancel()
+        result.elapsed_s = time.perf_counter() - started
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+    return result
+
+
+def summarize_features(result: FeaturesResult | None, skipped: str = "") -> str:
+    """The features mode's line: requests, answered, the cache's share of the answers, refusals
+    by reason, p50 latency of the answers, one answer's snapshot provenance."""
+    head = "  features   "
+    if result is None:
+        return f"{head}skipped: {skipped or 'not run'}"
+    outcomes = result.outcomes
+    answered = result.answered
+    cached = sum(f.outcome.provenance.get("orchid.feature_cached") == "true" for f in answered)
+    share = f"{100.0 * cached / len(answered):.0f} %" if answered else "-"
+    reasons = Counter(f.refusal for f in outcomes if f.refusal)
+    order = {"stale": 0, "missing": 1}
+    refused = ", ".join(
+        f"{reason} {count}"
+        for reason, count in sorted(reasons.items(), key=lambda kv: (order.get(kv[0], 2), -kv[1], kv[0]))
+    )
+    latency = [f.outcome.latency_s for f in answered]
+    text = (
+        f"{head}{len(outcomes)} {FEATURE_MODEL} requests over {len({f.user for f in outcomes})} users "
+        f"(tenant {FEATURE_TENANT}, {result.source}), {len(answered)} answered, {share} of them from "
+        f"the feature cache; refused: {refused or 'none'}; p50 {_ms(percentile(latency, 50))} ms"
+    )
+    sample = next((f for f in answered if f.outcome.provenance.get("orchid.feature_snapshot")), None)
+    if sample is not None:
+        text += (
+            f"; provenance (user {sample.user}) orchid.feature_snapshot "
+            f"{sample.outcome.provenance['orchid.feature_snapshot']}"
+        )
+    if result.unfinished:
+        text += f"; {result.unfinished} unfinished at shutdown"
+    surprises = sum(f.against_contract for f in outcomes)
+    if surprises:
+        text += f"; NOTE {surprises} answered against the contract (user 7 stale, 8 missing, others fresh)"
+    return text
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -923,9 +1165,10 @@ def _seconds(values: Sequence[float], q: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2f} s"
 
 
-def summarize_modes(online: WorkloadResult, jobs: JobsResult | None) -> str:
-    """One line per mode: online, streaming, async, batch (and what an earlier run left)."""
-    lines = ["four modes"]
+def summarize_modes(online: WorkloadResult, jobs: JobsResult | None, features: str | None = None) -> str:
+    """One line per mode: online, streaming, features (``features``: its line, from
+    ``summarize_features``; None: no such line), async, batch (and what an earlier run left)."""
+    lines = ["five modes" if features is not None else "four modes"]
     unary = [o for o in online.outcomes if o.scenario.client != "stream"]
     ok = [o.latency_s for o in unary if o.admitted]
     lines.append(
@@ -939,6 +1182,8 @@ def summarize_modes(online: WorkloadResult, jobs: JobsResult | None) -> str:
         f"  streaming  {len(streams)} streams, {len(done)} completed, {sum(o.tokens for o in done)} tokens; "
         f"time to first token p50 {_ms(percentile(ttft, 50))} ms"
     )
+    if features is not None:
+        lines.append(features)
     if jobs is None:
         lines.append("  async      not run: the gateway serves no jobs (no `jobs:` block in its config)")
         lines.append("  batch      not run: the gateway serves no jobs (no `jobs:` block in its config)")
@@ -1055,53 +1300,85 @@ async def run_demo(
     settings: WorkloadSettings,
     ready_timeout_s: float,
     jobs_settings: JobsSettings | None = None,
+    features: FeatureSettings | None = None,
 ) -> int:
+    """Start Feast (unless ``features`` is None or says why not), the stack on ``config`` (its
+    feature source pointed at that Feast), drive the modes at once, report, stop everything."""
     time_factor = config.local_triton.time_factor if config.local_triton is not None else 1.0
     scenarios = build_scenarios(time_factor)
     models = sorted({s.model for s in scenarios if s.expect == OK})
-    server = GatewayServer(config, listen=listen)
     jobs_result: JobsResult | None = None
+    features_result: FeaturesResult | None = None
+    feature_note = "not requested" if features is None else features.skip
+    feast_failed = ""
+    feast: FeastServer | None = None
+    workdir: Path | None = None
     try:
-        try:
-            await server.start()
-            await wait_ready(server.address, models, DEMO_KEYS["orchid"], ready_timeout_s)
-        except (TritonStartError, OSError, TimeoutError, grpc.RpcError) as error:
-            hint = " (or pass --state-dir DIR)" if isinstance(error, StateDirectoryBusy) else ""
-            print(f"orchid-gateway demo: the stack failed to start: {error}{hint}", file=sys.stderr)
-            return 3
-        if server.local_triton is not None:
-            version = await asyncio.to_thread(triton_version, server.local_triton.address)
-            backend = f"local Triton {version} at {server.local_triton.address} (time factor {time_factor:g})"
-        else:
-            backend = f"backends {', '.join(b.name + '=' + b.address for b in config.backends)}"
-        print(f"orchid-gateway {__version__} demo: gateway on {server.address} -> {backend}", flush=True)
-        print(f"job store: {store_description(config)}", flush=True)
-        print(
-            f"driving the demo workload for {settings.duration_s:g} s: online and streaming requests, "
-            "async and batch jobs ...",
-            flush=True,
-        )
-        jobs_run = None
-        if config.jobs is not None and jobs_settings is not None:
-            jobs_run = JobsRun(server.address, jobs_settings, store_description(config), sys.stdout)
-        online = drive(server.address, scenarios, settings, jobs_run.online if jobs_run else None)
-        if jobs_run is None:
-            result = await online
-        else:
+        if features is not None and not feature_note:
+            # Feast's work directory: a temporary one (the data is generated for this run's now).
+            workdir = Path(tempfile.mkdtemp(prefix="orchid-demo-feast-"))
+            print("starting a Feast feature server over examples/orchid/features ...", flush=True)
+            began = time.monotonic()
+            feast = FeastServer(workdir)
             try:
-                result, jobs_result = await asyncio.gather(online, jobs_run.run())
-            finally:
-                await jobs_run.client.close()
+                await asyncio.to_thread(feast.start)
+            except (FeastStartError, OSError) as error:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(feast.stop)
+                feast = None
+                feast_failed = str(error).splitlines()[0] if str(error) else type(error).__name__
+                feature_note = f"the Feast feature server failed to start: {feast_failed}"
+                print(f"orchid-gateway demo: {feature_note}\n{error}", file=sys.stderr, flush=True)
+            else:
+                await asyncio.to_thread(warm_feast, feast.url)
+                config = feature_config(config, feast.url, feast.registry_path)
+                models = sorted({*models, FEATURE_MODEL})
+                print(
+                    f"feature store: Feast at {feast.url} (registry {feast.registry_path}; data generated "
+                    f"for {feast.now.isoformat()}), ready in {time.monotonic() - began:.1f} s",
+                    flush=True,
+                )
+        ran = await _run_stack(
+            config,
+            listen,
+            settings,
+            ready_timeout_s,
+            jobs_settings,
+            scenarios,
+            models,
+            time_factor,
+            features if feast is not None else None,
+            feast,
+        )
+        if isinstance(ran, int):
+            return ran
+        result, jobs_result, features_result = ran
     finally:
-        with contextlib.suppress(Exception):
-            await server.stop()
+        if feast is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(feast.stop)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
     print("", flush=True)
-    print(summarize_modes(result, jobs_result if config.jobs is not None else None), flush=True)
+    print(
+        summarize_modes(
+            result,
+            jobs_result if config.jobs is not None else None,
+            summarize_features(features_result, feature_note),
+        ),
+        flush=True,
+    )
     print("", flush=True)
     print(summarize(result, settings), flush=True)
     code = 0
     if not any(o.admitted for o in result.outcomes):
         print("orchid-gateway demo: no request was admitted", file=sys.stderr)
+        code = 1
+    if feast_failed:
+        print(f"orchid-gateway demo: the features mode did not run: {feature_note}", file=sys.stderr)
+        code = 1
+    if features_result is not None and not features_result.answered:
+        print(f"orchid-gateway demo: no {FEATURE_MODEL} request was answered", file=sys.stderr)
         code = 1
     if jobs_result is not None and jobs_result.note:
         print(f"orchid-gateway demo: the jobs part was refused: {jobs_result.note}", file=sys.stderr)
@@ -1119,6 +1396,67 @@ async def run_demo(
         print("orchid-gateway demo: a batch's output set is not one answer per item", file=sys.stderr)
         code = 1
     return code
+
+
+async def _run_stack(
+    config: GatewayConfig,
+    listen: str,
+    settings: WorkloadSettings,
+    ready_timeout_s: float,
+    jobs_settings: JobsSettings | None,
+    scenarios: Sequence[Scenario],
+    models: Sequence[str],
+    time_factor: float,
+    features: FeatureSettings | None,
+    feast: FeastServer | None,
+) -> int | tuple[WorkloadResult, JobsResult | None, FeaturesResult | None]:
+    """Start the gateway (and its Triton and job store), drive the workload, stop it: the
+    results, or the exit code when the stack could not start."""
+    server = GatewayServer(config, listen=listen)
+    jobs_result: JobsResult | None = None
+    features_result: FeaturesResult | None = None
+    try:
+        try:
+            await server.start()
+            await wait_ready(server.address, models, DEMO_KEYS["orchid"], ready_timeout_s)
+        except (TritonStartError, OSError, TimeoutError, grpc.RpcError) as error:
+            hint = " (or pass --state-dir DIR)" if isinstance(error, StateDirectoryBusy) else ""
+            print(f"orchid-gateway demo: the stack failed to start: {error}{hint}", file=sys.stderr)
+            return 3
+        if server.local_triton is not None:
+            version = await asyncio.to_thread(triton_version, server.local_triton.address)
+            backend = f"local Triton {version} at {server.local_triton.address} (time factor {time_factor:g})"
+        else:
+            backend = f"backends {', '.join(b.name + '=' + b.address for b in config.backends)}"
+        print(f"orchid-gateway {__version__} demo: gateway on {server.address} -> {backend}", flush=True)
+        print(f"job store: {store_description(config)}", flush=True)
+        print(
+            f"driving the demo workload for {settings.duration_s:g} s: online and streaming requests, "
+            + (f"{FEATURE_MODEL} requests with upstream features, " if features is not None else "")
+            + "async and batch jobs ...",
+            flush=True,
+        )
+        jobs_run = None
+        if config.jobs is not None and jobs_settings is not None:
+            jobs_run = JobsRun(server.address, jobs_settings, store_description(config), sys.stdout)
+        work: list[Any] = [drive(server.address, scenarios, settings, jobs_run.online if jobs_run else None)]
+        if features is not None and feast is not None:
+            features_result = FeaturesResult(f"Feast at {feast.url}")
+            work.append(drive_features(server.address, features, settings.duration_s, features_result))
+        if jobs_run is not None:
+            work.append(jobs_run.run())
+        try:
+            done = await asyncio.gather(*work)
+        finally:
+            if jobs_run is not None:
+                await jobs_run.client.close()
+        result: WorkloadResult = done[0]
+        if jobs_run is not None:
+            jobs_result = done[-1]
+    finally:
+        with contextlib.suppress(Exception):
+            await server.stop()
+    return result, jobs_result, features_result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1157,6 +1495,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=120.0,
         help="seconds to wait for the async and batch work after submitting it (default 120)",
     )
+    parser.add_argument(
+        "--no-features",
+        action="store_true",
+        help="skip the features mode (no Feast feature server, no ranker requests): for machines "
+        "without Feast (scripts/bootstrap.sh installs it); the report says it was skipped",
+    )
+    parser.add_argument(
+        "--features-rate",
+        type=float,
+        default=FEATURES_RATE,
+        help=f"offered ranker requests per second in the features mode (default {FEATURES_RATE:g})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1168,6 +1518,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.time_factor is not None and args.time_factor < 0:
         print("orchid-gateway demo: --time-factor must be >= 0", file=sys.stderr)
+        return 2
+    if args.features_rate <= 0:
+        print("orchid-gateway demo: --features-rate must be > 0", file=sys.stderr)
         return 2
     if not 0 <= args.async_jobs <= MAX_ASYNC_JOBS or args.batch_items < 0 or args.jobs_timeout <= 0:
         print(
@@ -1192,8 +1545,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    features = FeatureSettings(
+        rate=args.features_rate, seed=args.seed, skip=features_skip_reason(config, args.no_features)
+    )
     try:
-        return asyncio.run(run_demo(config, args.listen, settings, args.ready_timeout, jobs_settings))
+        return asyncio.run(
+            run_demo(config, args.listen, settings, args.ready_timeout, jobs_settings, features)
+        )
     except ConfigError as error:  # cross-file checks happen at start
         print(f"orchid-gateway demo: invalid configuration: {error}", file=sys.stderr)
         return 2

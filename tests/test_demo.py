@@ -2,10 +2,13 @@
 
 The unit tests need no server. The end-to-end test starts the real stack (local Triton from the
 nvidia-pytriton wheel + the gateway with its job store, in-process) through the CLI with a
-short duration, a scaled-down time factor and a small batch, and checks the report: the four
-modes (online, streaming, async, batch) each with its line, the batch's progress bar and one
-answer per item, something admitted, every deliberately bad request answered with the status a
-correct gateway gives, a provenance sample per model.
+short duration, a scaled-down time factor and a small batch, and checks the report: the five
+modes (online, streaming, features, async, batch) each with its line, the batch's progress bar
+and one answer per item, something admitted, ranker requests answered with their features'
+provenance and user 7's stale values refused by the contract (a real Feast feature server, when
+Feast is installed), every deliberately bad request answered with the status a correct gateway
+gives, a provenance sample per model. With ``--no-features`` the demo runs the rest and says the
+features mode was skipped.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import argparse
 import io
 import json
 import math
+import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +33,8 @@ from gateway.core.jobs import JobLimits
 from gateway.jobs.batch import parse_jsonl
 from gateway.jobs.store import SqliteJobStore
 from orchid_tools import cli, demo
-from orchid_tools.demo import OK, Outcome, Scenario, WorkloadResult, WorkloadSettings
+from orchid_tools.demo import OK, FeatureOutcome, Outcome, Scenario, WorkloadResult, WorkloadSettings
+from orchid_tools.featurestore import feast_executable
 from orchid_tools.jobs import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,6 +215,7 @@ def test_defaults() -> None:
     assert args.time_factor is None
     assert args.listen == "127.0.0.1:0"
     assert (args.state_dir, args.async_jobs, args.batch_items, args.jobs_timeout) == (None, 8, 200, 120.0)
+    assert (args.no_features, args.features_rate) == (False, demo.FEATURES_RATE)
 
 
 def test_the_example_stack_serves_jobs_from_a_state_directory_beside_it() -> None:
@@ -382,11 +389,26 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     assert f"job store: SQLite in {state.resolve()}" in out
     assert (state / "jobs.sqlite3").is_file()  # the demo created the store
     # The four modes, each with its line; the batch's progress while it ran, and its output set.
-    modes = out[out.index("four modes") :].splitlines()
+    modes = out[out.index("five modes") :].splitlines()
     assert modes[1].startswith("  online ") and modes[2].startswith("  streaming ")
-    assert modes[3].startswith("  async      3 submitted") and "3 completed, 0 failed" in modes[3], out
-    assert modes[4].startswith("  batch      op-") and "40/40 completed, 0 failed" in modes[4], out
-    assert "one answer per item (40 distinct custom ids in 40 output lines" in modes[4], out
+    features = modes[3]
+    assert features.startswith("  features   "), out
+    if feast_executable().exists():
+        # A real Feast server (in a temporary directory, stopped at the end): ranker requests
+        # answered with their snapshot's provenance, user 7's 3-day-old values refused as stale.
+        assert "feature store: Feast at http://127.0.0.1:" in out, out
+        answered = re.search(r" (\d+) answered, ", features)
+        stale = re.search(r"refused: (?:[^;]*, )?stale (\d+)", features)
+        assert answered is not None and int(answered.group(1)) > 0, features
+        assert stale is not None and int(stale.group(1)) >= 1, features
+        assert "of them from the feature cache" in features and " p50 " in features, features
+        assert re.search(r"orchid\.feature_snapshot v12@\d{4}-\d\d-\d\dT[\d:]+Z", features), features
+        assert "NOTE" not in features, features
+    else:
+        assert features.startswith("  features   skipped: Feast is not installed"), features
+    assert modes[4].startswith("  async      3 submitted") and "3 completed, 0 failed" in modes[4], out
+    assert modes[5].startswith("  batch      op-") and "40/40 completed, 0 failed" in modes[5], out
+    assert "one answer per item (40 distinct custom ids in 40 output lines" in modes[5], out
     bars = [line for line in out.splitlines() if line.startswith("batch [")]
     assert bars and bars[-1].startswith("batch [" + "#" * 30 + "] 40/40"), out
     assert bars[-1].split(" | ")[0].endswith("completed")
@@ -407,3 +429,137 @@ def test_a_capped_fallback_answer_counts_as_fallback() -> None:
     for listed, fallback in (("fallback,reduced_output", True), ("reduced_output", False), ("none", False)):
         outcome = Outcome(SHORT, OK, 0.05, provenance={"orchid.approximation": listed})
         assert outcome.fallback is fallback
+
+
+@pytest.mark.triton
+def test_demo_without_features_runs_the_other_modes_and_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = cli.main(
+        [
+            "demo",
+            "--no-features",
+            "--duration",
+            "1",
+            "--time-factor",
+            "0.2",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--async-jobs",
+            "1",
+            "--batch-items",
+            "0",
+        ]
+    )
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, out + captured.err
+    assert "Feast" not in out.split("five modes")[0], out  # no feature server was started
+    modes = out[out.index("five modes") :].splitlines()
+    assert modes[1].startswith("  online ") and modes[2].startswith("  streaming ")
+    assert modes[3] == "  features   skipped: --no-features", out
+    assert modes[4].startswith("  async      1 submitted") and "1 completed" in modes[4], out
+
+
+def _ranker(user: int, status: str = OK, *, rule: str = "", latency_s: float = 0.01, **prov: str) -> Any:
+    outcome = Outcome(demo.FEATURE_SCENARIO, status, latency_s, rule=rule, provenance=dict(prov))
+    return FeatureOutcome(user, outcome)
+
+
+def test_the_features_line_counts_answers_cache_refusals_and_shows_a_snapshot() -> None:
+    snapshot = "v12@2026-01-01T11:00:00Z"
+
+    def _answer(user: int, latency_s: float, cached: str) -> Any:
+        prov = {"orchid.feature_snapshot": snapshot, "orchid.feature_cached": cached}
+        return _ranker(user, latency_s=latency_s, **prov)
+
+    result = demo.FeaturesResult(
+        "Feast at http://127.0.0.1:1",
+        outcomes=[
+            _ranker(
+                1, latency_s=0.010, **{"orchid.feature_snapshot": snapshot, "orchid.feature_cached": "false"}
+            ),
+            _ranker(
+                1, latency_s=0.002, **{"orchid.feature_snapshot": snapshot, "orchid.feature_cached": "true"}
+            ),
+            _ranker(
+                2, latency_s=0.030, **{"orchid.feature_snapshot": snapshot, "orchid.feature_cached": "false"}
+            ),
+            _ranker(
+                3, latency_s=0.020, **{"orchid.feature_snapshot": snapshot, "orchid.feature_cached": "true"}
+            ),
+            _ranker(7, "FAILED_PRECONDITION", rule="features.stale"),
+            _ranker(7, "FAILED_PRECONDITION", rule="features.stale"),
+            _ranker(8, "FAILED_PRECONDITION", rule="features.missing"),
+            _ranker(4, "UNAVAILABLE", rule="features.upstream_backpressure"),
+        ],
+        offered=8,
+    )
+    line = demo.summarize_features(result)
+    assert line.startswith("  features   8 ranker requests over 6 users (tenant orchid, Feast at ")
+    assert "4 answered, 50 % of them from the feature cache" in line  # 2 of the 4 answers
+    assert "refused: stale 2, missing 1, upstream_backpressure 1" in line
+    assert "p50 10.0 ms" in line  # nearest rank of 2, 10, 20, 30 ms
+    assert f"provenance (user 1) orchid.feature_snapshot {snapshot}" in line
+    assert "NOTE" not in line
+    # Against the contract: user 7 answered, a fresh user refused as stale. A refusal for the
+    # source's state says nothing about the contract.
+    assert _ranker(7).against_contract and _ranker(1, "X", rule="features.stale").against_contract
+    assert not _ranker(7, "UNAVAILABLE", rule="features.source_failed").against_contract
+    assert not _ranker(8, "X", rule="features.missing").against_contract
+    result.outcomes.append(_ranker(8))
+    assert "NOTE 1 answered against the contract" in demo.summarize_features(result)
+    # Nothing answered, nothing refused.
+    empty = demo.summarize_features(demo.FeaturesResult("Feast at x"))
+    assert "0 answered, - of them" in empty and "refused: none" in empty and "p50 - ms" in empty
+    assert demo.summarize_features(None, "--no-features") == "  features   skipped: --no-features"
+
+
+def test_the_modes_summary_puts_the_features_line_after_streaming() -> None:
+    online = WorkloadResult([Outcome(SHORT, OK, 0.020)], offered=1, elapsed_s=1.0, unfinished=0)
+    lines = demo.summarize_modes(online, None, demo.summarize_features(None, "why")).splitlines()
+    assert lines[0] == "five modes"
+    assert lines[3] == "  features   skipped: why"
+    assert lines[4].startswith("  async      not run")
+
+
+def test_feature_users_are_mostly_fresh_with_a_few_stale_and_missing() -> None:
+    settings = demo.FeatureSettings()
+    rng = random.Random(1)
+    users = [demo.feature_user(rng, settings) for _ in range(2000)]
+    assert set(users) <= set(demo.FEATURE_USERS)
+    stale, missing = users.count(demo.STALE_USER), users.count(demo.MISSING_USER)
+    assert 0 < stale < 0.1 * len(users) and 0 < missing < 0.1 * len(users)
+    assert len(set(users)) > 30  # many users, not a handful
+
+
+def test_the_feature_source_is_pointed_at_the_demo_feast(tmp_path: Path) -> None:
+    config = load_gateway_config(EXAMPLE_CONFIG)
+    changed = demo.feature_config(config, "http://127.0.0.1:9", tmp_path / "registry.db")
+    source = changed.feature_sources["feast"]
+    assert source.url == "http://127.0.0.1:9" and source.registry == (tmp_path / "registry.db").resolve()
+    assert source.timeout_ms == config.feature_sources["feast"].timeout_ms  # the rest as configured
+    original = config.feature_sources["feast"]
+    assert original.url == "http://127.0.0.1:6566"
+    assert original.registry == EXAMPLE_CONFIG.parent / "features" / "data" / "registry.db"
+
+
+def test_why_the_features_mode_is_skipped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = load_gateway_config(EXAMPLE_CONFIG)
+    assert demo.features_skip_reason(config, True) == "--no-features"
+    assert demo.features_skip_reason(config.model_copy(update={"feature_sources": {}}), False) == (
+        "the config has no feature_sources.feast"
+    )
+    monkeypatch.setattr(demo, "feast_executable", lambda: tmp_path / "feast")
+    reason = demo.features_skip_reason(config, False)
+    assert (
+        reason.startswith(f"Feast is not installed ({tmp_path / 'feast'} is missing")
+        and "bootstrap" in reason
+    )
+    monkeypatch.setattr(demo, "feast_executable", lambda: Path(__file__))  # present
+    assert demo.features_skip_reason(config, False) == ""
+
+
+def test_cli_rejects_a_bad_features_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--features-rate", "0"]) == 2
+    assert "--features-rate must be > 0" in capsys.readouterr().err
