@@ -14,6 +14,15 @@ What it measures
                        proxy: what the gateway costs above it is its own decisions.
     * ``gateway``      h2load -> ``orchid-gateway serve`` (authentication, shape
                        extraction, estimate, admission, dispatch queue, settle) -> Triton
+    * ``features-cached``  the same gateway on the example ``ranker`` route (model
+                       ranker-v3), whose contract reads three features of the request's
+                       user from a Feast feature server (started here, over the example
+                       feature repository): the scoped cache answers every read but the
+                       first. The cost of a cached feature read is this row less ``gateway``.
+    * ``features-read``    the same with the cache off (``cache_ttl_ms: 0``): every request
+                       makes one batched HTTP read of Feast. The cost of an uncached read
+                       (Feast's own work on the same cores included) is this row less
+                       ``gateway``. (Both need Feast: the ``features`` extra.)
 
     Triton runs the example repository's capacity emulator with time factor 0 by
     default, so the model itself returns at once and the proxies' own cost dominates.
@@ -71,7 +80,7 @@ Run (defaults sized for a 2-core machine, well under two minutes)::
 
 Needs ``h2load`` (Debian: ``apt-get update && apt-get install -y nghttp2-client``);
 exits 2 with that command if it is missing. Ports: ``--base-port`` (default 19410)
-and the next three. Everything started is stopped on exit, Ctrl-C included.
+and the next five. Everything started is stopped on exit, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -107,6 +116,7 @@ from tritonclient.grpc import service_pb2
 from gateway.backends.local import LocalTriton, stop_process_group
 from gateway.core.outputs import OutputCheck
 from gateway.outputs import check_outputs
+from orchid_tools.featurestore import FeastServer
 from orchid_tools.harness import GatewayProcess, example_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,7 +126,14 @@ MODEL = "full-v18"
 DEMO_KEY = "orchid-demo-key-orchid"
 INSTALL_H2LOAD = "apt-get update && apt-get install -y nghttp2-client"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-TARGETS = ("direct", "passthrough", "parsing", "gateway")
+TARGETS = ("direct", "passthrough", "parsing", "gateway", "features-cached", "features-read")
+# The feature targets: the gateway on the example ``ranker`` route (ranker-v3), which reads
+# its features from a Feast feature server (orchid_tools.featurestore, started here) for the
+# request's user: every request the same user, answered by the scoped cache after the first
+# (``features-cached``), or read from Feast each time (``features-read``: cache_ttl_ms 0).
+FEATURE_TARGETS = ("features-cached", "features-read")
+FEATURE_MODEL = "ranker"
+GATEWAY_TARGETS = ("gateway", *FEATURE_TARGETS)
 # The gateway's backend time_scale must be > 0; at time factor 0 the emulator costs ~nothing.
 MIN_TIME_SCALE = 0.001
 
@@ -124,9 +141,10 @@ MIN_TIME_SCALE = 0.001
 # --------------------------------------------------------------------------- request
 
 
-def build_request(tokens: int, *, gateway: bool) -> bytes:
-    """One serialized ModelInferRequest for ``full-v18`` with ``tokens`` input ids."""
-    request = service_pb2.ModelInferRequest(model_name=MODEL)
+def build_request(tokens: int, *, gateway: bool, model: str = MODEL, user: int | None = None) -> bytes:
+    """One serialized ModelInferRequest for ``model`` (default ``full-v18``) with ``tokens``
+    input ids; ``user``: the ``user_id`` parameter a feature route reads its entities from."""
+    request = service_pb2.ModelInferRequest(model_name=model)
     tensor = request.inputs.add()
     tensor.name = "INPUT_IDS"
     tensor.datatype = "INT32"
@@ -135,6 +153,8 @@ def build_request(tokens: int, *, gateway: bool) -> bytes:
     request.outputs.add().name = "OUTPUT_IDS"
     param = "orchid.max_output_tokens" if gateway else "max_output_tokens"
     request.parameters[param].int64_param = 1
+    if user is not None:
+        request.parameters["user_id"].int64_param = user
     serialized: bytes = request.SerializeToString()
     return serialized
 
@@ -708,9 +728,13 @@ def bench(
     triton_sid = triton_process.pid
 
     plain, hinted = build_request(args.tokens, gateway=False), build_request(args.tokens, gateway=True)
-    frames = {"plain": work / "request.grpc", "gateway": work / "request-gateway.grpc"}
-    frames["plain"].write_bytes(grpc_frame(plain))
-    frames["gateway"].write_bytes(grpc_frame(hinted))
+    ranked = build_request(args.tokens, gateway=True, model=FEATURE_MODEL, user=1)
+    messages = {target: plain for target in args.targets}
+    messages.update({"gateway": hinted, **dict.fromkeys(FEATURE_TARGETS, ranked)})
+    frames = {target: work / f"request-{target}.grpc" for target in args.targets}
+    for target, frame_path in frames.items():
+        frame_path.write_bytes(grpc_frame(messages[target]))
+    models = {target: FEATURE_MODEL if target in FEATURE_TARGETS else MODEL for target in args.targets}
 
     proxies: dict[str, Child | GatewayProcess] = {}
     if "passthrough" in args.targets:
@@ -738,20 +762,40 @@ def bench(
             work / "parsing.log",
             "passthrough ready on",
         )
-    if "gateway" in args.targets:
+    feast: FeastServer | None = None
+    if any(t in FEATURE_TARGETS for t in args.targets):
+        feast = FeastServer(work / "feast")
+        started.append(feast)
+        feast.start()
+        print(f"feast feature server ready on {feast.url} ({sum(feast.timings.values()):.1f}s)", flush=True)
+    for target in (t for t in args.targets if t in GATEWAY_TARGETS):
         time_scale = args.gateway_time_scale
         if time_scale is None:
             time_scale = args.time_factor if args.time_factor > 0 else MIN_TIME_SCALE
         config = gateway_config(triton.address, time_scale or None)
-        print(f"gateway backend time_scale: {time_scale or 'unset (1.0)'}", flush=True)
+        if target in FEATURE_TARGETS:
+            assert feast is not None
+            # What a read costs, not when to refuse one: a budget and a timeout no read under
+            # this load reaches, so neither backpressure nor a timeout decides anything.
+            config["feature_sources"] = {
+                "feast": {
+                    "url": feast.url,
+                    "registry": str(feast.registry_path),
+                    "timeout_ms": 5000,
+                    "budget_ms": 5000,
+                    "cache_ttl_ms": 60_000 if target == "features-cached" else 0,
+                }
+            }
+        print(f"{target} backend time_scale: {time_scale or 'unset (1.0)'}", flush=True)
         command = None
-        if args.ablate:  # a diagnostic: what the ablated parts cost in the live process
+        if args.ablate and target == "gateway":  # a diagnostic: what the ablated parts cost
             command = [sys.executable, str(REPO / "bench" / "ablate.py"), "--ablate", args.ablate]
             print(f"gateway ABLATED (diagnostic, not a gateway): without {args.ablate}", flush=True)
-        proxies["gateway"] = GatewayProcess(
+        proxies[target] = GatewayProcess(
             config,
-            work,
-            listen=f"127.0.0.1:{ports['gateway']}",
+            work / target,
+            name=target,
+            listen=f"127.0.0.1:{ports[target]}",
             command=command,
             log_level=args.gateway_log_level,
         )
@@ -760,11 +804,11 @@ def bench(
         child.start()
         print(f"{child.name} ready (pid {child.pid})", flush=True)
 
-    auth = {"gateway": DEMO_KEY}
+    auth = dict.fromkeys(GATEWAY_TARGETS, DEMO_KEY)
     addresses = {"direct": triton.address, **{name: f"127.0.0.1:{ports[name]}" for name in proxies}}
     frame_sizes: dict[str, int] = {}
     for target in args.targets:
-        message = hinted if target == "gateway" else plain
+        message = messages[target]
         metadata = [("authorization", f"Bearer {auth[target]}")] if target in auth else []
         frame_sizes[target] = verify(addresses[target], message, metadata)
         print(f"verified {target}: grpc-status 0, response frame {frame_sizes[target]} bytes", flush=True)
@@ -773,8 +817,8 @@ def bench(
     for round_no in range(1, args.rounds + 1):
         for target in args.targets:
             url = f"http://{addresses[target]}{METHOD}"
-            frame = frames["gateway" if target == "gateway" else "plain"]
-            message = hinted if target == "gateway" else plain
+            frame = frames[target]
+            message = messages[target]
             metadata = [("authorization", f"Bearer {auth[target]}")] if target in auth else []
             if args.warmup:
                 warm = h2load_args(h2load, url, frame, args, args.warmup, auth.get(target))
@@ -784,7 +828,7 @@ def bench(
                 seen, smallest = sample_outcomes(addresses[target], message, metadata, 1, waves=5)
                 if smallest is not None:
                     frame_sizes[target] = min(frame_sizes[target], smallest)
-                if any(not outcome.startswith(f"OK model={MODEL} ") for outcome in seen):
+                if any(not outcome.startswith(f"OK model={models[target]} ") for outcome in seen):
                     print(f"{target} after warm-up answers otherwise than when verified:", flush=True)
                     for outcome, count in seen.most_common():
                         print(f"  {count:6d}  {outcome}", flush=True)
@@ -852,6 +896,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "passthrough": args.base_port + 1,
         "gateway": args.base_port + 2,
         "parsing": args.base_port + 3,
+        "features-cached": args.base_port + 4,
+        "features-read": args.base_port + 5,
     }
     busy = [f"{name}={port}" for name, port in ports.items() if not port_free(port)]
     if busy:

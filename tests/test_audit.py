@@ -54,6 +54,7 @@ def test_example_reachability() -> None:
         ("full-v18", "full-v18", "1", ["local"]),
         ("compact-v11", "compact-v11", "1", ["local"]),
         ("full-v18-stream", "full-v18-stream", "1", ["local"]),
+        ("ranker", "ranker-v3", "1", ["local"]),
     ]
     assert all(h.routed and h.cell == "eu-restricted" for r in orchid.reach for h in r.hops)
     fallback = orchid.reach[0].fallback

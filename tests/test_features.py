@@ -229,7 +229,29 @@ async def _pause(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
-def test_the_cache_never_crosses_tenants(served: ThreadedGateway) -> None:
+@pytest.fixture
+def lumen_too(
+    triton: LocalTriton, feast_server: FeastServer, registry: Path, tmp_path: Path
+) -> Iterator[ThreadedGateway]:
+    """The example stack with lumen allowed the ranker route too (the shipped tenants give it
+    to orchid only)."""
+    tenants = yaml.safe_load((ROOT / "examples" / "orchid" / "tenants.yaml").read_text())
+    tenants["tenants"]["lumen"]["models"] = [*tenants["tenants"]["lumen"]["models"], "ranker"]
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(tenants))
+    running = start(
+        gateway_config(
+            triton.address, tenants_file=path, feature_sources={"feast": source(feast_server, registry)}
+        )
+    )
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_the_cache_never_crosses_tenants(lumen_too: ThreadedGateway) -> None:
+    served = lumen_too
     first = ask(served, 3)
     assert parameters(first)["orchid.feature_cached"] is False
     again = ask(served, 3)
