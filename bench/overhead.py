@@ -713,8 +713,19 @@ def bench(
     args: argparse.Namespace, h2load: str, ports: dict[str, int], work: Path, started: list[Stoppable]
 ) -> int:
     """Start Triton and the proxies (appending each to ``started``), verify, measure, print."""
+    repository = args.model_repository.resolve()
+    if any(t in FEATURE_TARGETS for t in args.targets):
+        # ranker-v3 gets full-v18's 4 instances (devices) in a copy of the repository: the
+        # feature rows then differ from the gateway row by the feature read alone, not by a
+        # pool of one device that its overload ladder (rightly) protects at these rates.
+        copy = work / "repo"
+        shutil.copytree(repository, copy / "model_repository")
+        shutil.copytree(repository.parent / "emulator", copy / "emulator")
+        config = copy / "model_repository" / "ranker-v3" / "config.pbtxt"
+        config.write_text(config.read_text().replace("count: 1, kind: KIND_CPU", "count: 4, kind: KIND_CPU"))
+        repository = copy / "model_repository"
     triton = LocalTriton(
-        args.model_repository.resolve(),
+        repository,
         work / "triton",
         grpc_port=ports["triton"],
         time_factor=args.time_factor,
@@ -775,14 +786,14 @@ def bench(
         config = gateway_config(triton.address, time_scale or None)
         if target in FEATURE_TARGETS:
             assert feast is not None
-            # What a read costs, not when to refuse one: a budget and a timeout no read under
-            # this load reaches, so neither backpressure nor a timeout decides anything.
+            # What a read costs, not when to refuse one: no backpressure (the class's constant
+            # upstream reserve) and a timeout no read under this load reaches.
             config["feature_sources"] = {
                 "feast": {
                     "url": feast.url,
                     "registry": str(feast.registry_path),
                     "timeout_ms": 5000,
-                    "budget_ms": 5000,
+                    "backpressure": False,
                     "cache_ttl_ms": 60_000 if target == "features-cached" else 0,
                 }
             }
