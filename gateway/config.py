@@ -344,6 +344,12 @@ class FeatureSourceConfig(_Strict):
         description="its registry file (Feast's registry.db), read for each feature service's "
         "definition_version tag at load and whenever it changes; None: versions are not checked",
     )
+    repo: Path | None = Field(
+        default=None,
+        description="its Feast feature repository (the directory with feature_store.yaml), for the "
+        "point-in-time reads of batch jobs that declare a feature_snapshot (Feast's historical "
+        "retrieval, gateway.features.historical); None: such batches are refused",
+    )
     timeout_ms: float = Field(
         default=50.0, gt=0, description="a read's longest wait (less if the request's slack is)"
     )
@@ -736,9 +742,12 @@ def load_gateway_config(path: Path) -> GatewayConfig:
             ),
             "local_triton": local,
             "feature_sources": {
-                name: source.model_copy(update={"registry": _resolve(base, source.registry)})
-                if source.registry is not None
-                else source
+                name: source.model_copy(
+                    update={
+                        "registry": _resolve(base, source.registry) if source.registry else None,
+                        "repo": _resolve(base, source.repo) if source.repo else None,
+                    }
+                )
                 for name, source in config.feature_sources.items()
             },
             "rollouts_dir": _resolve(base, config.rollouts_dir) if config.rollouts_dir else None,

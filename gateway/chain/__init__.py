@@ -42,7 +42,7 @@ from gateway.chain.wait import Wait
 from gateway.config import GatewayConfig, RouteConfig, RouteTable
 from gateway.core import admission
 from gateway.core import memory as device_memory
-from gateway.core.errors import Unavailable
+from gateway.core.errors import InvalidArgument, Unavailable
 from gateway.core.estimate import Estimator
 from gateway.core.evidence import RouteEvidence
 from gateway.core.load import FlowLoad, PoolLoad
@@ -53,6 +53,7 @@ from gateway.core.upstream import FeatureContract
 from gateway.evidence import DENIED_DEGRADATION, EvidenceStore
 from gateway.exchange import Admitted, BackendHandle, CallContext, GatewayListener, Settled
 from gateway.features import Features
+from gateway.features.historical import AS_OF_PARAMETER, read_as_of, without_parameter
 from gateway.messages import attach_provenance
 from gateway.policy.context import quality_floor
 from gateway.policy.schema import PolicyContext
@@ -143,6 +144,14 @@ class RequestChain:
         ``canary``: false when the request was already tried on a rollout's candidate: that
         is its one bounded recovery, so its class's variance reserve (R_fail) is not held
         back again."""
+        as_of = read_as_of(request.parameters)
+        if as_of is not None:  # the job runner's mark on a snapshot batch's item, nobody else's
+            if mode not in (Mode.BATCH, Mode.ASYNC):
+                raise InvalidArgument(
+                    f"parameter {AS_OF_PARAMETER} is the gateway's own: a batch job declares its "
+                    "feature_snapshot (orchid.jobs.v1 SubmitBatch)"
+                )
+            request = without_parameter(request, AS_OF_PARAMETER)
         resolved = self.resolve.run(
             request, tenant, call, operation=operation, mode=mode, late=late, canary=canary
         )
@@ -331,10 +340,10 @@ class RequestChain:
         )
         if resolved.features is None:
             return admitted
-        return await self._read_features(admitted, resolved, resolved.features)
+        return await self._read_features(admitted, resolved, resolved.features, as_of=as_of)
 
     async def _read_features(
-        self, admitted: Admitted, resolved: Resolved, contract: FeatureContract
+        self, admitted: Admitted, resolved: Resolved, contract: FeatureContract, *, as_of: float | None
     ) -> Admitted:
         """Read the request's features (after its quota reservation, before the dispatch queue:
         no device time is queued for a request whose features cannot be had) within the time
@@ -349,6 +358,7 @@ class RequestChain:
                 tenant=resolved.identity.tenant,
                 scope=f"{resolved.cell}/{resolved.identity.risk_class}",
                 time_left_s=admitted.deadline_at - clock.now() - after_ms / 1000.0,
+                as_of=as_of,
             )
         except BaseException:
             self.settle.abandon(admitted, started=None, now=clock.now())

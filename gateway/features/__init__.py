@@ -16,6 +16,8 @@ counters ``/metrics`` reads. Per route with a ``features`` contract:
   generation, entities), else one batched read within the time the request has left beyond
   its predicted compute, judged by the contract; the values become the model input the
   contract names (FP32, ``[1, entities x features]``), and the snapshot goes in provenance.
+  With ``as_of`` (an item of a batch that declared a feature snapshot) the values are read
+  as of that time through the source's historical retrieval instead (``historical``).
 
 ``check_contracts`` is the load-time check: every contract against its source's registry
 (when the file is there: a source not yet materialised makes its routes refuse until it is).
@@ -48,6 +50,7 @@ from gateway.core.upstream import (
     FeatureValues,
     Missing,
 )
+from gateway.features.historical import HistoricalSource
 from gateway.features.registry import Definitions, RegistryError, read_registry
 from gateway.features.source import FeatureSource, SourceError
 
@@ -139,6 +142,10 @@ class Features:
                 FeatureCache(entries=source.cache_entries, ttl_s=source.cache_ttl_ms / 1000.0),
             )
             for name, source in config.feature_sources.items()
+        }
+        # Point-in-time reads (batch feature snapshots); Feast is imported only on the first one.
+        self.historical = {
+            name: HistoricalSource(name, source.repo) for name, source in config.feature_sources.items()
         }
         self.contracts = {
             name: contract_of(route.features)
@@ -246,11 +253,24 @@ class Features:
         tenant: str,
         scope: str,
         time_left_s: float,
+        as_of: float | None = None,
     ) -> tuple[FeatureValues, FeatureSnapshot]:
         """The request's features (cached or read), judged by the contract; a ``GatewayError``
-        when they cannot be had as the contract says."""
+        when they cannot be had as the contract says. ``as_of`` (epoch seconds): as of that
+        time, through the source's historical retrieval, ages measured from it."""
         state = self.sources[contract.source]
         entities, count = self.entity_values(contract, request)
+        if as_of is not None:
+            return await self.historical[contract.source].fetch(
+                contract,
+                entities,
+                count,
+                tenant=tenant,
+                scope=scope,
+                generation=state.generation,
+                as_of=as_of,
+                time_left_s=time_left_s,
+            )
         now = clock.now()
         key = upstream.cache_key(
             tenant,

@@ -43,6 +43,7 @@ from gateway.core.overload import DEFAULT_PLAN_SPAN_S
 from gateway.core.overload import effects as overload_effects
 from gateway.core.record import Mode
 from gateway.exchange import CallContext
+from gateway.features.historical import AS_OF_PARAMETER
 from gateway.jobs.batch import output_facts, provenance
 from gateway.jobs.store import Claimed, JobStore
 from gateway.pipeline import Gateway
@@ -349,6 +350,8 @@ class JobRunner:
         request = service_pb2.ModelInferRequest.FromString(item.request)
         request.parameters["orchid.class"].string_param = item.request_class
         request.parameters["orchid.operation_id"].string_param = item.op_id
+        if item.feature_as_of is not None:  # a snapshot batch: features as of its time
+            request.parameters[AS_OF_PARAMETER].double_param = item.feature_as_of
         call = CallContext(metadata=(), time_remaining_s=self.config.item_deadline_s, received_at=clock.now())
         mode = Mode.BATCH if item.kind is Kind.BATCH else Mode.ASYNC
         return await self.gateway.infer_request(request, tenant, call, mode=mode)

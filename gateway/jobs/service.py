@@ -25,8 +25,9 @@ from tritonclient.grpc import service_pb2
 from gateway import clock
 from gateway.auth import Tenant
 from gateway.config import JobsConfig, RouteConfig
-from gateway.core.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from gateway.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from gateway.core.jobs import Kind, OpStatus, check_submit, same_submission
+from gateway.features.historical import RULE_SNAPSHOT_UNAVAILABLE, feast_installed, iso, parse_snapshot
 from gateway.jobs.batch import parse_jsonl, response_json
 from gateway.jobs.runner import JobRunner
 from gateway.jobs.store import JobStore, NewOperation, Operation
@@ -93,14 +94,16 @@ class OperationsServicer:
         input_sha256: str,
         items: list[tuple[str, bytes]],
         lines: list[int] | None = None,
+        feature_snapshot: dict[str, Any] | None = None,
     ) -> Operation:
         route = self.gateway.tenant_route(tenant, model)  # NOT_FOUND for unknown and hidden models
         if route.streaming:
             raise InvalidArgument(f"model {shown(model)} streams its output: jobs run unary models only")
         await self._validate(tenant, route, model, items, lines)
-        request_hash = hashlib.sha256(
-            json.dumps([str(kind), model, request_class, input_sha256]).encode()
-        ).hexdigest()
+        identity = [str(kind), model, request_class, input_sha256]
+        if feature_snapshot is not None:  # a different snapshot is a different request
+            identity.append(feature_snapshot["as_of"])
+        request_hash = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
         key = operation_id or None
         if key is not None:
             existing: Operation | None = await self._call(self.store.by_key, tenant.name, key)
@@ -128,6 +131,7 @@ class OperationsServicer:
             model_version=route.version,
             created_at=now,
             complete_by=now + window,
+            feature_snapshot=feature_snapshot,
         )
         op, inserted = await self._call(self.store.insert, new, items)  # committed (fsync) on return
         if not inserted:  # a concurrent submit with the same key won the insert
@@ -136,6 +140,36 @@ class OperationsServicer:
         self.runner.wake.set()
         self.runner.changes.bump()
         return op  # type: ignore[no-any-return]
+
+    def _feature_snapshot(self, tenant: Tenant, model: str, text: str) -> dict[str, Any]:
+        """A batch's declared feature snapshot, checked: a time (not in the future) and a model
+        whose features can be read as of it (a contract, a source with historical retrieval)."""
+        as_of = parse_snapshot(text, now=clock.wall())
+        contract = self.gateway.tenant_route(tenant, model).features
+        if contract is None:
+            raise FailedPrecondition(
+                f"model {shown(model)} reads no features: a feature_snapshot needs a route with a "
+                "feature contract",
+                rule=RULE_SNAPSHOT_UNAVAILABLE,
+            )
+        source = self.gateway.config.feature_sources.get(contract.source)
+        if source is None or source.repo is None:
+            raise FailedPrecondition(
+                f"feature source {shown(contract.source)} has no historical retrieval configured "
+                f"(feature_sources.{contract.source}.repo: its Feast feature repository)",
+                rule=RULE_SNAPSHOT_UNAVAILABLE,
+            )
+        if not feast_installed():
+            raise FailedPrecondition(
+                "point-in-time features need the Feast SDK (the features extra), not installed here",
+                rule=RULE_SNAPSHOT_UNAVAILABLE,
+            )
+        return {
+            "as_of": iso(as_of),
+            "source": contract.source,
+            "feature_service": contract.feature_service,
+            "definition_version": contract.definition_version,
+        }
 
     async def _validate(
         self,
@@ -198,6 +232,7 @@ class OperationsServicer:
             results_expired=op.results_expired,
             charged_accelerator_ms=op.charged_ms,
             policy_version=(op.manifest or {}).get("policy_version", ""),
+            feature_snapshot=(op.feature_snapshot or {}).get("as_of", ""),
             error=RESULTS_EXPIRED if op.results_expired and not op.error else op.error,
             output_version=op.output_version,
         )
@@ -242,6 +277,11 @@ class OperationsServicer:
             raise InvalidArgument("model is required")
         request_class = self._class(tenant, request.request_class)
         self.gateway.tenant_route(tenant, request.model)  # NOT_FOUND before parsing a large file
+        snapshot = (
+            self._feature_snapshot(tenant, request.model, request.feature_snapshot)
+            if request.feature_snapshot
+            else None
+        )
         limits = self.runner.limits
         if len(request.jsonl) > limits.max_payload_bytes:
             raise InvalidArgument(
@@ -262,6 +302,7 @@ class OperationsServicer:
             input_sha256=batch.sha256,
             items=batch.items,
             lines=batch.lines,
+            feature_snapshot=snapshot,
         )
         return await self._message(op)
 
@@ -359,7 +400,7 @@ def manifest(op: Operation) -> dict[str, Any]:
     """The sealed manifest, or (while it runs) the same fields as they stand."""
     if op.manifest is not None:
         return dict(op.manifest, results_expired=op.results_expired)
-    return {
+    running: dict[str, Any] = {
         "id": op.id,
         "kind": str(op.kind),
         "status": str(op.status),
@@ -379,6 +420,9 @@ def manifest(op: Operation) -> dict[str, Any]:
         "output_version": 0,
         "results_expired": op.results_expired,
     }
+    if op.feature_snapshot:
+        running["feature_snapshot"] = op.feature_snapshot
+    return running
 
 
 def _token(text: str) -> int | None:

@@ -15,6 +15,10 @@ exclusive ``flock`` on ``jobs.lock``); at open, items a previous process was run
 released to the queue as lost leases (counted as an attempt: an item that kills its
 runner cannot loop forever).
 
+A batch's declared feature snapshot (``feature_snapshot``: as-of time, source, feature
+service, definition version; JSON) is a column of ``operations``, added when the store opens a
+database from before it (SQLite and PostgreSQL), and goes into the sealed manifest.
+
 The methods are synchronous and serialised by a lock; the runtime calls them through
 ``asyncio.to_thread``.
 """
@@ -29,6 +33,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -75,6 +80,7 @@ CREATE TABLE IF NOT EXISTS operations (
   error TEXT NOT NULL DEFAULT '',
   output_version INTEGER NOT NULL DEFAULT 0,
   manifest TEXT,
+  feature_snapshot TEXT,
   UNIQUE (tenant, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS operations_tenant ON operations (tenant, seq);
@@ -114,6 +120,9 @@ class NewOperation:
     model_version: str
     created_at: float
     complete_by: float
+    # A batch's declared feature snapshot: as_of (RFC 3339), source, feature_service,
+    # definition_version (``gateway.jobs.service``); None: online features.
+    feature_snapshot: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +151,7 @@ class Operation:
     manifest: dict[str, Any] | None
     counts: Counts
     charged_ms: float
+    feature_snapshot: dict[str, Any] | None = None
 
     @property
     def done(self) -> bool:
@@ -176,6 +186,7 @@ class Claimed:
     kind: Kind
     request: bytes
     attempts: int
+    feature_as_of: float | None = None  # epoch seconds: the item reads its features as of then
 
 
 class StateDirectoryBusy(OSError):
@@ -256,7 +267,7 @@ class JobStore:
         "seq, id, tenant, idempotency_key, request_hash, input_sha256, kind, request_class, model, "
         "model_version, "
         "status, cancel_requested, expired, created_at, started_at, finished_at, complete_by, "
-        "results_expire_at, results_expired, error, output_version, manifest"
+        "results_expire_at, results_expired, error, output_version, manifest, feature_snapshot"
     )
 
     def _operation(self, db: Any, row: tuple[Any, ...]) -> Operation:
@@ -286,6 +297,7 @@ class JobStore:
             manifest=json.loads(row[21]) if row[21] else None,
             counts=counts,
             charged_ms=charged,
+            feature_snapshot=json.loads(row[22]) if row[22] else None,
         )
 
     def _one(self, db: Any, where: str, args: tuple[Any, ...]) -> Operation | None:
@@ -340,8 +352,8 @@ class JobStore:
             cursor = self._x(
                 db,
                 "INSERT INTO operations (id, tenant, idempotency_key, request_hash, input_sha256, kind, "
-                "request_class, model, model_version, status, created_at, complete_by) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?) RETURNING seq",
+                "request_class, model, model_version, status, created_at, complete_by, feature_snapshot) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) RETURNING seq",
                 (
                     new.id,
                     new.tenant,
@@ -355,6 +367,7 @@ class JobStore:
                     OpStatus.QUEUED,
                     new.created_at,
                     new.complete_by,
+                    json.dumps(new.feature_snapshot, sort_keys=True) if new.feature_snapshot else None,
                 ),
             )
             seq = int(cursor.fetchone()[0])
@@ -472,8 +485,8 @@ class JobStore:
         with self._tx() as db:
             row = self._x(
                 db,
-                "SELECT i.op_seq, i.idx, o.id, o.request_class, o.kind, i.request, i.attempts "
-                "FROM items i JOIN operations o ON o.seq = i.op_seq "
+                "SELECT i.op_seq, i.idx, o.id, o.request_class, o.kind, i.request, i.attempts, "
+                "o.feature_snapshot FROM items i JOIN operations o ON o.seq = i.op_seq "
                 "WHERE o.tenant = ? AND o.model = ? AND i.status = ? AND i.next_attempt_at <= ? "
                 "AND o.cancel_requested = 0 ORDER BY i.next_attempt_at, i.op_seq, i.idx LIMIT 1"
                 + self.claim_lock,
@@ -481,7 +494,7 @@ class JobStore:
             ).fetchone()
             if row is None:
                 return None
-            seq, idx, op_id, request_class, kind, request, attempts = row
+            seq, idx, op_id, request_class, kind, request, attempts, snapshot = row
             self._x(
                 db,
                 "UPDATE items SET status = ?, claim = ?, lease_until = ?, started_at = ? "
@@ -491,7 +504,17 @@ class JobStore:
             self._x(db, "UPDATE operations SET started_at = ? WHERE seq = ? AND started_at = 0", (now, seq))
             self._refresh(db, seq, now=now)
             return Claimed(
-                op_id, seq, idx, claim, tenant, model, request_class, Kind(kind), request, attempts
+                op_id,
+                seq,
+                idx,
+                claim,
+                tenant,
+                model,
+                request_class,
+                Kind(kind),
+                request,
+                attempts,
+                feature_as_of=_as_of(snapshot),
             )
 
     def renew(self, claims: list[str], *, lease_until: float) -> None:
@@ -722,6 +745,8 @@ class JobStore:
             "charged_accelerator_ms": round(op.charged_ms, 3),
             "output_version": 1,
         }
+        if op.feature_snapshot:  # the declared snapshot: time, source, service, definition version
+            manifest["feature_snapshot"] = op.feature_snapshot
         self._x(
             db,
             "UPDATE operations SET status = ?, finished_at = ?, results_expire_at = ?, error = ?, "
@@ -767,6 +792,9 @@ class SqliteJobStore(JobStore):
         self._x(db, "PRAGMA synchronous=FULL")
         self._x(db, "PRAGMA foreign_keys=ON")
         db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._x(db, "PRAGMA table_info(operations)")}
+        if "feature_snapshot" not in columns:  # a database from before feature snapshots
+            self._x(db, "ALTER TABLE operations ADD COLUMN feature_snapshot TEXT")
         with self._tx() as tx:  # one process per directory: a previous one's leases are lost
             self._x(tx, "UPDATE items SET lease_until = 0 WHERE status = ?", (ItemStatus.RUNNING,))
 
@@ -793,7 +821,15 @@ class PostgresJobStore(JobStore):
         with self._tx() as tx:
             self._x(tx, "SELECT pg_advisory_xact_lock(7215)")  # one replica creates the schema
             if self._x(tx, "SELECT to_regclass('items')").fetchone()[0] is not None:
-                return  # DDL on tables in use (even IF NOT EXISTS) locks them: skip it
+                # DDL on tables in use (even IF NOT EXISTS) locks them: only a missing column
+                # (a database from before feature snapshots) is added, once.
+                if not self._x(
+                    tx,
+                    "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
+                    "AND table_name = 'operations' AND column_name = 'feature_snapshot'",
+                ).fetchone():
+                    self._x(tx, "ALTER TABLE operations ADD COLUMN IF NOT EXISTS feature_snapshot TEXT")
+                return
             for statement in (
                 _SCHEMA.replace("INTEGER PRIMARY KEY AUTOINCREMENT", "BIGSERIAL PRIMARY KEY")
                 .replace(" BLOB", " BYTEA")
@@ -802,6 +838,13 @@ class PostgresJobStore(JobStore):
             ):
                 if statement.strip():
                     self._x(tx, statement)
+
+
+def _as_of(snapshot: str | None) -> float | None:
+    """The epoch seconds of a stored feature snapshot's ``as_of``; None without one."""
+    if not snapshot:
+        return None
+    return datetime.fromisoformat(json.loads(snapshot)["as_of"]).timestamp()
 
 
 def open_store(config: JobsConfig, limits: JobLimits) -> JobStore:
