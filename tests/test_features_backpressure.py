@@ -143,3 +143,39 @@ def test_a_source_that_is_down_is_refused_with_its_own_rule(
         assert any(e is not None and "most recent reads failed" in str(e.message()) for e in rules)
     finally:
         running.stop()
+
+
+def test_a_request_whose_features_are_cached_is_served_while_the_source_is_backpressured(
+    triton: LocalTriton, feast_server: FeastServer, slow: SlowProxy
+) -> None:
+    """The cache answers it: it needs no read, reserves no upstream time, and the late source's
+    backpressure does not refuse it; a user not in the cache is refused."""
+    source = FeatureSourceConfig(
+        url=slow.url,
+        registry=feast_server.registry_path,
+        timeout_ms=100.0,
+        budget_ms=40.0,
+        window_s=10.0,
+        probe_interval_s=5.0,
+        cache_ttl_ms=60_000.0,
+    )
+    running = ThreadedGateway(gateway_config(triton.address, feature_sources={"feast": source}))
+    running.start()
+    try:
+        assert outcome(running, 1) is None  # now cached
+        slow.delay_ms = 150.0
+        tripped = False
+        for user in range(2, 50):
+            if user in (7, 8):
+                continue
+            error = outcome(running, user)
+            if error is not None and backpressured(error):
+                tripped = True
+                break
+        assert tripped, "the late source never backpressured"
+        cached = ask(running, 1)
+        assert cached.get_response().parameters["orchid.feature_cached"].bool_param
+        refused = outcome(running, 49)
+        assert refused is not None and backpressured(refused)
+    finally:
+        running.stop()

@@ -157,9 +157,15 @@ class RequestChain:
         )
         contract = self.features.contract(resolved.route)
         if contract is not None:  # refused here, before any placement, if the source cannot serve it
-            resolved = dataclasses.replace(
-                resolved, features=contract, upstream_reserve_ms=self.features.gate(contract, clock.now())
+            reserve = self.features.gate(
+                contract,
+                resolved.request,
+                tenant=resolved.identity.tenant,
+                scope=feature_scope(resolved),
+                now=clock.now(),
+                as_of=as_of,
             )
+            resolved = dataclasses.replace(resolved, features=contract, upstream_reserve_ms=reserve)
         placement = await self.place.primary(resolved)
         shape = shape_of(resolved, placement)
         now = clock.now()
@@ -356,7 +362,7 @@ class RequestChain:
                 contract,
                 resolved.request,
                 tenant=resolved.identity.tenant,
-                scope=f"{resolved.cell}/{resolved.identity.risk_class}",
+                scope=feature_scope(resolved),
                 time_left_s=admitted.deadline_at - clock.now() - after_ms / 1000.0,
                 as_of=as_of,
             )
@@ -455,6 +461,12 @@ class RequestChain:
         response.model_name = admitted.record.identity.model
         attach_provenance(response, settled)
         return response
+
+
+def feature_scope(resolved: Resolved) -> str:
+    """The authorization scope a request's cached features are kept under (beside its tenant):
+    its privacy cell and risk class."""
+    return f"{resolved.cell}/{resolved.identity.risk_class}"
 
 
 def backend_request(

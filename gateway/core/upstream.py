@@ -333,6 +333,12 @@ class FeatureCache:
         self.hits += 1
         return found[1]
 
+    def holds(self, key: CacheKey, now: float) -> bool:
+        """Is a live entry there (no hit or miss counted, no LRU move): admission's question
+        whether the request will need a read at all."""
+        found = self._data.get(key)
+        return found is not None and found[0] > now
+
     def put(self, key: CacheKey, values: FeatureValues, *, now: float, wall: float, max_age_s: float) -> None:
         """Keep ``values`` until ``ttl_s`` from now, or until its oldest value ages past
         ``max_age_s`` if sooner (a value already too old is not kept)."""

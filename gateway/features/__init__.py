@@ -169,11 +169,23 @@ class Features:
 
     # ------------------------------------------------------------------ gate
 
-    def gate(self, contract: FeatureContract, now: float) -> float | None:
+    def gate(
+        self,
+        contract: FeatureContract,
+        request: service_pb2.ModelInferRequest,
+        *,
+        tenant: str,
+        scope: str,
+        now: float,
+        as_of: float | None = None,
+    ) -> float | None:
         """Before placement: refuse a request whose features cannot be read as its model was
-        trained (definitions) or should not be read now (backpressure); else the upstream
-        reserve (ms) its slack sets aside: the source's measured read latency quantile, or
-        with the source's ``backpressure`` off None (the class's constant reserve)."""
+        trained (definitions), whose entities are malformed, or that should not read the
+        source now (backpressure); else the upstream reserve (ms) its slack sets aside: none
+        when the cache holds its features now (it needs no read: the source's backpressure
+        does not refuse it either), else the source's measured read latency quantile, or with
+        the source's ``backpressure`` off (and for a snapshot batch's item, ``as_of``: a
+        historical read) None, the class's constant reserve."""
         state = self.sources[contract.source]
         state.refresh(now)
         if state.registry is not None:
@@ -190,6 +202,13 @@ class Features:
             if problem is not None:
                 state.count("incompatible")
                 raise FailedPrecondition(problem, rule=upstream.RULE_INCOMPATIBLE)
+        entities, _ = self.entity_values(contract, request)
+        if as_of is not None:
+            return None
+        if state.cache.ttl_s > 0 and state.cache.holds(
+            self._key(state, contract, entities, tenant, scope), now
+        ):
+            return 0.0
         health = state.source.health
         if not state.source.config.backpressure:
             return None
@@ -200,6 +219,22 @@ class Features:
         return health.reserve_ms(now)
 
     # ------------------------------------------------------------------ fetch
+
+    @staticmethod
+    def _key(
+        state: SourceState,
+        contract: FeatureContract,
+        entities: dict[str, list[int | str]],
+        tenant: str,
+        scope: str,
+    ) -> upstream.CacheKey:
+        return upstream.cache_key(
+            tenant,
+            scope,
+            contract,
+            state.generation,
+            tuple(f"{k}={','.join(map(str, v))}" for k, v in sorted(entities.items())),
+        )
 
     @staticmethod
     def entity_values(
@@ -272,13 +307,7 @@ class Features:
                 time_left_s=time_left_s,
             )
         now = clock.now()
-        key = upstream.cache_key(
-            tenant,
-            scope,
-            contract,
-            state.generation,
-            tuple(f"{k}={','.join(map(str, v))}" for k, v in sorted(entities.items())),
-        )
+        key = self._key(state, contract, entities, tenant, scope)
         cached = state.cache.get(key, now) if state.cache.ttl_s > 0 else None
         if cached is not None:
             state.count("cache_hit")
