@@ -560,7 +560,7 @@ class Row:
 
 def render(rows: list[Row]) -> str:
     header = (
-        f"{'target':<12} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} "
+        f"{'target':<15} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} "
         f"{'proxy CPU-us/req':>17} {'triton CPU-us/req':>18} {'h2load CPU-us/req':>18} "
         f"{'succeeded/failed':>17} {'B/resp (OK)':>12} {'other load':>10}"
     )
@@ -568,7 +568,7 @@ def render(rows: list[Row]) -> str:
     for r in rows:
         proxy = f"{r.proxy_cpu_us:.0f}" if r.proxy_cpu_us is not None else "-"
         lines.append(
-            f"{r.target:<12} {r.req_per_s:>8.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.mean_ms:>8.2f} "
+            f"{r.target:<15} {r.req_per_s:>8.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.mean_ms:>8.2f} "
             f"{proxy:>17} {r.triton_cpu_us:>18.0f} {r.client_cpu_us:>18.0f} "
             f"{f'{r.succeeded}/{r.failed}':>17} {f'{r.data_per_response:.0f} ({r.ok_frame})':>12}"
             f" {r.other_cores:>10.2f}"
@@ -585,6 +585,19 @@ def render(rows: list[Row]) -> str:
             line += f"   p50 x{gw.p50_ms / ref.p50_ms:.2f}   p99 x{gw.p99_ms / ref.p99_ms:.2f}"
             if gw.proxy_cpu_us and ref.proxy_cpu_us:
                 line += f"   proxy CPU/req x{gw.proxy_cpu_us / ref.proxy_cpu_us:.2f}"
+            lines.append(line)
+    if gw is not None:
+        for target in FEATURE_TARGETS:
+            row = by.get(target)
+            if row is None:
+                continue
+            line = f"{target}/gateway  req/s x{row.req_per_s / gw.req_per_s:.2f}"
+            line += f"   p50 x{row.p50_ms / gw.p50_ms:.2f} (+{row.p50_ms - gw.p50_ms:.2f} ms)"
+            if row.proxy_cpu_us and gw.proxy_cpu_us:
+                line += (
+                    f"   gateway CPU/req x{row.proxy_cpu_us / gw.proxy_cpu_us:.2f}"
+                    f" (+{row.proxy_cpu_us - gw.proxy_cpu_us:.0f} us: the feature read)"
+                )
             lines.append(line)
     return "\n".join(lines)
 
@@ -721,8 +734,8 @@ def bench(
         copy = work / "repo"
         shutil.copytree(repository, copy / "model_repository")
         shutil.copytree(repository.parent / "emulator", copy / "emulator")
-        config = copy / "model_repository" / "ranker-v3" / "config.pbtxt"
-        config.write_text(config.read_text().replace("count: 1, kind: KIND_CPU", "count: 4, kind: KIND_CPU"))
+        ranker = copy / "model_repository" / "ranker-v3" / "config.pbtxt"
+        ranker.write_text(ranker.read_text().replace("count: 1, kind: KIND_CPU", "count: 4, kind: KIND_CPU"))
         repository = copy / "model_repository"
     triton = LocalTriton(
         repository,
