@@ -642,13 +642,19 @@ def feature_user(rng: random.Random, settings: FeatureSettings) -> int:
     return rng.choices(FRESH_USERS, [1.0 / (i + 1) for i in range(len(FRESH_USERS))])[0]
 
 
-def feature_config(config: GatewayConfig, url: str, registry: Path) -> GatewayConfig:
-    """The config with its ``feature_sources.feast`` pointed at a running feature server."""
+def feature_config(
+    config: GatewayConfig, url: str, registry: Path, repo: Path | None = None
+) -> GatewayConfig:
+    """The config with its ``feature_sources.feast`` pointed at a running feature server (and,
+    with ``repo``, its feature repository: a snapshot batch's historical reads)."""
     sources = dict(config.feature_sources)
     source = sources.get(FEATURE_SOURCE)
     if source is None:
         raise ConfigError("feature_sources", "", f"the config has no feature source {FEATURE_SOURCE!r}")
-    sources[FEATURE_SOURCE] = source.model_copy(update={"url": url, "registry": registry.resolve()})
+    update: dict[str, object] = {"url": url, "registry": registry.resolve()}
+    if repo is not None:
+        update["repo"] = repo.resolve()
+    sources[FEATURE_SOURCE] = source.model_copy(update=update)
     return config.model_copy(update={"feature_sources": sources})
 
 
@@ -1331,7 +1337,7 @@ async def run_demo(
                 print(f"orchid-gateway demo: {feature_note}\n{error}", file=sys.stderr, flush=True)
             else:
                 await asyncio.to_thread(warm_feast, feast.url)
-                config = feature_config(config, feast.url, feast.registry_path)
+                config = feature_config(config, feast.url, feast.registry_path, feast.repo_path)
                 models = sorted({*models, FEATURE_MODEL})
                 print(
                     f"feature store: Feast at {feast.url} (registry {feast.registry_path}; data generated "
