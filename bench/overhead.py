@@ -592,11 +592,11 @@ def render(rows: list[Row]) -> str:
             if row is None:
                 continue
             line = f"{target}/gateway  req/s x{row.req_per_s / gw.req_per_s:.2f}"
-            line += f"   p50 x{row.p50_ms / gw.p50_ms:.2f} (+{row.p50_ms - gw.p50_ms:.2f} ms)"
+            line += f"   p50 x{row.p50_ms / gw.p50_ms:.2f} ({row.p50_ms - gw.p50_ms:+.2f} ms)"
             if row.proxy_cpu_us and gw.proxy_cpu_us:
                 line += (
                     f"   gateway CPU/req x{row.proxy_cpu_us / gw.proxy_cpu_us:.2f}"
-                    f" (+{row.proxy_cpu_us - gw.proxy_cpu_us:.0f} us: the feature read)"
+                    f" ({row.proxy_cpu_us - gw.proxy_cpu_us:+.0f} us: the feature read)"
                 )
             lines.append(line)
     return "\n".join(lines)
