@@ -241,6 +241,36 @@ def test_parse_snapshot() -> None:
             parse_snapshot(text, now=now)
 
 
+SNAPSHOT = {"as_of": "2026-01-02T03:04:05Z", "source": "feast"}
+
+
+def _insert_and_claim(store: Any, op_id: str) -> Any:
+    """A snapshot batch of one item, inserted and claimed: the snapshot is stored with the
+    operation, and its item is claimed with the snapshot's time."""
+    op, inserted = store.insert(
+        NewOperation(
+            id=op_id,
+            tenant="t",
+            idempotency_key=None,
+            request_hash="h",
+            input_sha256="s",
+            kind=Kind.BATCH,
+            request_class="batch",
+            model="ranker",
+            model_version="1",
+            created_at=1.0,
+            complete_by=100.0,
+            feature_snapshot=SNAPSHOT,
+        ),
+        [("a", b"")],
+    )
+    assert inserted and op.feature_snapshot == SNAPSHOT
+    claimed = store.claim(tenant="t", model="ranker", claim="c", now=2.0, lease_until=10.0)
+    assert claimed is not None
+    assert claimed.feature_as_of == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()
+    return claimed
+
+
 def test_an_existing_job_database_gains_the_snapshot_column(tmp_path: Path) -> None:
     # A database from before feature snapshots: the operations table without the column.
     old = _SCHEMA.replace("  feature_snapshot TEXT,\n", "")
@@ -251,32 +281,11 @@ def test_an_existing_job_database_gains_the_snapshot_column(tmp_path: Path) -> N
     limits = JobLimits()
     store = SqliteJobStore(tmp_path, limits)
     try:
-        snapshot = {"as_of": "2026-01-02T03:04:05Z", "source": "feast"}
-        op, inserted = store.insert(
-            NewOperation(
-                id="op-1",
-                tenant="t",
-                idempotency_key=None,
-                request_hash="h",
-                input_sha256="s",
-                kind=Kind.BATCH,
-                request_class="batch",
-                model="ranker",
-                model_version="1",
-                created_at=1.0,
-                complete_by=100.0,
-                feature_snapshot=snapshot,
-            ),
-            [("a", b"")],
-        )
-        assert inserted and op.feature_snapshot == snapshot
-        claimed = store.claim(tenant="t", model="ranker", claim="c", now=2.0, lease_until=10.0)
-        assert claimed is not None
-        assert claimed.feature_as_of == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()
+        claimed = _insert_and_claim(store, "op-1")
         assert store.complete(claimed, response=b"", provenance={}, charged_ms=0.0, now=3.0)
         sealed = store.get("t", "op-1")
         assert sealed is not None and sealed.manifest is not None
-        assert sealed.manifest["feature_snapshot"] == snapshot
+        assert sealed.manifest["feature_snapshot"] == SNAPSHOT
     finally:
         store.close()
 
@@ -296,27 +305,6 @@ def test_an_existing_postgres_job_database_gains_the_snapshot_column(postgres: P
                 db.execute(statement)
     store = PostgresJobStore(postgres.dsn, JobLimits())
     try:
-        snapshot = {"as_of": "2026-01-02T03:04:05Z", "source": "feast"}
-        op, inserted = store.insert(
-            NewOperation(
-                id="op-pg",
-                tenant="t",
-                idempotency_key=None,
-                request_hash="h",
-                input_sha256="s",
-                kind=Kind.BATCH,
-                request_class="batch",
-                model="ranker",
-                model_version="1",
-                created_at=1.0,
-                complete_by=100.0,
-                feature_snapshot=snapshot,
-            ),
-            [("a", b"")],
-        )
-        assert inserted and op.feature_snapshot == snapshot
-        claimed = store.claim(tenant="t", model="ranker", claim="c", now=2.0, lease_until=10.0)
-        assert claimed is not None
-        assert claimed.feature_as_of == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()
+        _insert_and_claim(store, "op-pg")
     finally:
         store.close()
