@@ -28,6 +28,7 @@ import pytest
 from gateway.backends.local import LocalTriton
 from gateway.config import BackendConfig, GatewayConfig, load_gateway_config
 from gateway.server import GatewayServer
+from tests.feast_server import feast_server  # noqa: F401  (one session Feast server for every module)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_CONFIG = ROOT / "examples" / "orchid" / "gateway.yaml"

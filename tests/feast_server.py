@@ -3,7 +3,8 @@
 ``examples/orchid/features`` in a temporary directory (never the repository), stopped at the
 end of the session. About 10 s to start (apply, materialize, serve).
 
-Import it into a test module (``from tests.feast_server import feast_server``) or a conftest.
+``tests/conftest.py`` imports it, so every module shares the one server (a module importing the
+fixture itself would get a server of its own: a fixture's scope is per definition).
 Tests that need it skip, saying why, when Feast is not installed (the ``features`` extra:
 ``scripts/bootstrap.sh`` installs it).
 """

@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 
 from orchid_tools.featurestore import FeastServer
-from tests.feast_server import feast_server  # noqa: F401  (the fixture)
 
 FEATURES = ("user_stats_v12__score", "user_stats_v12__clicks", "user_stats_v12__risk")
 
@@ -25,7 +24,7 @@ def _at(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-def test_online_features_for_present_stale_and_missing_users(feast_server: FeastServer) -> None:  # noqa: F811
+def test_online_features_for_present_stale_and_missing_users(feast_server: FeastServer) -> None:
     reply = httpx.post(
         f"{feast_server.url}/get-online-features",
         json={
@@ -56,7 +55,7 @@ def test_online_features_for_present_stale_and_missing_users(feast_server: Feast
     assert feast_server.registry_path.is_file() and feast_server.registry_path.stat().st_size > 0
 
 
-def test_the_incompatible_version_is_served_too(feast_server: FeastServer) -> None:  # noqa: F811
+def test_the_incompatible_version_is_served_too(feast_server: FeastServer) -> None:
     reply = httpx.post(
         f"{feast_server.url}/get-online-features",
         json={"feature_service": "ranker_v13", "entities": {"user_id": [2]}, "full_feature_names": True},

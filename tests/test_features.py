@@ -28,9 +28,6 @@ from gateway.features import check_contracts
 from gateway.features.registry import _REGISTRY
 from orchid_tools.featurestore import FeastServer
 from tests.conftest import LUMEN_KEY, ORCHID_KEY, ROOT, ThreadedGateway, gateway_config
-from tests.feast_server import feast_server
-
-__all__ = ["feast_server"]
 
 ROUTES = ROOT / "routes"
 

@@ -22,10 +22,7 @@ from gateway.config import FeatureSourceConfig
 from orchid_tools.featurestore import FeastServer
 from orchid_tools.slowproxy import SlowProxy
 from tests.conftest import ThreadedGateway, gateway_config
-from tests.feast_server import feast_server
 from tests.test_features import ask
-
-__all__ = ["feast_server"]
 
 PROBE_S = 0.3
 

@@ -31,10 +31,9 @@ from gateway.features.historical import AS_OF_PARAMETER, parse_snapshot
 from gateway.jobs.store import _SCHEMA, DB_NAME, NewOperation, PostgresJobStore, SqliteJobStore
 from orchid_tools.featurestore import FeastServer
 from tests.conftest import ORCHID_KEY, ThreadedGateway, gateway_config
-from tests.feast_server import feast_server
 from tests.postgres_server import PostgresServer, postgres
 
-__all__ = ["feast_server", "postgres"]
+__all__ = ["postgres"]
 
 ORCHID = (("authorization", f"Bearer {ORCHID_KEY}"),)
 
