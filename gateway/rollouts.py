@@ -101,6 +101,9 @@ log = logging.getLogger("orchid.rollout")
 LOAD_TIMEOUT_S = 120.0
 TICK_S = 0.05  # how often the analysis closes intervals and the drain is checked
 QUIET_S = 0.05  # a retired version is drained once its pools stayed empty this long
+# In a fleet: two of the followers' watcher rounds (``gateway.rollout_fleet.WATCH_S``, 0.2 s), by
+# which every live replica follows the switch, and then its own work has drained too.
+FLEET_QUIET_S = 0.5
 ALLOCATION_FAILURE = "out of memory"  # what an allocation failure's message carries
 
 REQUESTS: Counter = get_or_create(
@@ -807,8 +810,15 @@ class RolloutController:
 
         return score(route.version) - score(spec.candidate.name)
 
-    def _busy(self, backend_model: str) -> bool:
-        return any(q.inflight or q.queued for q in self._pools(backend_model))
+    def _busy(self, backend_model: str, now: float) -> bool:
+        """Work on ``backend_model``'s pools: this replica's in flight or queued, and in a fleet
+        the other replicas' bound there (their slot leases, as the last load exchange read them)."""
+        for queue in self._pools(backend_model):
+            if queue.inflight or queue.queued:
+                return True
+            if any(end > now for end in queue.device_set.remote_ends.get(queue.name, ())):
+                return True
+        return False
 
     async def _retire(self, run: RolloutRun, backend_model: str) -> None:
         """Wait for ``backend_model``'s in-flight and queued work (and mirrors) to drain, then
@@ -818,17 +828,21 @@ class RolloutController:
         idle_since: float | None = None
         # Drained: no work in its pools' queues or slots (and no mirror) for QUIET_S on end, so
         # a request admitted just before the switch, on its way to the queue, is counted. The
-        # time reported is when that is confirmed: when the version may safely be removed.
+        # time reported is when that is confirmed: when the version may safely be removed. In a
+        # fleet the other replicas switch at their next watcher round (FLEET_QUIET_S), and their
+        # bound work counts too: unloaded sooner, a follower still routing to it between the
+        # owner's switch and its own found no warm backend (25 requests refused in one run).
+        quiet_s = QUIET_S if self.fleet is None else FLEET_QUIET_S
         while True:
             now = clock.now()
-            busy = self._busy(backend_model) or (
+            busy = self._busy(backend_model, now) or (
                 backend_model == run.spec.candidate.backend_model and bool(run.mirrors)
             )
             if busy:
                 idle_since = None
             elif idle_since is None:
                 idle_since = now
-            elif now - idle_since >= QUIET_S:
+            elif now - idle_since >= quiet_s:
                 break
             if now - began > run.spec.drain.max_wait_s:
                 rollout.timeline.append(
