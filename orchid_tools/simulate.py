@@ -103,6 +103,7 @@ from orchid_tools.simulate_features import (
     Entities,
     FeatureLog,
     SourceModel,
+    _Keyed,
     entity_bytes,
     install,
     last_refusal_after,
@@ -128,15 +129,6 @@ def degradation(approximation: str) -> str:
 
 
 # --------------------------------------------------------------------------- schema
-
-
-class _Keyed(ValueError):
-    """A cross-field problem that knows the key (relative to the validated object) it is about."""
-
-    def __init__(self, key: str, problem: str) -> None:
-        super().__init__(problem)
-        self.key = key
-        self.problem = problem
 
 
 class _Strict(BaseModel):

@@ -45,6 +45,9 @@ Z95 = 1.6448536269514722  # the standard normal's 95th percentile
 
 
 class _Keyed(ValueError):
+    """A cross-field problem that knows the key (relative to the validated object) it is about
+    (``orchid_tools.simulate`` locates it; one class for both modules' models)."""
+
     def __init__(self, key: str, problem: str) -> None:
         super().__init__(problem)
         self.key = key
