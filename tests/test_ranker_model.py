@@ -5,7 +5,6 @@ model. One batch may mix requests with and without features."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -72,9 +71,9 @@ def test_without_features_the_model_still_answers(ranker: LocalTriton) -> None:
 
 
 def test_one_batch_mixes_requests_with_and_without_features(ranker: LocalTriton) -> None:
-    """A long request holds the one instance (300 ms of decode) while 15 short ones, odd ones
-    with features, queue behind it; Triton co-batches them (up to 8 a batch), and each gets its
-    own features back, or none."""
+    """A long request (300 ms of decode) and 15 short ones, odd ones with features, are sent
+    together to the one instance; those that queue are co-batched (up to 8 a batch), and each
+    gets its own features back, or none."""
     count = 16
     clients = [grpcclient.InferenceServerClient(ranker.address) for _ in range(count)]
 
@@ -94,10 +93,12 @@ def test_one_batch_mixes_requests_with_and_without_features(ranker: LocalTriton)
     try:
         before = clients[0].get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
         with ThreadPoolExecutor(count) as pool:
-            blocker = pool.submit(call, 0)
-            time.sleep(0.05)  # the blocker is executing: the others queue behind it
-            results = [blocker.result(timeout=CALL_TIMEOUT_S)]
-            results[1:1] = pool.map(call, range(1, count), timeout=2 * CALL_TIMEOUT_S)
+            # All 16 are in flight together: whichever execution starts first holds the one
+            # instance while the rest queue, so the next execution takes up to 8 of them. (The
+            # blocker used to be awaited before the others were sent: on a slow machine each short
+            # request then ran alone.)
+            futures = [pool.submit(call, k) for k in range(count)]
+            results = [future.result(timeout=2 * CALL_TIMEOUT_S) for future in futures]
         after = clients[0].get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
     finally:
         for client in clients:

@@ -6,13 +6,16 @@ capacity while tenant orchid (weight 2) opens them at 30 % of it: the flood that
 measured (orchid's streams then got their first result in time 40-88 % of the time, and
 every refusal of lumen came from its quota's concurrency limit, none from the ladder). The
 gateway runs as its own process (``orchid-gateway serve``) in front of a Triton of this
-module's own at time factor 0.5, on a copy of the example tenants in which lumen may call
-the stream route. Every stream is one request (768 tokens in, 16 out: about 44 device-ms,
-its first result about 41 ms after it starts, as the issue's 38 ms alone) on a call of its
-own, asking for the final response; open loop.
+module's own at time factor 1.0, on a copy of the example tenants in which lumen may call
+the stream route. Every stream is one request (768 tokens in, 16 out: about 88 device-ms,
+its first result about 82 ms after it starts alone) asking for the final response; open
+loop. Time factor 1.0 and a 400 ms objective (the 200 ms of factor 0.5, scaled): the
+emulated device's sleeps must dominate the 2-core machine's CPU noise. At factor 0.5 with
+one core kept busy by another process, 115-120 of 129 first results were on time (the
+gateway refused the rest as predicted late); at 1.0, 68-69 of 70.
 
 What must hold, measured in the run:
-* orchid's streams get their first result within their first-result deadline (200 ms,
+* orchid's streams get their first result within their first-result deadline (400 ms,
   ``orchid.first_result_ms``) >= 95 % of the time, and every final response reports it and
   the gap objective (``orchid.first_result_met``, ``orchid.max_gap_ms``);
 * lumen's refused streams are refused early (RESOURCE_EXHAUSTED with ``retry-after-ms``, a
@@ -45,9 +48,9 @@ from tests.test_noisy_neighbour import schedule
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 MODEL = "full-v18-stream"
 INPUT_TOKENS, OUTPUT_TOKENS = 768, 16
-TIME_FACTOR = 0.5
-FIRST_RESULT_MS = 200.0
-BEFORE_S, FLOOD_S, AFTER_S = 1.0, 8.0, 1.0
+TIME_FACTOR = 1.0
+FIRST_RESULT_MS = 400.0
+BEFORE_S, FLOOD_S, AFTER_S = 1.0, 16.0, 1.0
 CALL_TIMEOUT_S = 5.0
 SEED = 28
 SHED_RULE = "overload-reject-interactive"
