@@ -24,19 +24,24 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.core.errors import ConfigError
-from gateway.core.memory import DeviceMemory, live_tokens
-from gateway.core.profile import GIB, batch_accelerator_ms, padding
+from gateway.core.memory import DeviceMemory, live_tokens, resident_bytes
+from gateway.core.overload import protected_capacity_ms_per_s
+from gateway.core.profile import GIB, DemandProfile, batch_accelerator_ms, padding
 from gateway.core.record import Budget
+from gateway.core.topology import DomainLoss, Layout, Topology, Unit, available, domain_losses
 from gateway.settings import DemandProfileSchema
 from gateway.yaml_source import YamlDocument, YamlError, read_yaml
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig, RouteTable, TopologyConfig
 
 MS_PER_S = 1000.0
 _EPS = 1e-9  # float noise allowance when rounding device counts up
@@ -1219,15 +1224,589 @@ def with_upstream(worksheet: Worksheet, workload: Workload, gateway: Path) -> Wo
     return Worksheet((*worksheet.sections, section), worksheet.source)
 
 
+# --------------------------------------------------------------------------- parallel topology
+
+TOPOLOGY_TITLE = "Parallel topology"
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedModel:
+    """One backend model on a backend with a topology: its route profile, layout and units."""
+
+    model: str  # the backend model
+    routes: tuple[str, ...]  # the routes that run it there
+    profile_name: str
+    profile: DemandProfile
+    layout: Layout
+    declared: bool  # its layout is declared (else one device per unit)
+    units: tuple[Unit, ...]
+
+    @property
+    def width(self) -> int:
+        return self.layout.width
+
+    @property
+    def resident_per_device(self) -> int:
+        """What each device of a unit keeps of it: 1/width of its weights and workspace,
+        rounded up (as ``PoolRegistry.queue_for`` places it)."""
+        return -(-resident_bytes(self.profile) // self.width)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendTopology:
+    """A backend that declares a topology, with every model placed on its devices."""
+
+    backend: str
+    source: str  # "backends" | "local_triton"
+    topology: Topology
+    memory_gib: float
+    reserve_gib: float
+    time_scale: float
+    protected_utilization: float
+    lost: tuple[int, ...]  # lost at start (``topology.lost``)
+    models: tuple[PlacedModel, ...]
+
+    @property
+    def devices(self) -> int:
+        return self.topology.devices
+
+    @property
+    def memory(self) -> DeviceMemory:
+        return DeviceMemory.from_gib(self.memory_gib, self.reserve_gib)
+
+    @property
+    def resident_per_device(self) -> int:
+        """Bytes resident on each device: every model's share (the devices are shared)."""
+        return sum(m.resident_per_device for m in self.models)
+
+    @property
+    def live_room_per_device(self) -> int:
+        return self.memory.live_room_bytes(self.resident_per_device)
+
+    def capacity_devices(self, model: PlacedModel, lost: Iterable[int] = ()) -> int:
+        """The devices of ``model``'s units with no lost device (what the ladder counts)."""
+        gone = {*self.lost, *lost}
+        return sum(len(u.devices) for u in available(model.units, gone))
+
+    def envelope_ms_per_s(self, model: PlacedModel, lost: Iterable[int] = ()) -> float:
+        return protected_capacity_ms_per_s(self.capacity_devices(model, lost), self.protected_utilization)
+
+    def losses(self) -> list[DomainLoss]:
+        return domain_losses(self.topology, {m.model: m.units for m in self.models})
+
+
+def _models_on(name: str, repository: Path | None, routes: RouteTable) -> dict[str, list[str]]:
+    """backend model -> the routes that run it on backend ``name`` (a route with no
+    ``backends`` runs on every backend; the embedded Triton serves what its repository has)."""
+    placed: dict[str, list[str]] = {}
+    for route_name, route in routes.models.items():
+        if route.backends and name not in route.backends:
+            continue
+        if repository is not None and repository.is_dir() and not (repository / route.backend_model).is_dir():
+            continue
+        placed.setdefault(route.backend_model, []).append(route_name)
+    return placed
+
+
+def backend_topologies(config: GatewayConfig, routes: RouteTable) -> tuple[BackendTopology, ...]:
+    """Every served backend that declares a topology (the embedded Triton as ``local``, which
+    replaces a configured backend of that name, as ``serve`` does), with its models placed."""
+    from gateway.server import LOCAL_BACKEND
+
+    found: dict[str, BackendTopology] = {}
+    entries: list[tuple[str, str, TopologyConfig | None, int, float, float, float, Path | None]] = [
+        (
+            b.name,
+            "backends",
+            b.topology,
+            b.devices,
+            b.device_memory_gib,
+            b.runtime_reserve_gib,
+            b.time_scale,
+            None,
+        )
+        for b in config.backends
+    ]
+    local = config.local_triton
+    if local is not None:
+        entries = [e for e in entries if e[0] != LOCAL_BACKEND]
+        entries.append(
+            (
+                LOCAL_BACKEND,
+                "local_triton",
+                local.topology,
+                local.devices,
+                local.device_memory_gib,
+                local.runtime_reserve_gib,
+                local.time_factor if local.time_factor > 0 else 1e-3,  # as serve prices it
+                local.model_repository,
+            )
+        )
+    for name, source, declared, devices, memory_gib, reserve_gib, time_scale, repository in entries:
+        if declared is None:
+            continue
+        models = []
+        for model, route_names in _models_on(name, repository, routes).items():
+            profile_name = routes.models[route_names[0]].profile
+            models.append(
+                PlacedModel(
+                    model=model,
+                    routes=tuple(route_names),
+                    profile_name=profile_name,
+                    profile=routes.profiles[profile_name],
+                    layout=declared.layout_of(model),
+                    declared=model in declared.models,
+                    units=declared.units_of(devices, model),
+                )
+            )
+        found[name] = BackendTopology(
+            backend=name,
+            source=source,
+            topology=declared.topology(devices),
+            memory_gib=memory_gib,
+            reserve_gib=reserve_gib,
+            time_scale=time_scale,
+            protected_utilization=config.protected_utilization,
+            lost=declared.lost_devices(),
+            models=tuple(models),
+        )
+    return tuple(found.values())
+
+
+def _devices(devices: Iterable[int]) -> str:
+    listed = ", ".join(str(d) for d in devices)
+    return listed or "none"
+
+
+def _where(topology: Topology, unit: Unit) -> str:
+    """The link group and domains a unit lies in (``spans`` when it crosses several)."""
+    parts = []
+    links = sorted({n for d in unit.devices for n, ds in topology.links.items() if d in ds})
+    if links:
+        parts.append(f"link group {' + '.join(links)}")
+    for kind, names in topology.domains.items():
+        inside = sorted({n for d in unit.devices for n, ds in names.items() if d in ds})
+        if inside:
+            parts.append(f"{kind} {' + '.join(inside)}")
+    return "; ".join(parts)
+
+
+def _shapes(workload: Workload | None) -> dict[str, tuple[int, int]]:
+    """The workload's request shapes, by class (the first class of each shape)."""
+    shapes: dict[str, tuple[int, int]] = {}
+    if workload is not None:
+        for name, cls in workload.classes.items():
+            shape = (cls.input_tokens, cls.output_tokens)
+            if shape not in shapes.values():
+                shapes[name] = shape
+    return shapes
+
+
+def _cold_load(workload: Workload | None) -> GroupLossCombination | None:
+    combined = workload.combinations if workload is not None else None
+    return combined.device_group_loss if combined is not None else None
+
+
+def _warmup_ms(b: BackendTopology, m: PlacedModel, loss: GroupLossCombination) -> float:
+    """Wall ms of the warm-up shapes run one after another on a unit of ``m``."""
+    return sum(
+        m.layout.latency_ms(
+            m.profile.accelerator_ms(s.input_tokens, s.output_tokens)
+            * b.time_scale
+            * m.layout.profile_scale()
+        )
+        * s.repeat
+        for s in loss.warmup
+    )
+
+
+def _topology_figures(b: BackendTopology, workload: Workload | None) -> list[Figure]:
+    key = f"topology.{b.backend}"
+    pu = b.protected_utilization
+    figures = [
+        Figure(
+            f"{key}.devices",
+            f"{b.backend}: devices",
+            b.devices,
+            "devices",
+            f"{b.source}: {_n(b.memory_gib, 2)} GiB each, {_n(b.reserve_gib, 2)} GiB runtime reserve; "
+            f"lost at start: {_devices(b.lost)}; every model below runs on these same devices",
+        )
+    ]
+    for kind, names in b.topology.domains.items():
+        figures.append(
+            Figure(
+                f"{key}.domains.{kind}",
+                f"{b.backend}: {kind} domains",
+                len(names),
+                "",
+                "; ".join(f"{n}: devices {_devices(ds)}" for n, ds in names.items())
+                + " (failure domains: losing one takes all its devices)",
+            )
+        )
+    if not b.topology.domains:
+        figures.append(Figure(f"{key}.domains", f"{b.backend}: failure domains", 0, "", "none declared"))
+    groups = (
+        "; ".join(f"{n}: devices {_devices(ds)}" for n, ds in b.topology.links.items())
+        + " (a unit is packed inside one)"
+        if b.topology.links
+        else "none declared: units are packed inside one host"
+        if "host" in b.topology.domains
+        else "none declared and no hosts: units are packed over all devices"
+    )
+    figures.append(Figure(f"{key}.links", f"{b.backend}: link groups", len(b.topology.links), "", groups))
+    # Memory: every model is resident on every device (shared devices), each as its unit's share.
+    shares = " + ".join(f"{m.model} {_n(m.resident_per_device / GIB, 2)}" for m in b.models)
+    figures.append(
+        Figure(
+            f"{key}.resident_per_device",
+            f"{b.backend}: resident per device",
+            b.resident_per_device,
+            "B",
+            f"{_n(b.resident_per_device / GIB, 2)} GiB = {shares or 'nothing'} GiB: every model on the "
+            "backend holds its share (weights and workspace / width) on every device",
+        )
+    )
+    room = b.live_room_per_device
+    fits = "for live sequence state" if room >= 0 else "DOES NOT FIT: the resident shares exceed the device"
+    figures.append(
+        Figure(
+            f"{key}.live_room_per_device",
+            f"{b.backend}: live room per device",
+            room,
+            "B",
+            f"{_n(room / GIB, 2)} GiB = {_n(b.memory_gib, 2)} device - {_n(b.reserve_gib, 2)} reserve - "
+            f"{_n(b.resident_per_device / GIB, 2)} resident GiB: {fits}",
+        )
+    )
+    shapes = _shapes(workload)
+    scale = f" × time scale {_n(b.time_scale, 3)}" if b.time_scale != 1.0 else ""
+    for m in b.models:
+        mk = f"{key}.{m.model}"
+        layout = m.layout
+        how = (
+            f"data_parallel {layout.data_parallel}"
+            if layout.data_parallel is not None
+            else "all that fit"
+            if layout.units is None
+            else "spelled out"
+        )
+        stage_text = f"{layout.stages} stage" + ("s" if layout.stages > 1 else "")
+        declared = "declared" if m.declared else "no layout declared: one device per unit"
+        figures.append(
+            Figure(
+                f"{mk}.width",
+                f"{m.model}: devices per unit",
+                m.width,
+                "devices",
+                f"tensor_parallel {layout.tensor_parallel} × {stage_text} ({declared}); routes "
+                f"{', '.join(m.routes)}, profile {m.profile_name}",
+            )
+        )
+        figures.append(
+            Figure(
+                f"{mk}.units",
+                f"{m.model}: units (data-parallel)",
+                len(m.units),
+                "units",
+                f"{how}: "
+                + "; ".join(f"{u.name.rsplit('/', 1)[-1]} [{_devices(u.devices)}]" for u in m.units),
+            )
+        )
+        for u in m.units:
+            stages = (
+                " | ".join(f"stage {i + 1}: {_devices(s)}" for i, s in enumerate(u.stages))
+                if len(u.stages) > 1
+                else ""
+            )
+            where = "; ".join(x for x in (stages, _where(b.topology, u)) if x)
+            figures.append(
+                Figure(
+                    f"{mk}.{u.name.rsplit('/', 1)[-1]}",
+                    f"{u.name}: devices",
+                    len(u.devices),
+                    "devices",
+                    f"devices {_devices(u.devices)}" + (f"; {where}" if where else ""),
+                )
+            )
+        resident = resident_bytes(m.profile)
+        figures.append(
+            Figure(
+                f"{mk}.resident_per_device",
+                f"{m.model}: resident per device",
+                m.resident_per_device,
+                "B",
+                f"{resident:,} B (weights + workspace of {m.profile_name}) / {m.width} devices per unit = "
+                f"{_n(m.resident_per_device / GIB, 2)} GiB on each device",
+            )
+        )
+        per_token = m.profile.live_cache_bytes_per_token
+        tokens = live_tokens(max(room, 0) * m.width, per_token)
+        figures.append(
+            Figure(
+                f"{mk}.live_tokens_per_unit",
+                f"{m.model}: live tokens per unit",
+                tokens,
+                "tokens",
+                f"floor({_n(room / GIB, 2)} GiB live room × {m.width} devices / {per_token:,} B per token): "
+                "each device holds 1/width of a token's state; shared with the other models' work"
+                if tokens is not None
+                else "n/a: live_cache_bytes_per_token is not declared (0), so memory does not bound tokens",
+            )
+        )
+        devices_counted = b.capacity_devices(m)
+        envelope = b.envelope_ms_per_s(m)
+        figures.append(
+            Figure(
+                f"{mk}.envelope",
+                f"{m.model}: protected envelope",
+                envelope,
+                "accelerator-ms/s",
+                f"{devices_counted} devices of its available units × 1,000 × {_n(pu, 2)} protected "
+                "utilization: the pool's ladder capacity",
+                decimals=0 if envelope.is_integer() else 1,
+            )
+        )
+        if not shapes:
+            figures.append(
+                Figure(
+                    f"{mk}.execution",
+                    f"{m.model}: execution",
+                    None,
+                    "",
+                    "n/a: no request shape: give a workload file (its classes' shapes)",
+                )
+            )
+        units_up = len(available(m.units, b.lost))
+        for cls_name, (tokens_in, tokens_out) in shapes.items():
+            ck = f"{mk}.{cls_name}"
+            profile_ms = m.profile.accelerator_ms(tokens_in, tokens_out) * b.time_scale
+            accel = profile_ms * layout.profile_scale()
+            wall = layout.latency_ms(accel)
+            occupancy = layout.occupancy_ms(accel)
+            shape = f"{cls_name} ({tokens_in:,} in / {tokens_out:,} out)"
+            figures.append(
+                Figure(
+                    f"{ck}.wall_ms",
+                    f"{m.model}, {cls_name}: wall time",
+                    wall,
+                    "ms",
+                    f"{shape} on one unit: the latency a deadline must leave room for"
+                    + (
+                        f" ({' + '.join(_ms(x) for x in layout.stage_ms(accel))} over its stages)"
+                        if layout.stages > 1
+                        else ""
+                    ),
+                    decimals=2,
+                )
+            )
+            measured = (
+                f"{_ms(profile_ms)} profile ms{scale} × {_n(layout.profile_scale(), 3)} "
+                f"(= {m.width} devices × cadence factor {_n(layout.cadence_factor, 3)})"
+                if layout.measured_as == "wall_ms"
+                else f"{_ms(profile_ms)} profile ms{scale}, measured as unit device-ms"
+            )
+            figures.append(
+                Figure(
+                    f"{ck}.accelerator_ms",
+                    f"{m.model}, {cls_name}: accelerator-ms",
+                    accel,
+                    "accelerator-ms",
+                    f"{measured}: device-ms of the whole unit, what pricing and the quota charge",
+                    decimals=2,
+                )
+            )
+            if layout.stages > 1:
+                figures.append(
+                    Figure(
+                        f"{ck}.cadence_ms",
+                        f"{m.model}, {cls_name}: pipeline cadence",
+                        occupancy,
+                        "ms",
+                        f"slowest stage share {_n(max(layout.stage_shares), 3)} × (1 + bubble "
+                        f"{_n(layout.bubble_fraction, 3)}) × {_ms(wall)} ms: a new request each cadence",
+                        decimals=2,
+                    )
+                )
+            unit_rps = _ratio(MS_PER_S, occupancy)
+            figures.append(
+                Figure(
+                    f"{ck}.unit_rps",
+                    f"{m.model}, {cls_name}: per unit",
+                    unit_rps,
+                    "req/s",
+                    f"1,000 / {_ms(occupancy)} ms {'cadence' if layout.stages > 1 else 'held'}: one request "
+                    "binds a whole unit, batch of one, at full use"
+                    if unit_rps is not None
+                    else "n/a: the profile costs 0 ms",
+                    decimals=1,
+                )
+            )
+            figures.append(
+                Figure(
+                    f"{ck}.pool_rps",
+                    f"{m.model}, {cls_name}: per pool",
+                    None if unit_rps is None else unit_rps * units_up,
+                    "req/s",
+                    f"{units_up} available units × per unit (raw: no protected margin)",
+                    decimals=1,
+                )
+            )
+            protected_rps = _ratio(envelope, accel)
+            figures.append(
+                Figure(
+                    f"{ck}.envelope_rps",
+                    f"{m.model}, {cls_name}: protected",
+                    protected_rps,
+                    "req/s",
+                    f"{_n(envelope)} accelerator-ms/s envelope / {_ms(accel)} accelerator-ms"
+                    if protected_rps is not None
+                    else "n/a: the profile costs 0 ms",
+                    decimals=1,
+                )
+            )
+    load = _cold_load(workload)
+    for loss in b.losses():
+        lk = f"{key}.loss.{loss.kind}.{loss.name}"
+        figures.append(
+            Figure(
+                f"{lk}.devices",
+                f"lose {loss.kind} {loss.name}: devices",
+                len(loss.devices),
+                "devices",
+                f"one domain loss (plus cold load): devices {_devices(loss.devices)} of {b.devices} go",
+            )
+        )
+        figures.append(
+            Figure(
+                f"{lk}.stranded",
+                f"lose {loss.kind} {loss.name}: stranded",
+                len(loss.stranded),
+                "devices",
+                f"healthy devices of a lost unit, counted by none of its layout: {_devices(loss.stranded)}",
+            )
+        )
+        for m in b.models:
+            lost_units = loss.units_lost.get(m.model, ())
+            taken = ", ".join(u.rsplit("/", 1)[-1] for u in lost_units) or "none"
+            figures.append(
+                Figure(
+                    f"{lk}.{m.model}.units_lost",
+                    f"lose {loss.name}: {m.model} units lost",
+                    len(lost_units),
+                    "units",
+                    f"{taken}; {loss.units_left.get(m.model, len(m.units))} of {len(m.units)} left",
+                )
+            )
+            left_devices = b.capacity_devices(m, loss.devices)
+            left = b.envelope_ms_per_s(m, loss.devices)
+            figures.append(
+                Figure(
+                    f"{lk}.{m.model}.envelope",
+                    f"lose {loss.name}: {m.model} envelope left",
+                    left,
+                    "accelerator-ms/s",
+                    f"{left_devices} devices of its units left × 1,000 × {_n(pu, 2)}"
+                    + (": NO UNIT LEFT, the pool refuses its work" if left_devices == 0 else ""),
+                    decimals=0 if left.is_integer() else 1,
+                )
+            )
+        lost_models = [m for m in b.models if loss.units_lost.get(m.model)]
+        if load is None:
+            figures.append(
+                Figure(
+                    f"{lk}.cold_load_s",
+                    f"lose {loss.name}: cold load",
+                    None,
+                    "s",
+                    "not declared: the workload's combinations.device_group_loss gives the load "
+                    "bandwidth (load_gib_per_s) and warm-up shapes",
+                )
+            )
+            continue
+        total_bytes = b.resident_per_device
+        load_s = total_bytes / GIB / load.load_gib_per_s
+        warm_ms = sum(_warmup_ms(b, m, load) for m in lost_models)
+        reloaded = ", ".join(m.model for m in lost_models) or "none"
+        figures.append(
+            Figure(
+                f"{lk}.cold_load_s",
+                f"lose {loss.name}: cold load",
+                load_s + warm_ms / MS_PER_S,
+                "s",
+                f"each returning device reloads every model's share, {_n(total_bytes / GIB, 2)} GiB / "
+                f"{_n(load.load_gib_per_s)} GiB/s (per device, in parallel), + warm-up "
+                f"{_ms(warm_ms)} ms on the lost units of {reloaded}: "
+                "the units are not back before",
+                decimals=3,
+            )
+        )
+    return figures
+
+
+def topology_section(
+    config: GatewayConfig, routes: RouteTable, workload: Workload | None = None
+) -> Section | None:
+    """The "Parallel topology" section of every backend with a topology; None when none has one."""
+    figures: list[Figure] = []
+    for backend in backend_topologies(config, routes):
+        figures.extend(_topology_figures(backend, workload))
+    return Section(TOPOLOGY_TITLE, tuple(figures)) if figures else None
+
+
+def _insert_topology(worksheet: Worksheet, section: Section) -> Worksheet:
+    """After Scheduling and batching (else after Memory), where the seed's worksheet puts it."""
+    titles = [s.title for s in worksheet.sections]
+    index = len(titles)
+    for title in ("Scheduling and batching", "Memory (one replica per device)"):
+        if title in titles:
+            index = titles.index(title) + 1
+            break
+    sections = list(worksheet.sections)
+    sections.insert(index, section)
+    return Worksheet(tuple(sections), worksheet.source)
+
+
+def with_gateway(worksheet: Worksheet, workload: Workload | None, gateway: Path) -> Worksheet:
+    """``worksheet`` with the gateway config's sections: Parallel topology (after Scheduling
+    and batching) and Upstream/downstream (last)."""
+    from gateway.config import load_gateway_config, load_routes, route_error
+    from orchid_tools.capacity_features import route_rates, upstream_section
+
+    config = load_gateway_config(gateway)
+    routes = load_routes(config.routes_dir)
+    for name, route in routes.models.items():  # as serve refuses it (gateway.config.check_references)
+        if route.features is not None and route.features.source not in config.feature_sources:
+            raise route_error(
+                config.routes_dir,
+                ("models", name, "features", "source"),
+                f"unknown feature source {route.features.source!r} "
+                f"(declared in {gateway}: {', '.join(config.feature_sources) or 'none'})",
+            )
+    topology = topology_section(config, routes, workload)
+    if topology is not None:
+        worksheet = _insert_topology(worksheet, topology)
+    classes = workload.classes if workload is not None else {}
+    rates = route_rates({name: (c.model, c.rate_per_s) for name, c in classes.items()})
+    upstream = upstream_section(config, routes, rates)
+    if upstream is not None:
+        worksheet = Worksheet((*worksheet.sections, upstream), worksheet.source)
+    return worksheet
+
+
 # --------------------------------------------------------------------------- rendering
 
 
 def render_text(worksheet: Worksheet) -> str:
     """An aligned table: section headings, then label | value unit | meaning."""
     figures = worksheet.figures
+    lines = [f"Capacity worksheet: {worksheet.source}" if worksheet.source else "Capacity worksheet"]
+    if not figures:
+        return (
+            "\n".join([*lines, "", "no section: the gateway config declares no topology or features"]) + "\n"
+        )
     label_width = max(len(f.label) for f in figures)
     value_width = max(len(f.display) for f in figures)
-    lines = [f"Capacity worksheet: {worksheet.source}" if worksheet.source else "Capacity worksheet"]
     for section in worksheet.sections:
         lines.append("")
         lines.append(section.title)
@@ -1244,28 +1823,42 @@ def render_json(worksheet: Worksheet) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="workload description (YAML), e.g. examples/orchid/workload.yaml")
+    parser.add_argument(
+        "file",
+        nargs="?",
+        help="workload description (YAML), e.g. examples/orchid/workload.yaml (optional with --gateway)",
+    )
     parser.add_argument("--json", action="store_true", help="emit the figures as JSON instead of a table")
     parser.add_argument(
         "--gateway",
         type=Path,
         metavar="CONFIG",
-        help="a gateway config: add the Upstream/downstream section from its feature sources and routes",
+        help="a gateway config: add the Parallel topology section (backends with a topology) and the "
+        "Upstream/downstream section (feature sources and routes)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the worksheet; 2 (with ``FILE: key.path: problem`` on stderr) for a bad file."""
-    try:
-        workload = load_workload(args.file)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    worksheet = compute_worksheet(workload, source=str(args.file))
     gateway = getattr(args, "gateway", None)
+    workload: Workload | None = None
+    if args.file is None:
+        if gateway is None:
+            print(
+                "orchid-gateway capacity: give a workload file, a --gateway config, or both", file=sys.stderr
+            )
+            return 2
+        worksheet = Worksheet((), str(gateway))
+    else:
+        try:
+            workload = load_workload(args.file)
+        except ConfigError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        worksheet = compute_worksheet(workload, source=str(args.file))
     if gateway is not None:
         try:
-            worksheet = with_upstream(worksheet, workload, gateway)
+            worksheet = with_gateway(worksheet, workload, gateway)
         except ConfigError as exc:
             print(exc, file=sys.stderr)
             return 2
