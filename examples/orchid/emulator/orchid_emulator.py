@@ -38,14 +38,56 @@ Bad candidate versions (optional model config parameters, for rehearsing rollout
                          load (fail_load) and at each execution (fail_execute).
     ORCHID_DEVICE_DIR    optional: emulate a fleet shared by several models. Every
                          model's instances then execute on ORCHID_DEVICES (default 4)
-                         emulated devices, one lock file each in this directory: a
-                         batch runs on its own instance's device (instance index mod
-                         devices) if that is free, else on whichever frees first (polled
-                         every 0.5 ms). As if every model were resident on every
+                         emulated devices, one lock file each in this directory
+                         (``device-<d>.lock``). As if every model were resident on every
                          device and each batch were placed on a free one; used to put
                          the fallback model on the primary's devices, as the seed
                          models it. (With strict instance-to-GPU pinning, Triton's
                          choice of instance would add contention nobody predicts.)
+                         Which devices an execution holds: see "Shared devices" below.
+    ORCHID_DEVICE_LOG    optional, with ORCHID_DEVICE_DIR: a file to which every execution
+                         that held devices appends one JSON line after it ends:
+                         ``{"model": name, "devices": [..], "start": t0, "end": t1,
+                         "requests": n}`` (``time.time()`` seconds; ``start`` once all its
+                         devices were held, ``end`` just before they were released, so two
+                         executions sharing a device have disjoint ``[start, end)``).
+                         Opened with O_APPEND and written in one ``write`` per line, so the
+                         instances' processes do not interleave. For tests.
+
+Shared devices and tensor-parallel units (ORCHID_DEVICE_DIR mode):
+
+    tensor_parallel      optional model config parameter (string int, default "1"): the
+                         model is tensor-parallel of degree t, so one execution occupies a
+                         *unit* of t devices at once. Its cost profile is then the unit's
+                         wall time (see ``full-v18-tp2``). Without ORCHID_DEVICE_DIR it
+                         changes nothing: each instance is its own device, as before.
+    devices              optional request parameter (a string such as "2,3"): the unit the
+                         gateway reserved for the request. Ignored without ORCHID_DEVICE_DIR.
+
+An execution holds all of its devices at once and never starts while only some of them are
+free: it tries each device's lock without blocking and, if one is busy, releases those it took
+and polls again (every 0.5 ms). It never holds one device while waiting for another, so
+executions cannot deadlock. Which devices:
+
+  * If any request of the batch carries ``devices``, the execution holds exactly the union of
+    the devices its requests name. Each request's value is checked: comma-separated device
+    indices, each within ``0..ORCHID_DEVICES-1``, none twice, exactly t of them for a TP-t
+    model; a request that fails the check gets an error response ``parameter devices ...``
+    saying why, and the rest of the batch runs without it.
+  * Otherwise (a direct client) a TP-t model with t > 1 takes the first free aligned unit:
+    devices ``{k*t, ..., k*t+t-1}`` for k = 0, 1, ... below ``ORCHID_DEVICES // t``.
+  * A TP-1 model without ``devices`` takes one device, best fit: a free device whose aligned
+    TP-2 partner (``d xor 1``) is busy, lost or absent before one whose partner is free (so
+    whole pairs stay free for TP-2 units); among equals its own instance's device (instance
+    index mod devices) first, then the lowest index. "Busy" is a momentary probe of the
+    partner's lock: a heuristic, never a reservation.
+
+Lost devices: a file ``device-<d>.lost`` in ORCHID_DEVICE_DIR marks device d lost (read at each
+execution, and again at each poll while waiting). An execution whose ``devices`` name a lost
+device fails at once, without holding anything: every request of it gets an error response
+``CUDA error: device <d> is lost (...)``. An execution choosing its own unit skips units and
+devices with a lost device; if none is left (or the model's t exceeds ORCHID_DEVICES) it fails at
+once, every request with ``CUDA error: no unit of <t> device(s) ...``.
 
 Device memory (optional model config parameters, all four together):
 
@@ -63,6 +105,8 @@ batch of one that fits runs as before: the limit bites when Triton co-batches re
 do not fit together, or when one request alone exceeds the device. The same numbers are the
 gateway's live-memory bound (the route's profile, the backend's ``device_memory_gib`` and
 ``runtime_reserve_gib``). Weights beside the reserve that exceed the device fail the load.
+For a tensor-parallel model (``tensor_parallel`` t) the numbers are those of *each* device of
+its unit: each holds 1/t of the weights and of the live state (``full-v18-tp2``).
 
 Features (optional input ``FEATURES``, TYPE_FP32; the ``ranker-v3`` model declares it): a
 request that carries it gets it back, as float32, in the output ``FEATURES_SEEN`` beside
@@ -83,7 +127,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,10 +231,13 @@ def output_tokens(input_ids: np.ndarray, count: int) -> np.ndarray:
     return ((seed + 7919 * steps + 17) % VOCAB).astype(np.int32)
 
 
-def requested_output_tokens(request: object, default: int) -> int:
+def request_parameters(request: object) -> dict:
     raw = request.parameters()  # type: ignore[attr-defined]
-    params = json.loads(raw) if raw else {}
-    value = params.get("max_output_tokens", default)
+    return json.loads(raw) if raw else {}
+
+
+def requested_output_tokens(request: object, default: int) -> int:
+    value = request_parameters(request).get("max_output_tokens", default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"parameter max_output_tokens must be a positive integer, got {value!r}")
     return value
@@ -204,43 +251,193 @@ def time_factor() -> float:
     return factor
 
 
-class SharedDevices:
-    """Lock files standing for a fleet of devices that several models' instances share."""
+class PlacementError(Exception):
+    """An execution cannot hold devices: one it must hold is lost, or no unit is left."""
 
-    def __init__(self, directory: str, devices: int, instance_name: str) -> None:
+
+_DEVICE_LIST = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*", re.ASCII)
+
+
+class SharedDevices:
+    """Lock files standing for a fleet of devices that several models' instances share
+    (``ORCHID_DEVICE_DIR``; see the module docstring): one execution holds a unit of
+    ``tensor_parallel`` of them, all at once."""
+
+    def __init__(
+        self,
+        directory: str,
+        devices: int,
+        instance_name: str,
+        *,
+        tensor_parallel: int = 1,
+        model: str = "",
+        log_path: str = "",
+    ) -> None:
+        if devices < 1:
+            raise ValueError(f"ORCHID_DEVICES must be >= 1, got {devices}")
         os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.count = devices
+        self.tp = tensor_parallel
+        self.model = model
+        self.log_path = log_path
         match = re.search(r"(\d+)$", instance_name)
         self.own = (int(match.group(1)) if match else 0) % devices
-        order = [self.own] + [d for d in range(devices) if d != self.own]
-        paths = [os.path.join(directory, f"device-{d}.lock") for d in order]
+        paths = [os.path.join(directory, f"device-{d}.lock") for d in range(devices)]
         self.fds = [os.open(path, os.O_RDWR | os.O_CREAT) for path in paths]
 
     @classmethod
-    def from_env(cls, instance_name: str) -> SharedDevices | None:
+    def from_env(
+        cls, instance_name: str, *, tensor_parallel: int = 1, model: str = ""
+    ) -> SharedDevices | None:
         directory = os.environ.get("ORCHID_DEVICE_DIR")
         if not directory:
             return None
-        return cls(directory, int(os.environ.get("ORCHID_DEVICES", "4")), instance_name)
+        return cls(
+            directory,
+            int(os.environ.get("ORCHID_DEVICES", "4")),
+            instance_name,
+            tensor_parallel=tensor_parallel,
+            model=model,
+            log_path=os.environ.get("ORCHID_DEVICE_LOG", ""),
+        )
 
-    def _try_any(self) -> int | None:
-        for fd in self.fds:  # its own device first, then any free one
+    def named_unit(self, raw: object) -> tuple[int, ...] | None:
+        """The devices a request's ``devices`` parameter names (None: it names none).
+        Raises ValueError, with the message its error response carries, when they are bad."""
+        if raw is None:
+            return None
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            raw = str(raw)
+        if not isinstance(raw, str) or not _DEVICE_LIST.fullmatch(raw):
+            raise ValueError(
+                f'parameter devices must be device indices separated by commas, like "2,3"; got {raw!r}'
+            )
+        unit = [int(part) for part in raw.split(",")]
+        for d in unit:
+            if d >= self.count:
+                raise ValueError(
+                    f"parameter devices names device {d}, outside the {self.count} emulated devices "
+                    f"0..{self.count - 1} (ORCHID_DEVICES); got {raw!r}"
+                )
+        if len(set(unit)) != len(unit):
+            twice = next(d for d in unit if unit.count(d) > 1)
+            raise ValueError(f"parameter devices names device {twice} more than once; got {raw!r}")
+        if len(unit) != self.tp:
+            raise ValueError(
+                f"parameter devices names {len(unit)} device(s) ({raw!r}) but {self.model or 'this model'} "
+                f"is tensor-parallel of degree {self.tp}: its unit is {self.tp} device(s)"
+            )
+        return tuple(sorted(unit))
+
+    def lost(self) -> set[int]:
+        """The devices marked lost now (``device-<d>.lost``)."""
+        return {
+            d for d in range(self.count) if os.path.exists(os.path.join(self.directory, f"device-{d}.lost"))
+        }
+
+    def _lost_error(self, lost: set[int], unit: tuple[int, ...]) -> PlacementError:
+        d = min(lost & set(unit))
+        return PlacementError(
+            f"CUDA error: device {d} is lost (device-{d}.lost in ORCHID_DEVICE_DIR; the execution on "
+            f"devices {','.join(map(str, unit))} did not start)"
+        )
+
+    def _take(self, unit: tuple[int, ...]) -> bool:
+        """All of ``unit``'s locks, or none: never one held while another is busy."""
+        taken: list[int] = []
+        for d in unit:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self.fds[d], fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                for t in taken:
+                    fcntl.flock(self.fds[t], fcntl.LOCK_UN)
+                return False
+            taken.append(d)
+        return True
+
+    def _release(self, unit: tuple[int, ...]) -> None:
+        for d in unit:
+            fcntl.flock(self.fds[d], fcntl.LOCK_UN)
+
+    def _busy(self, d: int) -> bool:
+        """Is device d held by someone now? (A momentary probe of its lock.)"""
+        if self._take((d,)):
+            self._release((d,))
+            return False
+        return True
+
+    def _try_choose(self, lost: set[int]) -> tuple[int, ...] | None:
+        """A free unit of the model's own choosing (no ``devices`` named), or None."""
+        if self.tp > 1:
+            units = [tuple(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.count // self.tp)]
+            for unit in units:
+                if not lost & set(unit) and self._take(unit):
+                    return unit
+            return None
+        order = [self.own] + [d for d in range(self.count) if d != self.own]
+        loose: list[int] = []  # free-looking devices whose partner is free too: taken last
+        for d in order:
+            if d in lost:
                 continue
-            return fd
+            partner = d ^ 1
+            if partner < self.count and partner not in lost and not self._busy(partner):
+                loose.append(d)
+                continue
+            if self._take((d,)):
+                return (d,)
+        for d in loose:
+            if self._take((d,)):
+                return (d,)
         return None
 
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        held = self._try_any()
-        while held is None:  # every device busy: take the first to free
+    def _acquire(self, named: tuple[int, ...] | None) -> tuple[int, ...]:
+        while True:  # every candidate busy: poll until one frees (or a device is lost)
+            lost = self.lost()
+            if named is not None:
+                if lost & set(named):
+                    raise self._lost_error(lost, named)
+                if self._take(named):
+                    return named
+            else:
+                usable = [d for d in range(self.count) if d not in lost]
+                if self.tp > 1:
+                    units = [range(k * self.tp, (k + 1) * self.tp) for k in range(self.count // self.tp)]
+                    usable = [d for unit in units if not lost & set(unit) for d in unit]
+                if not usable:
+                    raise PlacementError(
+                        f"CUDA error: no unit of {self.tp} device(s) without a lost device among the "
+                        f"{self.count} emulated devices (lost: {sorted(lost) or 'none'}; ORCHID_DEVICES)"
+                    )
+                held = self._try_choose(lost)
+                if held is not None:
+                    return held
             time.sleep(_DEVICE_POLL_S)
-            held = self._try_any()
+
+    @contextmanager
+    def hold(self, named: tuple[int, ...] | None = None, requests: int = 1) -> Iterator[tuple[int, ...]]:
+        """Hold ``named`` (or a unit of this model's choosing) for the block; raises
+        PlacementError, holding nothing, where that cannot be. Logs the execution after it."""
+        unit = self._acquire(named)
+        start = time.time()
         try:
-            yield
+            yield unit
         finally:
-            fcntl.flock(held, fcntl.LOCK_UN)
+            end = time.time()
+            self._release(unit)
+            self._log(unit, start, end, requests)
+
+    def _log(self, unit: tuple[int, ...], start: float, end: float, requests: int) -> None:
+        if not self.log_path:
+            return
+        line = json.dumps(
+            {"model": self.model, "devices": list(unit), "start": start, "end": end, "requests": requests}
+        )
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())  # one write per line: processes do not interleave
+        finally:
+            os.close(fd)
 
 
 class Faults:
@@ -293,18 +490,58 @@ class _Emulator:
         self.invalid_output_after = int(param("invalid_output_after", "0"))
         self.invalid_output_every = int(param("invalid_output_every", "0"))
         self.executed = 0
-        self.devices = SharedDevices.from_env(str(args.get("model_instance_name", "")))
+        raw_tp = param("tensor_parallel", "1")
+        if not raw_tp.isdigit() or int(raw_tp) < 1:
+            raise pb_utils.TritonModelException(
+                f"model config parameter tensor_parallel must be >= 1, got {raw_tp!r}"
+            )
+        self.tensor_parallel = int(raw_tp)
+        self.devices = SharedDevices.from_env(
+            str(args.get("model_instance_name", "")),
+            tensor_parallel=self.tensor_parallel,
+            model=str(config.get("name", args.get("model_name", ""))),
+        )
 
-    def _device(self) -> AbstractContextManager[None]:
-        return self.devices.hold() if self.devices else nullcontext()
+    def _placement(self, requests: list) -> tuple[list[int], dict[int, str], tuple[int, ...] | None]:
+        """Shared devices: the indices of the requests that may run, the errors of those whose
+        ``devices`` parameter is bad, and the union of the devices the others name (None: none
+        named, the execution chooses its unit)."""
+        assert self.devices is not None
+        ok: list[int] = []
+        errors: dict[int, str] = {}
+        named: set[int] = set()
+        for i, request in enumerate(requests):
+            try:
+                unit = self.devices.named_unit(request_parameters(request).get("devices"))
+            except ValueError as exc:
+                errors[i] = str(exc)
+                continue
+            ok.append(i)
+            named.update(unit or ())
+        return ok, errors, tuple(sorted(named)) if named else None
 
 
 class BatchEmulator(_Emulator):
     """Non-decoupled model: one response per request, batch held for its cost."""
 
     def execute(self, requests: list) -> list:
-        with self._device():
+        if self.devices is None:
             return self._execute(requests)
+        responses: list = [None] * len(requests)
+        ok, errors, named = self._placement(requests)
+        for i, message in errors.items():
+            responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+        if ok:
+            batch = [requests[i] for i in ok]
+            try:
+                with self.devices.hold(named, len(batch)):
+                    answers = self._execute(batch)
+            except PlacementError as exc:  # raised before anything was held
+                pb_utils.Logger.log_error(str(exc))
+                answers = [pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))) for _ in batch]
+            for i, answer in zip(ok, answers, strict=True):
+                responses[i] = answer
+        return responses
 
     def _execute(self, requests: list) -> list:
         p = self.profile
@@ -390,8 +627,29 @@ class StreamEmulator(_Emulator):
     """Decoupled model: prefill, then one response per generated token."""
 
     def execute(self, requests: list) -> None:
-        with self._device():
+        if self.devices is None:
             self._execute(requests)
+            return None
+        ok, errors, named = self._placement(requests)
+        for i, message in errors.items():
+            self._fail(requests[i], message)
+        if ok:
+            batch = [requests[i] for i in ok]
+            try:
+                with self.devices.hold(named, len(batch)):
+                    self._execute(batch)
+            except PlacementError as exc:  # raised before anything was held
+                pb_utils.Logger.log_error(str(exc))
+                for request in batch:
+                    self._fail(request, str(exc))
+        return None
+
+    @staticmethod
+    def _fail(request: object, message: str) -> None:
+        request.get_response_sender().send(  # type: ignore[attr-defined]
+            pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
 
     def _execute(self, requests: list) -> None:
         p = self.profile
