@@ -216,6 +216,46 @@ class AdminServicer(admin_pb2_grpc.GatewayAdminServicer):
     ) -> admin_pb2.RolloutStatusResponse:
         return _rollout_status(self.gateway.rollouts.abort(request.name))
 
+    async def SetDevicesLost(
+        self, request: admin_pb2.SetDevicesLostRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.TopologyStatusResponse:
+        if not request.devices:
+            raise InvalidArgument("name at least one device")
+        self.gateway.pools.set_devices_lost(
+            request.backend, tuple(request.devices), lost=request.lost, now=clock.now()
+        )
+        return _topology_status(self.gateway)
+
+    async def TopologyStatus(
+        self, request: admin_pb2.TopologyStatusRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.TopologyStatusResponse:
+        return _topology_status(self.gateway)
+
+
+def _topology_status(gateway: Gateway) -> admin_pb2.TopologyStatusResponse:
+    backends = []
+    for name, units in gateway.pools.topologies():
+        pools = []
+        for queue in units.queues:
+            left = set(units.available_units(queue))
+            pools.append(
+                admin_pb2.TopologyPool(
+                    pool=queue.name,
+                    width=queue.layout.width,
+                    capacity_devices=queue.capacity_devices,
+                    units=[
+                        admin_pb2.TopologyUnit(name=u.name, devices=u.devices, available=u in left)
+                        for u in units.units.get(queue, ())
+                    ],
+                )
+            )
+        backends.append(
+            admin_pb2.BackendTopology(
+                backend=name, devices=units.devices, lost=sorted(units.lost), pools=pools
+            )
+        )
+    return admin_pb2.TopologyStatusResponse(backends=backends)
+
 
 def _rollout_status(run: RolloutRun) -> admin_pb2.RolloutStatusResponse:
     rollout = run.rollout
@@ -272,6 +312,8 @@ _REQUESTS = {
     "RolloutPromote": admin_pb2.RolloutRequest,
     "RolloutRollback": admin_pb2.RolloutRequest,
     "RolloutAbort": admin_pb2.RolloutRequest,
+    "SetDevicesLost": admin_pb2.SetDevicesLostRequest,
+    "TopologyStatus": admin_pb2.TopologyStatusRequest,
 }
 
 

@@ -26,6 +26,7 @@ from gateway.core.overload import DEFAULT_LADDER
 from gateway.core.profile import DemandProfile
 from gateway.core.quota import QuotaSettings
 from gateway.core.risk import DEFAULT_RISK_CLASSES
+from gateway.core.topology import Layout, Topology, TopologyError, Unit, available, parse_devices, plan_units
 from gateway.settings import DemandProfileValue, LadderValue, OutputCheckValue, QuotaSettingsValue
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, read_yaml
 
@@ -48,6 +49,85 @@ def _repository_key_env() -> str | None:
         "send it on every load, unload and index call",
     )
     return key_env
+
+
+DeviceList = str | int | tuple[int, ...]
+
+
+class LayoutConfig(_Strict):
+    """A model's parallel layout on a backend (``gateway.core.topology.Layout``)."""
+
+    tensor_parallel: int = Field(default=1, ge=1, description="devices one shard group spans")
+    pipeline_stages: tuple[float, ...] = Field(
+        default=(1.0,), min_length=1, description="each pipeline stage's share of the work (sum 1)"
+    )
+    bubble_fraction: float = Field(default=0.0, ge=0, lt=1, description="idle share of a pipeline's cadence")
+    data_parallel: int | None = Field(
+        default=None, ge=1, description="how many units (default: all that fit)"
+    )
+    units: tuple[DeviceList, ...] | None = Field(default=None, description="each unit's devices, spelled out")
+    measured_as: Literal["wall_ms", "unit_device_ms"] = Field(
+        default="wall_ms",
+        description="the route profile's ms: the wall time of an execution on its unit, or device-ms "
+        "of the whole unit",
+    )
+
+    def layout(self) -> Layout:
+        units = None if self.units is None else tuple(parse_devices(u) for u in self.units)
+        return Layout(
+            tensor_parallel=self.tensor_parallel,
+            stage_shares=self.pipeline_stages,
+            bubble_fraction=self.bubble_fraction,
+            data_parallel=self.data_parallel,
+            units=units,
+            measured_as=self.measured_as,
+        )
+
+
+class TopologyConfig(_Strict):
+    """A backend's device topology: failure domains, link groups, and its models' layouts.
+    With a topology every model on the backend runs on its ``devices`` (one device set); a
+    model with no layout is one device per unit."""
+
+    domains: dict[str, dict[str, DeviceList]] = Field(
+        default_factory=dict, description="kind (host, rack, ...) -> name -> its devices"
+    )
+    links: dict[str, DeviceList] = Field(
+        default_factory=dict, description="link groups (e.g. NVLink islands): a unit never spans two"
+    )
+    models: dict[str, LayoutConfig] = Field(default_factory=dict, description="backend model -> its layout")
+    lost: DeviceList = Field(default=(), description="devices lost at start")
+
+    def topology(self, devices: int) -> Topology:
+        return Topology(
+            devices,
+            domains={k: {n: parse_devices(d) for n, d in names.items()} for k, names in self.domains.items()},
+            links={n: parse_devices(d) for n, d in self.links.items()},
+        )
+
+    def layout_of(self, model: str) -> Layout:
+        config = self.models.get(model)
+        return config.layout() if config is not None else Layout()
+
+    def units_of(self, devices: int, model: str) -> tuple[Unit, ...]:
+        return plan_units(self.topology(devices), self.layout_of(model), model)
+
+    def lost_devices(self) -> tuple[int, ...]:
+        return parse_devices(self.lost)
+
+    def check(self, devices: int) -> None:
+        """Every declared layout placed on the devices (raises ValueError saying why not)."""
+        try:
+            topology = self.topology(devices)
+            lost = self.lost_devices()
+            for d in lost:
+                topology._check_device(d, "lost")
+            for model in self.models:
+                units = self.units_of(devices, model)
+                if not available(units, lost):
+                    raise TopologyError(f"{model}: every unit spans a lost device")
+        except (TopologyError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
 
 
 class BackendConfig(_Strict):
@@ -75,10 +155,19 @@ class BackendConfig(_Strict):
         description="per device: runtime, workspace and allocator reserve, not for models or live state",
     )
     repository_key_env: str | None = _repository_key_env()
+    topology: TopologyConfig | None = Field(
+        default=None, description="parallel layouts and failure domains (gateway.core.topology)"
+    )
 
     @property
     def memory(self) -> DeviceMemory:
         return DeviceMemory.from_gib(self.device_memory_gib, self.runtime_reserve_gib)
+
+    @model_validator(mode="after")
+    def _topology_fits(self) -> BackendConfig:
+        if self.topology is not None:
+            self.topology.check(self.devices)
+        return self
 
     @field_validator("labels")
     @classmethod
@@ -121,11 +210,16 @@ class LocalTritonConfig(_Strict):
         default=(), description="model_control explicit: the models loaded at start (empty: all)"
     )
     repository_key_env: str | None = _repository_key_env()
+    topology: TopologyConfig | None = Field(
+        default=None, description="parallel layouts and failure domains (gateway.core.topology)"
+    )
 
     @model_validator(mode="after")
     def _load_models_need_explicit(self) -> LocalTritonConfig:
         if self.load_models and self.model_control != "explicit":
             raise ValueError("load_models is only read with model_control: explicit")
+        if self.topology is not None:
+            self.topology.check(self.devices)
         return self
 
     def triton_args(self, repository_key: str | None = None) -> tuple[str, ...]:
@@ -465,6 +559,14 @@ class GatewayConfig(_Strict):
                     raise ValueError(f"jobs class {name!r} must be one of classes and of batch_classes")
             if self.jobs.default_class not in self.jobs.classes:
                 raise ValueError("jobs.default_class must be one of jobs.classes")
+        with_topology = [b.name for b in self.backends if b.topology is not None]
+        if self.local_triton is not None and self.local_triton.topology is not None:
+            with_topology.append("local")
+        if with_topology and self.state.backend != "memory":
+            raise ValueError(
+                f"backend {with_topology[0]!r} declares a topology, which a fleet of replicas "
+                "(state.backend redis) does not schedule yet: its units are held by one replica"
+            )
         return self
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.base import Backend
-from gateway.config import RouteConfig
+from gateway.config import RouteConfig, TopologyConfig
 from gateway.core.estimate import CorrectionKey
 from gateway.core.evidence import Evidence
 from gateway.core.memory import DeviceMemory
@@ -60,6 +60,7 @@ class BackendHandle:
     time_scale: float = 1.0  # its devices run time_scale x the profile's milliseconds
     shared_devices: bool = False  # all its models run on the same `devices` accelerators
     memory: DeviceMemory | None = None  # each device's memory; None: live state is not bounded
+    topology: TopologyConfig | None = None  # parallel layouts and failure domains (dispatch rule 10)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,10 +23,11 @@ from gateway.backends.base import ModelSpec
 from gateway.backends.stats import PoolTiming, StatsSample, timing_between
 from gateway.config import GatewayConfig, RouteConfig, RouteTable
 from gateway.core import memory as device_memory
-from gateway.core.errors import Unavailable
+from gateway.core.errors import InvalidArgument, Unavailable
 from gateway.core.load import PoolLoad
 from gateway.core.placement import placement_key
 from gateway.core.profile import DemandProfile
+from gateway.core.units import UnitDeviceSet
 from gateway.exchange import BackendHandle, GatewayListener
 from gateway.scheduler import DeviceSet, DispatchQueue, FleetBinding
 
@@ -48,6 +49,15 @@ class PoolRegistry:
         self.timing: dict[str, PoolTiming] = {}
         self._queues: dict[tuple[str, str], DispatchQueue] = {}
         self._device_sets: dict[str, DeviceSet] = {}  # backends whose models share devices
+        # A backend with a topology: one device set of units for all its models, from the start
+        # (an operator may mark devices lost before a pool exists: dispatch rule 10).
+        for name, handle in backends.items():
+            if handle.topology is not None:
+                self._device_sets[name] = UnitDeviceSet(
+                    handle.topology.topology(handle.devices),
+                    memory=handle.memory,
+                    lost=handle.topology.lost_devices(),
+                )
         self._stats_samples: dict[str, StatsSample] = {}
         default = config.classes.get(config.default_class)
         # One dwell budget per pool, whatever class arrives first: the default class's cap.
@@ -101,7 +111,13 @@ class PoolRegistry:
             limits = self.config.limits
             devices = spec.instances  # in the emulator each instance stands for one device
             device_set = DeviceSet(devices, memory=handle.memory)
-            if handle.shared_devices:
+            topology = handle.topology
+            units = None
+            if topology is not None:  # one device set of units for all its models (rule 10)
+                units = topology.units_of(handle.devices, spec.name)
+                devices = len(units)
+                device_set = self._device_sets[backend_name]
+            elif handle.shared_devices:
                 devices = handle.devices
                 device_set = self._device_sets.setdefault(
                     backend_name, DeviceSet(devices, memory=handle.memory)
@@ -124,10 +140,49 @@ class PoolRegistry:
                 queue.co_batch_max = max(1, min(limits.co_batch_max, spec.max_batch_size))
             queue.fleet = self.fleet_slots  # a fleet's shared dispatch slots (None: this process only)
             queue.batch_profile = profile  # its batch cost, for co-batching (dispatch rule 6)
-            if profile is not None:
-                queue.device_set.place(spec.name, device_memory.resident_bytes(profile))
+            width = 1
+            if topology is not None and units is not None and isinstance(device_set, UnitDeviceSet):
+                layout = topology.layout_of(spec.name)
+                device_set.attach(queue, layout, units)
+                width = layout.width
+            if profile is not None:  # each device holds its share of a unit's shards
+                queue.device_set.place(spec.name, -(-device_memory.resident_bytes(profile) // width))
             self._queues[key] = queue
         return queue
+
+    # ------------------------------------------------------------------ topology
+
+    def unit_set(self, backend_name: str) -> UnitDeviceSet:
+        """The units of a backend with a topology (InvalidArgument for any other name)."""
+        device_set = self._device_sets.get(backend_name)
+        if not isinstance(device_set, UnitDeviceSet):
+            known = sorted(n for n, d in self._device_sets.items() if isinstance(d, UnitDeviceSet))
+            raise InvalidArgument(
+                f"backend {backend_name[:64]!r} has no topology; "
+                f"backends with one: {', '.join(known) or 'none'}"
+            )
+        return device_set
+
+    def set_devices_lost(self, backend_name: str, devices: Iterable[int], *, lost: bool, now: float) -> None:
+        """Mark a topology's devices lost or back (``UnitDeviceSet.mark_lost``)."""
+        unit_set = self.unit_set(backend_name)
+        try:
+            unit_set.mark_lost(devices, lost=lost, now=now)
+        except ValueError as exc:
+            raise InvalidArgument(f"backend {backend_name!r}: {exc}") from None
+        overload_log.warning(
+            "backend %s: devices %s marked %s; lost now: %s",
+            backend_name,
+            sorted(devices),
+            "lost" if lost else "back",
+            sorted(unit_set.lost) or "none",
+        )
+
+    def topologies(self) -> Iterator[tuple[str, UnitDeviceSet]]:
+        """(backend name, its units) of every backend with a topology."""
+        for name, device_set in sorted(self._device_sets.items()):
+            if isinstance(device_set, UnitDeviceSet):
+                yield name, device_set
 
     async def place(
         self, route: RouteConfig, cell: str, logical: str, *, exclude: Iterable[str] = ()
@@ -184,7 +239,7 @@ class PoolRegistry:
         if load is None:
             load = PoolLoad(
                 queue.name,
-                devices=queue.devices,
+                devices=queue.capacity_devices,  # a topology's: its units' devices
                 dwell_budget_ms=self.dwell_budget_ms,
                 config=self.config.ladder,
                 protected_utilization=self.config.protected_utilization,

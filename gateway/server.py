@@ -39,6 +39,7 @@ from gateway.backends.triton import TritonBackend
 from gateway.config import (
     BackendConfig,
     GatewayConfig,
+    LocalTritonConfig,
     RouteTable,
     TenantsFile,
     check_dedicated,
@@ -241,6 +242,7 @@ class GatewayServer:
                     device_memory_gib=local.device_memory_gib,
                     runtime_reserve_gib=local.runtime_reserve_gib,
                     repository_key_env=local.repository_key_env,
+                    topology=local.topology,
                 )
             )
         return backends
@@ -261,6 +263,7 @@ class GatewayServer:
                 time_factor=local.time_factor,
                 startup_timeout_s=local.startup_timeout_s,
                 extra_args=local.triton_args(repository_key(local.repository_key_env)),
+                env=_emulated_devices(local, Path(self._workdir.name)),
             )
             log.info(
                 "starting local Triton on %s (time factor %s)", self.local_triton.address, local.time_factor
@@ -284,6 +287,7 @@ class GatewayServer:
                 backend.time_scale,
                 backend.shared_devices,
                 backend.memory,
+                backend.topology,
             )
         self.policy = await asyncio.to_thread(load_policies, config)
         self.telemetry = Telemetry(config.telemetry, decision_log=self._decision_log())
@@ -491,3 +495,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"orchid-gateway: {error}", file=sys.stderr)
         return 3
     return 0
+
+
+def _emulated_devices(local: LocalTritonConfig, workdir: Path) -> dict[str, str]:
+    """The capacity emulator's shared devices for a local Triton with a topology: every model's
+    executions hold the devices the gateway names (``ORCHID_DEVICE_DIR``, one lock file per
+    device); none without a topology (each instance stands for a device of its own)."""
+    if local.topology is None:
+        return {}
+    directory = workdir / "devices"
+    directory.mkdir(parents=True, exist_ok=True)
+    return {"ORCHID_DEVICE_DIR": str(directory), "ORCHID_DEVICES": str(local.devices)}

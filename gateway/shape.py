@@ -213,9 +213,11 @@ _KNOWN_HINTS = frozenset(
 # Triton request parameters that steer the backend on the caller's behalf. Through a shared
 # gateway they would let one tenant join another's sequence or read a registered
 # shared-memory region, so they are refused (sequence, shared memory) or owned by the
-# gateway (priority, timeout: it sets deadlines and order itself).
+# gateway (priority, timeout: it sets deadlines and order itself; devices: on a backend with
+# a topology it names the unit the gateway reserved, dispatch rule 10).
 REFUSED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
-GATEWAY_OWNED_PARAMETERS = frozenset({"priority", "timeout"})
+DEVICES_PARAMETER = "devices"
+GATEWAY_OWNED_PARAMETERS = frozenset({"priority", "timeout", DEVICES_PARAMETER})
 _SHARED_MEMORY_PREFIX = "shared_memory_"
 
 

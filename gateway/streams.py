@@ -307,7 +307,7 @@ class StreamSession:
         chain.wait.started(
             admitted, dwell_ms=(entry.started - entry.call.received_at) * 1000.0, now=entry.started
         )
-        chain.execute.starting(admitted, self.tenant, entry.started)
+        chain.execute.starting(admitted, self.tenant, entry.started, entry.slot)
         try:
             await self._run_backend(entry)
         except InvalidCanaryResult as invalid:  # the rollout counted it; never sent on

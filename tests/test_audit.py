@@ -55,6 +55,7 @@ def test_example_reachability() -> None:
         ("compact-v11", "compact-v11", "1", ["local"]),
         ("full-v18-stream", "full-v18-stream", "1", ["local"]),
         ("ranker", "ranker-v3", "1", ["local"]),
+        ("full-v18-tp2", "full-v18-tp2", "1", ["local"]),
     ]
     assert all(h.routed and h.cell == "eu-restricted" for r in orchid.reach for h in r.hops)
     fallback = orchid.reach[0].fallback

@@ -435,7 +435,7 @@ class RequestChain:
         admitted, slot = await self.wait.run(admitted, readmit)
         started = clock.now()
         self.wait.started(admitted, dwell_ms=(started - call.received_at) * 1000.0, now=started)
-        self.execute.starting(admitted, tenant, started)
+        self.execute.starting(admitted, tenant, started, slot)
         try:
             response = await self.execute.run(admitted, started)
         finally:

@@ -21,12 +21,14 @@ from tritonclient.grpc import service_pb2
 from gateway import clock
 from gateway.auth import Tenant
 from gateway.chain.settle import Settle
+from gateway.core.dispatch import Slot
 from gateway.core.errors import DeadlineExpired, Internal
 from gateway.core.outputs import OUTPUT_CONTRACT_RULE
 from gateway.exchange import Admitted
 from gateway.outputs import INVALID_OUTPUTS, check_outputs
 from gateway.rollouts import RolloutController
 from gateway.shadow import ShadowTraffic
+from gateway.shape import DEVICES_PARAMETER
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,12 @@ class Execute:
         self.shadows = shadows
         self.settle = settle
 
-    def starting(self, admitted: Admitted, tenant: Tenant, started: float) -> None:
-        """The hooks as a request starts on its backend: shadow mirror, rollout dispatch."""
+    def starting(self, admitted: Admitted, tenant: Tenant, started: float, slot: Slot | None = None) -> None:
+        """The hooks as a request starts on its backend: the unit its slot holds named on the
+        backend request (a topology, dispatch rule 10), shadow mirror, rollout dispatch."""
+        if slot is not None and slot.unit is not None:
+            devices = ",".join(str(d) for d in slot.unit.devices)
+            admitted.backend_request.parameters[DEVICES_PARAMETER].string_value = devices
         self.shadows.maybe_mirror(admitted, tenant)
         self.rollouts.dispatched(admitted, started)
 

@@ -91,6 +91,7 @@ class Settle:
             learn=learn,
             now=finished,
             observed_live_token_ms=observed_live_token_ms,
+            unit_device_ms=admitted.queue.layout.device_ms_per_ms,
         )
         complete = finished_answer and admitted.decision.max_output_tokens is None
         if not complete:

@@ -138,6 +138,17 @@ Rules (everything that decides who goes next lives here):
    on has live room beside the work bound there; ``grow_live`` refuses (returns False and
    flags ``Slot.live_exhausted``) once it has not. ``Slot.release`` frees it all.
 
+10. **Units of a topology** (``gateway.core.units.UnitDeviceSet``; ``gateway.core.topology``).
+   On a backend that declares a topology, a pool's model has a parallel layout and the
+   device set schedules its *units* (a tensor-parallel group, a pipeline): work binds a whole
+   unit that is free now or waits here (never bound ahead, so never half a group), the
+   devices it holds are taken from every other pool's units that span them, and a unit with
+   a lost device takes no work. Costs and live bytes enter as accelerator-ms and bytes of
+   the whole unit (``_per_unit``): the unit is held for the occupancy (the execution, or a
+   pipeline's cadence) and each device holds its share of the live state. Predicted waits
+   list-schedule the pool's own units; the ladder counts the devices of the units left
+   (``capacity_devices``).
+
 Several pools can run on the same devices (a fallback model placed beside the
 primary on each accelerator): their queues then share one ``DeviceSet``, which
 list-schedules the work of all of them, so one pool's prediction counts the
@@ -162,6 +173,7 @@ from gateway.core.decode import DecodeShare
 from gateway.core.errors import DeadlineExpired, GatewayError, ResourceExhausted
 from gateway.core.memory import DeviceMemory
 from gateway.core.profile import DemandProfile, batch_accelerator_ms
+from gateway.core.topology import TRIVIAL, Layout, Unit
 
 CONTROL_CLASS = "control"
 # The refusal of a request whose latest start passed while it waited (the driver raises it).
@@ -259,6 +271,7 @@ class Slot:
     live_exhausted: bool = False  # a ``grow_live`` was refused: its device has no live room left
     held_byte_ms: float = 0.0  # live bytes x ms held from binding to ``held_since``
     held_since: float | None = None  # when ``live_bytes`` last changed (None: at ``started_at``)
+    unit: Unit | None = None  # the unit it holds, on a device set with a topology (rule 10)
 
     @property
     def occupant(self) -> bool:
@@ -289,6 +302,7 @@ class Slot:
             return False
         if live_bytes <= 0:
             return True
+        _, live_bytes = self.queue._per_unit(0.0, live_bytes)  # each device's share (rule 10)
         if not self.queue.device_set.room_for(now, self, live_bytes):
             self.live_exhausted = True
             return False
@@ -459,14 +473,17 @@ class DeviceSet:
             heapq.heappush(free, (end, device.live_bytes, index))
         return devices
 
-    def free_times(self, now: float, *, replan: bool = False, fleet: bool = False) -> list[float]:
+    def free_times(
+        self, now: float, *, replan: bool = False, fleet: bool = False, queue: DispatchQueue | None = None
+    ) -> list[float]:
         """A heap of the times each device is predicted to finish the work bound to it
         (``schedule``; with ``fleet``, the other replicas' bound work too).
 
         The same list schedule as ``schedule`` with the devices reduced to their free times:
         which of several equally free devices takes the next slot changes no free time, so
         a heap of floats gives the same times (and the same ``replan``) without the devices'
-        live state. It runs for every prediction, binding and release."""
+        live state. It runs for every prediction, binding and release. (``queue``: the pool
+        asking; a device set with a topology answers its units' free times, rule 10.)"""
         free = [now] * self.devices
         if fleet and self.remote_ends:
             for remote_end in self._remote_ends_after(now):
@@ -542,13 +559,15 @@ class DeviceSet:
         long: bool = False,
         cost_ms: float = 0.0,
         stream: bool = False,
+        queue: DispatchQueue | None = None,
     ) -> float | None:
         """When work bound now would start on a device, or None if it must not be bound yet:
         every device is busy and either it would start after ``latest_start`` or work bound
         earlier is still waiting in the backend's queue (the two would be co-batched). Long
         work binds only onto a device free now, and only while the short lane stays free: in
         the backend's queue it would take whichever device frees first, the lane's included.
-        A stream (``stream``) binds only onto a device free now, never ahead (rule 9)."""
+        A stream (``stream``) binds only onto a device free now, never ahead (rule 9).
+        (``queue``: the pool binding; a device set with a topology binds onto its units.)"""
         if long:
             return now if self.long_may_bind(now, latest_start, cost_ms) else None
         occupants = self.occupants()
@@ -601,6 +620,14 @@ class DeviceSet:
         if start + cost_ms / 1000.0 > min(end_by, *(m.end_by for m in members)):
             return None
         return start, cost_ms, head
+
+    def assign(self, queue: DispatchQueue, slot: Slot) -> None:
+        """A slot was granted: a device set with a topology gives it its unit (rule 10)."""
+
+    @property
+    def units_mode(self) -> bool:
+        """Does this device set schedule units of a topology (rule 10)?"""
+        return False
 
 
 def _batch_cost_ms(profile: DemandProfile, shapes: Sequence[BatchShape]) -> float:
@@ -680,6 +707,25 @@ class DispatchQueue:
         self.batch_profile: DemandProfile | None = None
         self.co_batch_max = 1
         self.co_batched = 0
+        # Rule 10: the model's parallel layout (a device set with a topology sets it). Costs and
+        # live bytes enter the queue as accelerator-ms and bytes of the whole unit and are held
+        # here as the unit's occupancy and each of its devices' share.
+        self.layout: Layout = TRIVIAL
+        # Devices the ladder counts (``gateway.core.load``): every unit's, less lost units'.
+        self.capacity_devices = self.devices
+
+    def _per_unit(self, cost_ms: float, live_bytes: int) -> tuple[float, int]:
+        """Accelerator-ms and live bytes of a whole unit as the unit's occupancy and each of
+        its devices' live share (rule 10; unchanged without a layout)."""
+        layout = self.layout
+        if layout is TRIVIAL:
+            return cost_ms, live_bytes
+        return layout.occupancy_ms(cost_ms), -(-live_bytes // layout.width)
+
+    @property
+    def unit_device_ms(self) -> float:
+        """Accelerator-ms per ms of occupancy held here (the unit's devices; 1 without a layout)."""
+        return float(self.layout.width)
 
     @property
     def inflight(self) -> int:
@@ -717,7 +763,8 @@ class DispatchQueue:
           may still start within its decode share while this one waits (rule 9): an
           over-share tenant's streams wait for an in-share tenant's.
         """
-        free = self.device_set.free_times(now, fleet=True)
+        cost_ms, _ = self._per_unit(cost_ms, 0)
+        free = self.device_set.free_times(now, fleet=True, queue=self)
         queued = any(queue.queued for queue in self.device_set.queues)
         ahead = self._ahead(latest_start, flow, weight, cost_ms, stream=stream) if queued else []
         # Queued long work beyond what the short lane lets start takes no device here (it
@@ -730,7 +777,7 @@ class DispatchQueue:
                 long_room -= 1
             heapq.heappush(free, heapq.heappop(free) + cost / 1000.0)
         start = free[0]
-        if long:  # and not before a long device frees, whatever the short lane holds
+        if long and not self.device_set.units_mode:  # not before a long device frees
             longs_ahead = [cost for _, cost, is_long, _ in ahead if is_long]
             devices = self.device_set
             long_free = devices.long_start(now, longs_ahead, cap=devices.long_soft_cap(now))
@@ -850,6 +897,7 @@ class DispatchQueue:
         ``live_bytes`` its prompt's live state (grown by ``Slot.grow_live``); it never
         co-batches."""
         flow_key = (request_class, tenant)
+        cost_ms, live_bytes = self._per_unit(cost_ms, live_bytes)
         too_big = self.device_set.device_limit(live_bytes)
         if too_big is not None:
             raise too_big
@@ -863,7 +911,9 @@ class DispatchQueue:
             and (not stream or self.stream_may_start(tenant, weight, live_bytes))
         ):
             end_by = latest_start + cost_ms / 1000.0
-            start = self.device_set.bind_start(now, latest_start, long=long, cost_ms=cost_ms, stream=stream)
+            start = self.device_set.bind_start(
+                now, latest_start, long=long, cost_ms=cost_ms, stream=stream, queue=self
+            )
             join = None if start is not None or long else self.device_set.join(now, self, batch, end_by)
             if join is not None:
                 start = join[0]
@@ -1137,6 +1187,7 @@ class DispatchQueue:
             _replan(head, start)
             self.co_batched += 1
         self._inflight.add(slot)
+        self.device_set.assign(self, slot)
         self.device_set.bound[slot] = None
         return slot
 
@@ -1196,7 +1247,12 @@ class DispatchQueue:
             if waiter is None:
                 return
             start = devices.bind_start(
-                now, waiter.latest_start, long=waiter.long, cost_ms=waiter.cost_ms, stream=waiter.stream
+                now,
+                waiter.latest_start,
+                long=waiter.long,
+                cost_ms=waiter.cost_ms,
+                stream=waiter.stream,
+                queue=self,
             )
             end_by = waiter.latest_start + waiter.cost_ms / 1000.0
             join = None if start is not None or waiter.long else devices.join(now, self, waiter.batch, end_by)

@@ -210,7 +210,9 @@ class PoolLoad:
         """Build this pool's evidence, step its ladder and re-plan its flows; the ladder's new
         state (``changed`` and ``reason`` say whether and why the step moved: the caller logs
         it, the core does no I/O)."""
-        healthy_devices = self.devices if healthy else 0
+        # The devices of the pool's units left (a unit with a lost device counts none of its
+        # devices: gateway.core.units), all of them when healthy.
+        healthy_devices = queue.capacity_devices if healthy else 0
         capacity = (
             protected_capacity_ms_per_s(healthy_devices, self.protected_utilization) * self.capacity_share
         )
@@ -231,7 +233,7 @@ class PoolLoad:
             dwell_samples=self.dwell.count(now),
             backend_saturated=capacity <= 0.0 or running >= SATURATED * raw_capacity,
             mean_request_ms=self.demand.mean_ms(now),
-            queued_accelerator_ms=queue.queued_ms + queue.inflight_remaining_ms(now),
+            queued_accelerator_ms=(queue.queued_ms + queue.inflight_remaining_ms(now)) * queue.unit_device_ms,
             window_s=self.demand.window_s,
             relief=self.relief(now),
             readings=tuple(self.demand.reading(now, span) for span in spans),

@@ -13,10 +13,18 @@ its predicted first result is its predicted wait plus its prefill and one decode
 default and at most the deadline); the record's slack and latest start are the first
 result's, and its budget keeps the completion deadline (``deadline_ms``) and the gap
 objective for settlement and reporting. Unary work is priced as before, to the bit.
+
+On a pool whose model has a parallel layout (``gateway.core.topology``; ``queue.layout``),
+the profile's milliseconds become accelerator-ms of the whole unit (``Layout.profile_scale``:
+x its devices, x a pipeline's cadence factor, unless the profile is measured in unit
+device-ms already), and the execution reserve is the unit's wall time (``latency_ms``): a
+tensor-parallel request holds two devices for half the time, and is priced and charged for
+both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from gateway.core.dispatch import DispatchQueue
@@ -82,13 +90,27 @@ def price(
         time_scale=time_scale,
         correction=estimator.correction(correction_key, identity.tenant, now),
     )
-    reserve_exec_ms = demand.accelerator_ms + demand.host_cpu_ms
+    layout = queue.layout
+    wall_per_ms = 1.0  # wall ms per accelerator-ms
+    if not layout.trivial:  # device-ms of the whole unit; its wall time is what a deadline sees
+        scale = layout.profile_scale()
+        demand = dataclasses.replace(
+            demand,
+            prefill_ms=demand.prefill_ms * scale,
+            decode_ms=demand.decode_ms * scale,
+            live_token_ms=demand.live_token_ms * scale / layout.device_ms_per_ms,
+        )
+        wall_per_ms = 1.0 / layout.device_ms_per_ms
+    reserve_exec_ms = demand.accelerator_ms * wall_per_ms + demand.host_cpu_ms
     streaming = identity.mode is Mode.STREAMING
     reserve_first_ms = 0.0
     start_by = latest_start(received_at, reserves, reserve_exec_ms)
     if streaming:
         reserve_first_ms = first_result_reserve_ms(
-            demand.prefill_ms, demand.decode_ms, shape.max_output_tokens, demand.host_cpu_ms
+            demand.prefill_ms * wall_per_ms,
+            demand.decode_ms * wall_per_ms,
+            shape.max_output_tokens,
+            demand.host_cpu_ms,
         )
         start_by = first_result_latest_start(received_at, reserves, reserve_first_ms)
     budget = Budget(

@@ -47,6 +47,7 @@ def settle(
     now: float,
     solo_factor: float = 1.0,
     observed_live_token_ms: float | None = None,
+    unit_device_ms: float = 1.0,
 ) -> Outcome:
     """Charge observed work and (with ``learn``: a final answer) settle its quota and teach
     the estimator; without ``learn`` only the outcome is built (a request that ended early
@@ -54,8 +55,10 @@ def settle(
     ``solo_factor``: what the request would have held alone per ms of its share of a
     co-batch (the members' solo prices over the batch's predicted cost; 1 when not co-batched).
     ``observed_live_token_ms``: the live state it was observed to hold (a stream's, which grows
-    with its tokens); otherwise its predicted live-token-ms stretched to the observed time."""
-    observed_ms = observed_accelerator_ms(wall_ms, backend_queue_ms, batch)
+    with its tokens); otherwise its predicted live-token-ms stretched to the observed time.
+    ``unit_device_ms``: accelerator-ms per ms the request held its unit (its layout's devices x
+    a pipeline's cadence factor, ``gateway.core.topology``; 1 for one device)."""
+    observed_ms = observed_accelerator_ms(wall_ms, backend_queue_ms, batch) * unit_device_ms
     demand = record.demand
     live_token_ms = (
         observed_live_token_ms
