@@ -79,6 +79,7 @@ from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
 from gateway.policy.snapshot import PolicyResult, PolicySnapshot
 from gateway.pools import PoolRegistry
 from gateway.server import LOCAL_BACKEND
+from orchid_tools.capacity import backend_topologies
 from orchid_tools.demo import DEMO_KEYS
 
 PROG = "orchid-gateway audit isolation"
@@ -298,6 +299,51 @@ class PolicyRuleInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class TopologyUnit:
+    name: str  # "model/uN"
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TopologyModel:
+    """One backend model's units on a backend with a topology."""
+
+    model: str
+    tensor_parallel: int
+    stages: int
+    width: int  # devices per unit
+    declared: bool  # a layout is declared (else one device per unit)
+    units: tuple[TopologyUnit, ...]
+    capacity_devices: int  # devices of its units with no lost device: what its pool's ladder counts
+
+
+@dataclass(frozen=True, slots=True)
+class DomainAudit:
+    """What losing one failure domain takes away."""
+
+    kind: str
+    name: str
+    devices: tuple[int, ...]
+    units_lost: dict[str, tuple[str, ...]]  # model -> the units that span a device of the domain
+    units_left: dict[str, int]  # model -> its units left
+    stranded: tuple[int, ...]  # healthy devices of a lost unit, no longer counted by its layout
+    capacity_left: dict[str, int]  # model -> devices of its units left (the pool's capacity)
+
+
+@dataclass(frozen=True, slots=True)
+class TopologyAudit:
+    """A backend that declares a topology: its units per model and its failure domains."""
+
+    backend: str
+    devices: int
+    lost: tuple[int, ...]  # lost at start
+    domains: dict[str, dict[str, tuple[int, ...]]]
+    links: dict[str, tuple[int, ...]]
+    models: tuple[TopologyModel, ...]
+    losses: tuple[DomainAudit, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Audit:
     config: str
     tenants_file: str
@@ -314,6 +360,7 @@ class Audit:
     findings: tuple[Finding, ...]
     evidence_at: str  # the wall-clock time the evidence was judged at (ISO 8601, UTC)
     evidence: tuple[RouteEvidenceAudit, ...]
+    topology: tuple[TopologyAudit, ...] = ()  # backends with a topology (none: no section)
 
     def count(self, severity: Severity) -> int:
         return sum(1 for f in self.findings if f.severity is severity)
@@ -1137,6 +1184,7 @@ def audit_served(served: Served, *, now: float | None = None) -> Audit:
     _credential_findings(findings, served)
     evidence = _evidence_audit(served, verdicts, findings)
 
+    topology = topology_audit(served, findings)
     tenant_audits = tuple(
         TenantAudit(
             name=name,
@@ -1174,7 +1222,69 @@ def audit_served(served: Served, *, now: float | None = None) -> Audit:
         findings=findings.sorted(),
         evidence_at=_iso(evidence_at),
         evidence=evidence,
+        topology=topology,
     )
+
+
+def topology_audit(served: Served, findings: _Findings | None = None) -> tuple[TopologyAudit, ...]:
+    """Every backend with a topology: its units per model (``orchid_tools.capacity.backend_topologies``,
+    the worksheet's placement: routes whose backend model runs there, a model without a layout one
+    device per unit) and, per failure domain, what its loss takes (``gateway.core.topology``)."""
+    out = []
+    for b in backend_topologies(served.config, served.routes):
+        models = tuple(
+            TopologyModel(
+                model=m.model,
+                tensor_parallel=m.layout.tensor_parallel,
+                stages=m.layout.stages,
+                width=m.width,
+                declared=m.declared,
+                units=tuple(TopologyUnit(u.name, u.devices) for u in m.units),
+                capacity_devices=b.capacity_devices(m),
+            )
+            for m in b.models
+        )
+        losses = []
+        for loss in b.losses():
+            left = {m.model: b.capacity_devices(m, loss.devices) for m in b.models}
+            losses.append(
+                DomainAudit(
+                    kind=loss.kind,
+                    name=loss.name,
+                    devices=loss.devices,
+                    units_lost=dict(loss.units_lost),
+                    units_left=dict(loss.units_left),
+                    stranded=loss.stranded,
+                    capacity_left=left,
+                )
+            )
+            emptied = [m for m, devices in left.items() if devices == 0]
+            if findings is not None and emptied:
+                whole = len(loss.devices) == b.devices
+                findings.add(
+                    Severity.INFO if whole else Severity.WARN,
+                    "domain-loss-leaves-no-unit",
+                    "",
+                    f"backend {b.backend!r}: losing {loss.kind} {loss.name} (devices "
+                    f"{', '.join(map(str, loss.devices))}) leaves {', '.join(emptied)} no unit"
+                    + (
+                        ": the domain is the whole backend, so redundancy must come from another backend"
+                        if whole
+                        else ": its units all span that domain (spread them or add data-parallel units)"
+                    ),
+                )
+        out.append(
+            TopologyAudit(
+                backend=b.backend,
+                devices=b.devices,
+                lost=b.lost,
+                domains={k: dict(names) for k, names in b.topology.domains.items()},
+                links=dict(b.topology.links),
+                models=models,
+                losses=tuple(losses),
+            )
+        )
+    return tuple(out)
 
 
 def _own_backend_model(route: RouteConfig, model: str, tenant: TenantConfig) -> str:
@@ -1408,6 +1518,8 @@ def _credential_findings(findings: _Findings, served: Served) -> None:
 
 def to_json(audit: Audit) -> dict[str, Any]:
     data = dataclasses.asdict(audit)
+    if not audit.topology:  # a config without a topology: the audit's JSON as before
+        del data["topology"]
     data["summary"] = {
         "severe": audit.count(Severity.SEVERE),
         "warn": audit.count(Severity.WARN),
@@ -1472,6 +1584,55 @@ def _describe_check(check: EvidenceCheck) -> str:
         f"expires {check.expires_at}" if check.expires_at else "never expires",
     ]
     return text + f" ({'; '.join(facts)})"
+
+
+def _devices(devices: Iterable[int]) -> str:
+    return ", ".join(str(d) for d in devices) or "none"
+
+
+def _render_topology(topologies: Sequence[TopologyAudit]) -> list[str]:
+    """Per backend with a topology: its units per model, then per failure domain what its loss
+    takes (units per model, stranded devices, devices of capacity left per pool)."""
+    lines: list[str] = []
+    for t in topologies:
+        lines += ["", f"Topology of backend {t.backend} ({t.devices} devices; lost now: {_devices(t.lost)})"]
+        for kind, names in t.domains.items():
+            lines += _wrap(f"  {kind:<9} ", "; ".join(f"{n}: {_devices(ds)}" for n, ds in names.items()), 12)
+        if t.links:
+            lines += _wrap("  links     ", "; ".join(f"{n}: {_devices(ds)}" for n, ds in t.links.items()), 12)
+        lines.append("  units")
+        lines += _table(
+            ("model", "layout", "units (devices)", "capacity"),
+            [
+                (
+                    m.model,
+                    f"TP {m.tensor_parallel} x {m.stages} stage{'s' if m.stages > 1 else ''}"
+                    + ("" if m.declared else " (none declared)"),
+                    "; ".join(f"{u.name.rsplit('/', 1)[-1]} [{_devices(u.devices)}]" for u in m.units),
+                    f"{m.capacity_devices} devices",
+                )
+                for m in t.models
+            ],
+        )
+        lines.append("  failure domains (what one loss takes; capacity left: devices of the units left)")
+        for loss in t.losses:
+            lines.append(
+                f"    {loss.kind} {loss.name} (devices {_devices(loss.devices)}): "
+                f"stranded {_devices(loss.stranded)}"
+            )
+            lines += _table(
+                ("      model", "units lost", "units left", "capacity left"),
+                [
+                    (
+                        f"      {m.model}",
+                        ", ".join(u.rsplit("/", 1)[-1] for u in loss.units_lost.get(m.model, ())) or "none",
+                        f"{loss.units_left.get(m.model, 0)} of {len(m.units)}",
+                        f"{loss.capacity_left.get(m.model, 0)} of {m.capacity_devices} devices",
+                    )
+                    for m in t.models
+                ],
+            )
+    return lines
 
 
 def render_text(audit: Audit) -> str:
@@ -1559,6 +1720,8 @@ def render_text(audit: Audit) -> str:
         lines.append("  probes")
         lines += _wrap("    cell entitlement  ", tenant.probes.cell_entitlement, 22)
         lines += _wrap("    backend cell      ", tenant.probes.backend_cell, 22)
+
+    lines += _render_topology(audit.topology)
 
     names = [t.name for t in audit.tenants]
     lines += ["", "Co-batching matrix (can two tenants' requests meet on one Triton model instance?)"]
