@@ -46,7 +46,7 @@ class Execute:
         backend request (a topology, dispatch rule 10), shadow mirror, rollout dispatch."""
         if slot is not None and slot.unit is not None:
             devices = ",".join(str(d) for d in slot.unit.devices)
-            admitted.backend_request.parameters[DEVICES_PARAMETER].string_value = devices
+            admitted.backend_request.parameters[DEVICES_PARAMETER].string_param = devices
         self.shadows.maybe_mirror(admitted, tenant)
         self.rollouts.dispatched(admitted, started)
 
