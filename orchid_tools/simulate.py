@@ -72,6 +72,7 @@ from gateway.config import (
     RouteConfig,
     RouteTable,
     TenantsFile,
+    TopologyConfig,
     check_dedicated,
     check_memory,
     check_references,
@@ -83,6 +84,7 @@ from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError, Unav
 from gateway.core.evidence import Evidence, EvidenceKey
 from gateway.core.rollout import CANARY_REASON, RolloutSpec
 from gateway.core.streaming import GapTracker, StreamObjectives, StreamSummary
+from gateway.core.topology import TopologyError, parse_devices
 from gateway.core.upstream import RULE_BACKPRESSURE
 from gateway.evidence import population
 from gateway.exchange import BackendHandle, CallContext, GatewayListener
@@ -114,6 +116,7 @@ from orchid_tools.virtual_time import VirtualTimeLoop
 
 MS_PER_S = 1000.0
 TOKEN_VOCAB = 32_000
+UNITS_SAMPLE_EARLY_S = 1e-6  # a phase's units are sampled this long before its end
 # Gateway rules that refuse a request after it waited in the dispatch queue (bench/surge.py's).
 LATE_RULES = frozenset({"queue.latest_start"})
 OUTCOMES = ("on_time", "late", "rejected_early", "rejected_late", "missed", "failed")
@@ -171,6 +174,44 @@ class FleetBackend(_Strict):
     device_memory_gib: float | None = Field(default=None, gt=0, description="default: the gateway's (80)")
     runtime_reserve_gib: float | None = Field(default=None, ge=0, description="default: the gateway's (6)")
     models: dict[str, FleetModel] = Field(min_length=1)
+    topology: TopologyConfig | None = Field(
+        default=None,
+        description="parallel layouts and failure domains, as the gateway config's (its models then "
+        "share its devices: units, gateway.core.topology)",
+    )
+
+    @model_validator(mode="after")
+    def _topology_fits(self) -> FleetBackend:
+        if self.topology is None:
+            return self
+        for name, layout in self.topology.models.items():
+            if name not in self.models:
+                raise _Keyed(
+                    f"topology.models.{name}", f"not a model of this backend (models: {_known(self.models)})"
+                )
+            # The emulated backend holds a unit for an execution's wall time, its profile's ms.
+            if len(layout.pipeline_stages) > 1 or layout.measured_as != "wall_ms":
+                raise _Keyed(
+                    f"topology.models.{name}",
+                    "the simulator emulates tensor-parallel layouts measured as wall_ms only "
+                    "(no pipeline stages, no unit_device_ms)",
+                )
+        try:
+            self.topology.check(self.devices)
+        except ValueError as exc:
+            raise _Keyed("topology", str(exc)) from None
+        return self
+
+    @property
+    def shares_devices(self) -> bool:
+        """Its models run on the same devices (declared, or implied by a topology)."""
+        return self.shared_devices or self.topology is not None
+
+    def units_of(self, model: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(name, devices) of each unit of ``model`` on its topology (one device each without one)."""
+        if self.topology is None:
+            return tuple((f"{model}/u{d}", (d,)) for d in range(self.devices))
+        return tuple((u.name, u.devices) for u in self.topology.units_of(self.devices, model))
 
     def backend_config(self) -> BackendConfig:
         memory: dict[str, float] = {}
@@ -184,8 +225,9 @@ class FleetBackend(_Strict):
             labels={**self.labels, "cell": self.cell, "device_group": self.device_group or self.name},
             devices=self.devices,
             max_inflight_per_device=self.max_inflight_per_device,
-            shared_devices=self.shared_devices,
+            shared_devices=self.shares_devices,
             time_scale=self.time_factor,
+            topology=self.topology,
         )
         return config.model_copy(update=memory) if memory else config
 
@@ -241,11 +283,31 @@ class Phase(_Strict):
     arrivals: dict[str, float] = Field(default={}, description="per arrival class: its multiplier instead")
 
 
+class FaultDomain(_Strict):
+    """A failure domain of a backend's topology (``topology.domains``)."""
+
+    kind: str = Field(description="e.g. host, rack")
+    name: str
+
+
 class Fault(_Strict):
     at_s: float = Field(ge=0)
     until_s: float | None = Field(default=None, gt=0)
-    kind: Literal["device_group_lost", "underprediction", "slow_upstream"]
-    backend: str | None = Field(default=None, description="device_group_lost: the backend lost")
+    kind: Literal["device_group_lost", "underprediction", "slow_upstream", "devices_lost"]
+    backend: str | None = Field(
+        default=None, description="device_group_lost: the backend lost; devices_lost: whose devices"
+    )
+    devices: str | int | tuple[int, ...] | None = Field(
+        default=None, description='devices_lost: the devices ([4, 5] or "4-7")'
+    )
+    domain: FaultDomain | None = Field(
+        default=None, description="devices_lost: a failure domain of the backend's topology instead"
+    )
+    detect_after_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="devices_lost: the gateway learns of the loss (and the return) this much later",
+    )
     cold: bool = Field(
         default=False, description="device_group_lost: it comes back cold (each model loads its load_s)"
     )
@@ -261,6 +323,17 @@ class Fault(_Strict):
     def _target(self) -> Fault:
         if self.kind == "device_group_lost" and self.backend is None:
             raise _Keyed("backend", "device_group_lost needs the backend (device group) lost")
+        if self.kind == "devices_lost":
+            if self.backend is None:
+                raise _Keyed("backend", "devices_lost needs the backend whose devices are lost")
+            if (self.devices is None) == (self.domain is None):
+                raise _Keyed("devices", "devices_lost needs exactly one of devices and domain")
+        else:
+            for key in ("devices", "domain"):
+                if getattr(self, key) is not None:
+                    raise _Keyed(key, f"{key} applies to devices_lost faults only")
+            if self.detect_after_s:
+                raise _Keyed("detect_after_s", "detect_after_s applies to devices_lost faults only")
         if self.kind == "underprediction" and self.model is None:
             raise _Keyed("model", "underprediction needs the backend model that runs slower")
         if self.kind == "slow_upstream" and self.extra_ms is None:
@@ -273,6 +346,46 @@ class Fault(_Strict):
         if self.until_s is not None and self.until_s <= self.at_s:
             raise _Keyed("until_s", "until_s must be after at_s")
         return self
+
+    def lost_devices(self, backend: FleetBackend, key: str = "") -> tuple[int, ...]:
+        """devices_lost: the devices of ``backend`` it takes (``_Keyed`` at ``key`` when its
+        devices or domain are not the backend's)."""
+        at = f"{key}." if key else ""
+        topology = backend.topology
+        if topology is None:
+            raise _Keyed(
+                f"{at}backend",
+                f"backend {backend.name!r} declares no topology (devices_lost needs its units and domains)",
+            )
+        if self.domain is not None:
+            kinds = topology.domains
+            if self.domain.kind not in kinds:
+                raise _Keyed(
+                    f"{at}domain.kind",
+                    f"backend {backend.name!r} has no {self.domain.kind!r} domains (kinds: {_known(kinds)})",
+                )
+            named = kinds[self.domain.kind]
+            if self.domain.name not in named:
+                raise _Keyed(
+                    f"{at}domain.name",
+                    f"backend {backend.name!r} has no {self.domain.kind} {self.domain.name!r} "
+                    f"(its {self.domain.kind}s: {_known(named)})",
+                )
+            return tuple(sorted(set(parse_devices(named[self.domain.name]))))
+        assert self.devices is not None
+        try:
+            devices = tuple(sorted(set(parse_devices(self.devices))))
+        except (TopologyError, ValueError) as exc:
+            raise _Keyed(f"{at}devices", f"not a device list: {exc}") from None
+        for d in devices:
+            if not 0 <= d < backend.devices:
+                raise _Keyed(
+                    f"{at}devices",
+                    f"device {d} is out of range (backend {backend.name!r}: 0..{backend.devices - 1})",
+                )
+        if not devices:
+            raise _Keyed(f"{at}devices", "names no device")
+        return devices
 
 
 class ReportSpec(_Strict):
@@ -410,6 +523,9 @@ class Scenario(_Strict):
         for f, fault in enumerate(self.faults):
             if fault.backend is not None and fault.backend not in names:
                 raise _Keyed(f"faults[{f}].backend", f"unknown backend {fault.backend!r}")
+            if fault.kind == "devices_lost":
+                assert fault.backend is not None
+                fault.lost_devices(self.fleet[names.index(fault.backend)], f"faults[{f}]")
             if fault.model is not None and not any(fault.model in b.models for b in self.fleet):
                 raise _Keyed(f"faults[{f}].model", f"no backend of the fleet serves {fault.model!r}")
             for a, name in enumerate(fault.arrivals or ()):
@@ -763,12 +879,20 @@ def _class_facts(
         )
     output_tokens = spec.output_tokens or route.shape.default_max_output_tokens
     profile = routes.profiles[route.profile]
-    primary_ms = profile.accelerator_ms(spec.input_tokens, output_tokens) * spec.items
+    primary_ms = (
+        profile.accelerator_ms(spec.input_tokens, output_tokens)
+        * spec.items
+        * _profile_scale(scenario, route.backend_model)
+    )
     fallback = routes.models.get(route.fallback) if route.fallback else None
     fallback_ms = None
     if fallback is not None:
         capped = min(output_tokens, fallback.shape.max_output_tokens)
-        fallback_ms = routes.profiles[fallback.profile].accelerator_ms(spec.input_tokens, capped) * spec.items
+        fallback_ms = (
+            routes.profiles[fallback.profile].accelerator_ms(spec.input_tokens, capped)
+            * spec.items
+            * _profile_scale(scenario, fallback.backend_model)
+        )
     rate = spec.rate_per_s
     if rate is None:
         assert spec.raw_capacity_share is not None
@@ -811,6 +935,16 @@ def _class_facts(
     )
 
 
+def _profile_scale(scenario: Scenario, backend_model: str) -> float:
+    """Accelerator-ms per profile ms of ``backend_model``: its layout's (device-ms of its whole
+    unit, ``Layout.profile_scale``) on the first backend of the fleet whose topology lays it
+    out; 1 without one."""
+    for backend in scenario.fleet:
+        if backend.topology is not None and backend_model in backend.topology.models:
+            return backend.topology.layout_of(backend_model).profile_scale()
+    return 1.0
+
+
 def _raw_rate(scenario: Scenario, route: RouteConfig, cell: str, price_ms: float) -> float:
     """Requests/s of ``price_ms`` the devices of the route's pools in ``cell`` run at all."""
     rate = 0.0
@@ -821,6 +955,8 @@ def _raw_rate(scenario: Scenario, route: RouteConfig, cell: str, price_ms: float
             continue
         model = backend.models[route.backend_model]
         devices = backend.devices if backend.shared_devices else (model.instances or backend.devices)
+        if backend.topology is not None:  # the devices its units span
+            devices = sum(len(unit) for _name, unit in backend.units_of(route.backend_model))
         rate += devices * MS_PER_S / (price_ms * backend.time_factor)
     return rate
 
@@ -1026,6 +1162,9 @@ class RunRecord:
     streams: dict[int, StreamSummary] = field(default_factory=dict)
     # With feature_sources: per arrival, read / read_failed / cache_hit.
     features: FeatureLog = field(default_factory=FeatureLog)
+    # With a topology: per phase, at its end, each such backend's lost devices and its pools'
+    # available units (the gateway's view: UnitDeviceSet).
+    units: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_once(
@@ -1075,17 +1214,31 @@ async def _run(
     backends: dict[str, _SimBackend] = {}
     handles: dict[str, BackendHandle] = {}
     for spec in scenario.fleet:
+        topology = spec.topology
+        # A topology's models run on units of its devices: each layout's (one device otherwise).
+        units = (
+            None
+            if topology is None
+            else {
+                name: [devices for _unit, devices in spec.units_of(name)]
+                for name in spec.models
+                if not topology.layout_of(name).trivial
+            }
+        )
         client = _SimBackend(
             spec.name,
             prepared.models[spec.name],
-            devices=spec.devices if spec.shared_devices else None,
+            devices=spec.devices if spec.shares_devices else None,
             time_factor=spec.time_factor,
             call_overhead_ms=spec.call_overhead_ms,
             on_execution=executed,
             submitted=submitted,
             callers=callers,
             served=record.served,
+            units=units,
         )
+        if topology is not None and topology.lost_devices():
+            client.set_devices_lost(topology.lost_devices())
         backends[spec.name] = client
         cfg = spec.backend_config()
         handles[spec.name] = BackendHandle(
@@ -1096,6 +1249,7 @@ async def _run(
             cfg.time_scale,
             cfg.shared_devices,
             cfg.memory,  # the live-memory bound, as `serve` applies it
+            cfg.topology,  # units and failure domains (dispatch rule 10)
         )
     t0 = loop.time()
     recorder = _LadderRecorder(loop, t0)
@@ -1144,7 +1298,26 @@ async def _run(
                 }
             )
             continue
-        record.faults.append(_arm_fault(loop, t0, fault, backends, prepared))
+        record.faults.append(_arm_fault(loop, t0, fault, backends, prepared, gateway))
+    windows = phase_windows(scenario)
+    if any(b.topology is not None for b in scenario.fleet):
+        record.units = [{} for _ in windows]
+
+        def sample_units(phase: int) -> None:
+            record.units[phase] = {
+                backend: {
+                    "lost_devices": sorted(unit_set.lost),
+                    "available_units": {
+                        queue.name: len(unit_set.available_units(queue))
+                        for queue in sorted(unit_set.units, key=lambda q: q.name)
+                    },
+                }
+                for backend, unit_set in gateway.pools.topologies()
+            }
+
+        # A microsecond before the phase's end: before a change timed at its boundary.
+        for p, window in enumerate(windows):
+            loop.call_at(t0 + window.end_s - UNITS_SAMPLE_EARLY_S, sample_units, p)
     started_rollouts: list[tuple[float, RolloutSpec, str]] = []  # (at_s, spec, refusal or "")
 
     def start_rollout(at_s: float, spec: RolloutSpec) -> None:
@@ -1277,6 +1450,8 @@ async def _run(
     if count:
         loop.call_at(t0 + arrivals[0].at_s, start, 0)
         await done
+    if record.units and loop.time() < t0 + windows[-1].end_s:  # the last phase's units sample
+        await asyncio.sleep(t0 + windows[-1].end_s - loop.time())
     for at_s, rollout_spec, refused in started_rollouts:
         entry: dict[str, Any] = {"name": rollout_spec.name, "at_s": at_s}
         if refused:
@@ -1300,10 +1475,31 @@ def _arm_fault(
     fault: Fault,
     backends: Mapping[str, MemoryBackend],
     prepared: Prepared,
+    gateway: Gateway | None = None,
 ) -> dict[str, Any]:
     applied: dict[str, Any] = {"kind": fault.kind, "at_s": fault.at_s, "until_s": fault.until_s}
     actions: list[tuple[float, Callable[[], None]]] = []
-    if fault.kind == "device_group_lost":
+    if fault.kind == "devices_lost":
+        assert fault.backend is not None and gateway is not None
+        spec = next(b for b in prepared.scenario.fleet if b.name == fault.backend)
+        devices = fault.lost_devices(spec)
+        applied.update(_devices_lost_entry(fault, spec, devices))
+        backend = backends[fault.backend]
+        pools = gateway.pools
+        name = fault.backend
+
+        def lose(lost: bool) -> Callable[[], None]:
+            return lambda: backend.set_devices_lost(devices, lost)
+
+        def tell(lost: bool) -> Callable[[], None]:  # as an operator or agent: SetDevicesLost
+            return lambda: pools.set_devices_lost(name, devices, lost=lost, now=clock.now())
+
+        actions.append((fault.at_s, lose(True)))
+        actions.append((fault.at_s + fault.detect_after_s, tell(True)))
+        if fault.until_s is not None:
+            actions.append((fault.until_s, lose(False)))
+            actions.append((fault.until_s + fault.detect_after_s, tell(False)))
+    elif fault.kind == "device_group_lost":
         assert fault.backend is not None
         backend = backends[fault.backend]
         applied["backend"] = fault.backend
@@ -1342,6 +1538,29 @@ def _arm_fault(
     for at_s, action in actions:
         loop.call_at(t0 + at_s, action)
     return applied
+
+
+def _devices_lost_entry(fault: Fault, backend: FleetBackend, devices: tuple[int, ...]) -> dict[str, Any]:
+    """A devices_lost fault's report entry: its devices and, per pool of the backend
+    (``backend/model``), the units it takes and the units left (``domain_losses``' count)."""
+    entry: dict[str, Any] = {
+        "backend": backend.name,
+        "devices": list(devices),
+        "detect_after_s": fault.detect_after_s,
+    }
+    if fault.domain is not None:
+        entry["domain"] = {"kind": fault.domain.kind, "name": fault.domain.name}
+    units: dict[str, Any] = {}
+    for model in sorted(backend.models):
+        planned = backend.units_of(model)
+        lost = [name for name, unit in planned if not set(unit).isdisjoint(devices)]
+        units[f"{backend.name}/{model}"] = {
+            "units": len(planned),
+            "units_lost": lost,
+            "units_left": len(planned) - len(lost),
+        }
+    entry["units"] = units
+    return entry
 
 
 # --------------------------------------------------------------------------- the report
@@ -1528,6 +1747,7 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
                 "tenants": tenants_out,
                 "totals": totals,
                 "ladder": _ladder_phase(record.ladder, window),
+                **({"units": record.units[p]} if record.units else {}),
             }
         )
     document: dict[str, Any] = {
@@ -1860,6 +2080,11 @@ def render_text(document: Mapping[str, Any]) -> str:
     for fault in document["faults"]:
         if fault["kind"] == "slow_upstream":
             target = f"+{fault['extra_ms']:g} ms upstream for {', '.join(fault['arrivals'])}"
+        elif fault["kind"] == "devices_lost":
+            domain = fault.get("domain")
+            target = f"{fault['backend']} devices {_device_span(fault['devices'])}" + (
+                f" ({domain['kind']} {domain['name']})" if domain else ""
+            )
         else:
             slowed = f"{fault.get('model')} x{fault.get('factor')}"
             target = fault.get("backend") or f"{slowed} over {fault.get('longer_than_tokens')} tokens"
@@ -1868,6 +2093,15 @@ def render_text(document: Mapping[str, Any]) -> str:
             ready = ", ".join(f"{m} at {t:g} s" for m, t in fault["ready_at_s"].items())
             until += f", back cold (ready: {ready})"
         lines.append(f"Fault: {fault['kind']} {target} at {fault['at_s']} s{until}")
+        if fault["kind"] == "devices_lost":
+            if fault["detect_after_s"]:
+                lines[-1] += f"; the gateway learns {fault['detect_after_s']:g} s later"
+            taken = [
+                f"{pool} {len(u['units_lost'])} of {u['units']}"
+                for pool, u in fault["units"].items()
+                if u["units_lost"]
+            ]
+            lines.append(f"  units taken: {', '.join(taken) or 'none'}")
     for rollout in document.get("rollouts", []):
         if "refused" in rollout:
             lines.append(f"Rollout: {rollout['name']} at {rollout['at_s']:g} s refused: {rollout['refused']}")
@@ -1949,6 +2183,18 @@ def render_text(document: Mapping[str, Any]) -> str:
             )
     if "feature_sources" in document:
         lines += _render_features(document, pw)
+    unit_rows: dict[str, list[str]] = {}
+    for phase in document["phases"]:
+        for backend in phase.get("units", {}).values():
+            for pool, count in backend["available_units"].items():
+                unit_rows.setdefault(pool, []).append(str(count))
+    if unit_rows:
+        lines.append("")
+        lines.append(
+            f"Units available at each phase's end ({', '.join(p['name'] for p in document['phases'])}):"
+        )
+        for pool, counts in unit_rows.items():
+            lines.append(f"  {pool:<28} {' '.join(counts)}")
     timeline = document["timeline"]
     lines.append("")
     lines.append(f"Ladder step, max per {timeline['interval_s']:g} s:")
@@ -1974,6 +2220,17 @@ def render_text(document: Mapping[str, Any]) -> str:
                 f"{e['figure']}{run} {value} {sign} {limit}"
             )
     return "\n".join(lines) + "\n"
+
+
+def _device_span(devices: Sequence[int]) -> str:
+    """``[4, 5, 6, 7, 9]`` as ``4-7,9``."""
+    runs: list[list[int]] = []
+    for d in sorted(devices):
+        if runs and d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _render_features(document: Mapping[str, Any], pw: int) -> list[str]:

@@ -44,6 +44,22 @@ Theory of operation (the emulator's rules, per model):
   ``slow_down(model, k, longer_than=n)``: that model's requests with more than
   ``n`` input tokens take ``k`` x their profile time (underprediction); the batch
   they run in takes ``k`` x as long.
+* **Units** (a backend with a topology, ``gateway.core.topology``; the emulator's
+  tensor-parallel mode). On shared devices, a request that carries the parameter
+  ``devices`` (a string such as ``"4,5"``: the unit the gateway bound it to) runs on
+  exactly those devices: its execution holds all of them together for its duration and
+  never starts while one of them is busy (it waits; executions that can start go first,
+  as the emulator's polling executions do). A model given ``units`` (its units' devices:
+  a TP-t model's groups of t) whose request names none takes the first of its units that
+  is wholly free; a model without units takes one free device (the lowest). Each
+  execution's ``device_ms`` counts every device it held. Requests naming different
+  devices are never batched together. ``set_devices_lost(devices, lost)``: a device lost
+  is never held again until it is back; an execution holding one fails at once with the
+  error a server gives (``Internal``: ``device N is lost``), as does one that names a
+  lost device, or a model whose every unit spans one; work running on a device when it is
+  lost fails then (its device time is lost). Without ``units``, lost devices and any
+  ``devices`` parameter, the devices are scheduled exactly as above (lowest free device,
+  FIFO).
 * **Cold start and model control.** ``set_healthy(True, cold=True)`` restores the
   group as a restarted server: it answers (``healthy``) at once, but every model
   loads and warms again for its ``load_s`` (Triton's load plus its own
@@ -72,7 +88,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -82,11 +98,12 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from gateway import clock
 from gateway.backends.base import BackendStream, InputSpec, ModelSpec
-from gateway.core.errors import DeadlineExpired, GatewayError, InvalidArgument, Unavailable
+from gateway.core.errors import DeadlineExpired, GatewayError, Internal, InvalidArgument, Unavailable
 from gateway.core.profile import DemandProfile
 
 VOCAB = 32_000  # the emulator's output token range
 NS_PER_S = 1_000_000_000
+DEVICES_PARAMETER = "devices"  # gateway.shape.DEVICES_PARAMETER: the unit a request is bound to
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +172,7 @@ class _Work:
     cancelled: bool = False
     deadline: asyncio.TimerHandle | None = None
     tokens_sent: int = 0
+    devices: tuple[int, ...] | None = None  # the unit its request names (parameter ``devices``)
 
     @property
     def solo_ms(self) -> float:
@@ -167,6 +185,7 @@ class _Batch:
     model: _Model
     members: list[_Work]
     device: int = -1
+    devices: tuple[int, ...] = ()  # every device it holds (units mode; () otherwise: ``device``)
     started: float = 0.0
     prefill_end: float = 0.0
     end: float = 0.0
@@ -179,9 +198,13 @@ class _Devices:
     when the backend's devices are shared."""
 
     def __init__(self, count: int) -> None:
-        self.free = list(range(count))  # a heap: the lowest free device first
+        self.count = count
+        self.free = list(range(count))  # a heap: the lowest free device first (never a lost one)
         self.waiting: deque[_Batch] = deque()
         self.running: dict[_Batch, None] = {}
+        # Units mode: batches hold sets of devices (a topology's units, a request's ``devices``).
+        self.units_mode = False
+        self.lost: set[int] = set()
 
 
 @dataclass(eq=False)
@@ -224,9 +247,14 @@ class MemoryBackend:
         time_factor: float = 1.0,
         call_overhead_ms: float = 0.0,
         on_execution: Callable[[Execution], None] | None = None,
+        units: Mapping[str, Sequence[Sequence[int]]] | None = None,
     ) -> None:
+        """``units`` (shared ``devices`` only): a backend with a topology; per model, the
+        devices of each of its units (a model not named runs on one device per execution)."""
         if time_factor < 0:
             raise ValueError(f"time_factor must be >= 0, got {time_factor}")
+        if units is not None and devices is None:
+            raise ValueError("units need shared devices (devices=N)")
         if not call_overhead_ms >= 0:
             raise ValueError(f"call_overhead_ms must be >= 0, got {call_overhead_ms}")
         self.name = name
@@ -243,6 +271,22 @@ class MemoryBackend:
                 model, pool, model.instances, state="READY" if model.loaded else "UNAVAILABLE"
             )
         self._pools: list[_Devices] = list({id(m.devices): m.devices for m in self._models.values()}.values())
+        self._shared = shared
+        self._units: dict[str, tuple[tuple[int, ...], ...]] = {}
+        if shared is not None and units is not None:
+            shared.units_mode = True
+            for model_name, model_units in units.items():
+                planned = tuple(tuple(int(d) for d in unit) for unit in model_units)
+                for unit in planned:
+                    if (
+                        not unit
+                        or any(not 0 <= d < shared.count for d in unit)
+                        or len(set(unit)) != len(unit)
+                    ):
+                        raise ValueError(
+                            f"{model_name}: unit {list(unit)} is not a set of devices 0..{shared.count - 1}"
+                        )
+                self._units[model_name] = planned
         self._healthy = True
         self._down_at = 0.0
         self.watched_models: set[str] = set()
@@ -304,6 +348,44 @@ class MemoryBackend:
         state = self._model(model, model)
         state.slow_factor = factor
         state.slow_longer_than = longer_than
+
+    def set_devices_lost(self, devices: Iterable[int], lost: bool = True) -> None:
+        """Devices lost (or back, ``lost=False``) on a backend with shared devices: an
+        execution holding a lost device fails at once (``device N is lost``), and none holds
+        one again until it is back (see the module docstring)."""
+        pool = self._shared
+        if pool is None:
+            raise ValueError(f"backend {self.name} has no shared devices to lose")
+        changed = sorted(set(devices))
+        for d in changed:
+            if not 0 <= d < pool.count:
+                raise ValueError(f"device {d} is out of range (0..{pool.count - 1})")
+        pool.units_mode = True
+        if lost:
+            pool.lost.update(changed)
+            pool.free = [d for d in pool.free if d not in pool.lost]
+            heapq.heapify(pool.free)
+            for batch in list(pool.running):
+                hit = sorted(set(batch.devices).intersection(changed))
+                if hit:
+                    self._abort(batch, f"device {hit[0]} is lost")
+        else:
+            pool.lost.difference_update(changed)
+            held = {d for batch in pool.running for d in batch.devices}
+            for d in changed:
+                if d not in held and d not in pool.free:
+                    heapq.heappush(pool.free, d)
+        if not self._healthy:
+            return
+        for model in self._models.values():
+            if model.devices is pool:
+                self._form(model)
+        self._place(pool)
+
+    @property
+    def lost_devices(self) -> tuple[int, ...]:
+        """The shared devices lost now."""
+        return tuple(sorted(self._shared.lost)) if self._shared is not None else ()
 
     def is_warm(self, model: str) -> bool:
         """Healthy and the model loaded and warmed: ready to serve (never a cold load)."""
@@ -521,6 +603,7 @@ class MemoryBackend:
                     f"{spec.output_limit_parameter} must be a positive integer"
                 )
             output_tokens = int(value)
+        devices = self._named_devices(request, model, logical)
         work = _Work(
             model=model,
             request=request,
@@ -531,14 +614,51 @@ class MemoryBackend:
             arrived=clock.now(),
             deliver=deliver,
             token=token,
+            devices=devices,
         )
         model.queue.append(work)
         self._dispatch(model)
         return work
 
+    def _named_devices(
+        self, request: service_pb2.ModelInferRequest, model: _Model, logical: str
+    ) -> tuple[int, ...] | None:
+        """The devices the request's ``devices`` parameter names (shared devices only; the
+        emulator ignores it otherwise), checked as the emulator checks them."""
+        pool = self._shared
+        param = request.parameters.get(DEVICES_PARAMETER) if pool is not None else None
+        if pool is None or param is None:
+            return None
+        text = param.string_param if param.WhichOneof("parameter_choice") == "string_param" else ""
+        problem = ""
+        try:
+            named = tuple(int(part) for part in text.split(","))
+        except ValueError:
+            named, problem = (), f"must list device indices, got {text!r}"
+        width = len(self._units[model.spec.name][0]) if self._units.get(model.spec.name) else 1
+        if problem:
+            pass
+        elif any(not 0 <= d < pool.count for d in named):
+            problem = f"names a device out of range 0..{pool.count - 1}: {text!r}"
+        elif len(set(named)) != len(named):
+            problem = f"names a device twice: {text!r}"
+        elif len(named) != width:
+            problem = f"names {len(named)} devices; the model runs on {width}"
+        if problem:
+            raise InvalidArgument(f"model {logical!r} rejected the request: parameter devices {problem}")
+        pool.units_mode = True
+        return named
+
     def _dispatch(self, model: _Model) -> None:
         """Form batches while the model has a free instance and queued work."""
+        self._form(model)
+        self._place(model.devices)
+
+    def _form(self, model: _Model) -> None:
+        """Form batches while the model has a free instance and queued work; they wait for
+        devices in the model's device set."""
         limit = max(1, model.spec.max_batch_size) if not model.spec.decoupled else 1
+        units_mode = model.devices.units_mode
         queue = model.queue
         while model.free_instances > 0 and queue:
             members: list[_Work] = []
@@ -550,6 +670,8 @@ class MemoryBackend:
                     continue
                 if members and rows + head.rows > limit:
                     break
+                if units_mode and members and head.devices != members[0].devices:
+                    break  # another unit: an execution of its own
                 queue.popleft()
                 members.append(head)
                 rows += head.rows
@@ -561,14 +683,65 @@ class MemoryBackend:
                 work.state = _State.RUNNING
                 work.batch = batch
             model.devices.waiting.append(batch)
-        self._place(model.devices)
 
     def _place(self, pool: _Devices) -> None:
         """Start waiting batches on free devices, first come first served."""
+        if pool.units_mode:
+            self._place_units(pool)
+            return
         while pool.waiting and pool.free:
             batch = pool.waiting.popleft()
             batch.device = heapq.heappop(pool.free)
             self._start(batch, pool)
+
+    def _place_units(self, pool: _Devices) -> None:
+        """Units mode: start every waiting batch (in arrival order) whose devices are all
+        free; fail at once those whose devices are lost. A batch that must wait holds up no
+        other (each execution takes its devices when they are free, as the emulator's do)."""
+        while True:
+            failed: dict[_Model, None] = {}
+            kept: deque[_Batch] = deque()
+            while pool.waiting:
+                batch = pool.waiting.popleft()
+                choice = self._choose(pool, batch)
+                if choice is None:
+                    kept.append(batch)
+                elif isinstance(choice, str):
+                    self._abort(batch, choice)
+                    failed[batch.model] = None
+                else:
+                    taken = set(choice)
+                    pool.free = [d for d in pool.free if d not in taken]
+                    heapq.heapify(pool.free)
+                    batch.devices = choice
+                    batch.device = choice[0]
+                    self._start(batch, pool)
+            pool.waiting = kept
+            if not failed or not self._healthy:
+                return
+            for model in failed:  # its next batches form (and are placed in the next round)
+                self._form(model)
+
+    def _choose(self, pool: _Devices, batch: _Batch) -> tuple[int, ...] | str | None:
+        """The devices ``batch`` starts on now; None: it waits; a string: why it fails."""
+        free = set(pool.free)
+        named = batch.members[0].devices
+        if named is not None:
+            gone = sorted(pool.lost.intersection(named))
+            if gone:
+                return f"device {gone[0]} is lost"
+            return named if free.issuperset(named) else None
+        units = self._units.get(batch.model.spec.name)
+        if units:
+            live = [unit for unit in units if pool.lost.isdisjoint(unit)]
+            if not live:
+                return f"no unit of {len(units[0])} device(s) is left: devices {sorted(pool.lost)} are lost"
+            return next((unit for unit in live if free.issuperset(unit)), None)
+        if pool.free:
+            return (pool.free[0],)
+        if len(pool.lost) >= pool.count:
+            return f"no device is left: devices {sorted(pool.lost)} are lost"
+        return None
 
     def _scale(self, model: _Model, works: list[_Work]) -> float:
         """Seconds per profile millisecond for this batch: the time factor, times the
@@ -652,13 +825,23 @@ class MemoryBackend:
                 model.queue_ns += int((batch.started - work.arrived) * NS_PER_S)
                 model.compute_ns += int(duration_s * NS_PER_S)
                 self._complete(work)
-            self._report(work, batch, duration_s * 1000.0 * work.solo_ms / total_solo, answered)
+            held = len(batch.devices) or 1  # a unit's execution holds all its devices
+            self._report(work, batch, duration_s * 1000.0 * work.solo_ms / total_solo * held, answered)
         model.inferences += answered_rows
         model.executions += 1
         self._release(batch, pool)
 
+    def _free_devices(self, batch: _Batch, pool: _Devices) -> None:
+        """The devices ``batch`` held are free again (a lost one is not)."""
+        if not batch.devices:
+            heapq.heappush(pool.free, batch.device)
+            return
+        for d in batch.devices:
+            if d not in pool.lost:
+                heapq.heappush(pool.free, d)
+
     def _release(self, batch: _Batch, pool: _Devices) -> None:
-        heapq.heappush(pool.free, batch.device)
+        self._free_devices(batch, pool)
         batch.model.free_instances += 1
         if not self._healthy:
             return
@@ -702,8 +885,9 @@ class MemoryBackend:
             work.deadline.cancel()
         work.deliver(work, None, error)
 
-    def _abort(self, batch: _Batch) -> None:
-        """The device group was lost under this batch: its members fail, its time is lost."""
+    def _abort(self, batch: _Batch, why: str = "") -> None:
+        """The device group was lost under this batch (or, ``why``, a device it holds or
+        names): its members fail, its time is lost."""
         model = batch.model
         pool = model.devices
         now = clock.now()
@@ -716,13 +900,19 @@ class MemoryBackend:
         pool.running.pop(batch, None)
         elapsed_ms = (now - batch.started) * 1000.0 if started else 0.0
         total_solo = sum(w.solo_ms for w in batch.members) or 1.0
+        held = len(batch.devices) or 1
         for work in batch.members:
             if started:
-                self._report(work, batch, elapsed_ms * work.solo_ms / total_solo, False)
+                self._report(work, batch, elapsed_ms * work.solo_ms / total_solo * held, False)
             if work.state is not _State.DONE:
-                self._fail(work, self._unavailable(work))
+                error = (
+                    Internal(f"model {work.logical!r} failed on its backend: {why}")
+                    if why
+                    else self._unavailable(work)
+                )
+                self._fail(work, error)
         if started:
-            heapq.heappush(pool.free, batch.device)
+            self._free_devices(batch, pool)
         model.free_instances += 1
 
     def _expire(self, work: _Work) -> None:
