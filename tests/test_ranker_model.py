@@ -5,6 +5,7 @@ model. One batch may mix requests with and without features."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -99,7 +100,8 @@ def test_one_batch_mixes_requests_with_and_without_features(ranker: LocalTriton)
             # request then ran alone.)
             futures = [pool.submit(call, k) for k in range(count)]
             results = [future.result(timeout=2 * CALL_TIMEOUT_S) for future in futures]
-        after = clients[0].get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
+        # Triton counts an execution after its responses are sent: read until all 16 are counted.
+        after = _statistics_counting(clients[0], int(before.get("inference_count", 0)) + count)
     finally:
         for client in clients:
             client.close()
@@ -114,3 +116,14 @@ def test_one_batch_mixes_requests_with_and_without_features(ranker: LocalTriton)
     executions = int(after["execution_count"]) - int(before.get("execution_count", 0))
     assert inferences == count
     assert executions < count, "no request was co-batched: the mixed batch was not exercised"
+
+
+def _statistics_counting(client: grpcclient.InferenceServerClient, inferences: int) -> dict[str, Any]:
+    """The model's statistics once they count ``inferences`` (polled: Triton updates them just
+    after the responses go out; bounded, so a count that never comes fails the test)."""
+    end = time.monotonic() + CALL_TIMEOUT_S
+    while True:
+        stats: dict[str, Any] = client.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
+        if int(stats.get("inference_count", 0)) >= inferences or time.monotonic() > end:
+            return stats
+        time.sleep(0.01)
