@@ -27,6 +27,7 @@ _COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("simulate",), "orchid_tools.simulate", "run a scenario through the runtime in virtual time"),
     (("evidence",), "orchid_tools.evidence", "publish or list quality evidence through the admin RPC"),
     (("rollout",), "orchid_tools.rollout", "start, watch, promote, roll back or abort a version change"),
+    (("devices",), "orchid_tools.devices", "a topology's units; mark devices lost or back"),
     (("audit", "isolation"), "orchid_tools.audit", "who can reach what, who can share an instance"),
     (("jobs",), "orchid_tools.jobs", "submit, get, wait for, cancel and list asynchronous operations"),
     (("batch",), "orchid_tools.batch", "submit a JSONL batch, follow it, fetch its manifest and output set"),

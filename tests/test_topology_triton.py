@@ -38,6 +38,7 @@ from gateway.config import BackendConfig, TopologyConfig
 from gateway.core.dispatch import DispatchQueue, Slot
 from gateway.core.overload import protected_capacity_ms_per_s
 from gateway.core.units import UnitDeviceSet
+from orchid_tools.cli import main as cli_main
 from tests.conftest import OPS_KEY, ORCHID_KEY, ThreadedGateway, bearer, gateway_config, own_triton
 
 TIME_FACTOR = 0.2
@@ -300,3 +301,25 @@ def _wait_until(condition: Any, timeout_s: float = 20.0) -> bool:
             return True
         time.sleep(0.01)
     return bool(condition())
+
+
+def test_the_devices_command_marks_and_shows_units(
+    gateway: tuple[ThreadedGateway, Reservations, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    running, _, _, _ = gateway
+    infer(running.address, TP2)
+    common = ["--address", running.address, "--key", OPS_KEY]
+    assert cli_main(["devices", "lost", "2", *common]) == 0
+    shown = capsys.readouterr().out
+    assert "backend local: 4 devices; lost: 2" in shown
+    assert f"local/{TP2}: width 2, capacity 2 devices: u0 [0, 1]; u1 [2, 3] LOST" in shown
+    assert cli_main(["devices", "back", "2", *common]) == 0
+    capsys.readouterr()
+    assert cli_main(["devices", "status", "--json", *common]) == 0
+    status = json.loads(capsys.readouterr().out)
+    (backend,) = status["backends"]
+    assert backend["lost"] == [] and all(u["available"] for p in backend["pools"] for u in p["units"])
+    assert cli_main(["devices", "lost", "x", *common]) == 2  # a usage error, said so
+    assert "name the devices" in capsys.readouterr().err
+    assert cli_main(["devices", "lost", "1", "--backend", "nowhere", *common]) == 1
+    assert "INVALID_ARGUMENT: backend 'nowhere' has no topology" in capsys.readouterr().err
