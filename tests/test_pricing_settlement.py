@@ -167,3 +167,50 @@ def test_abandon_refunds_what_never_started_and_charges_what_ran() -> None:
     # 143.2 left after the reservation, 3 ms of refill, then the 56.8 reserved becomes 30 charged.
     left = quotas.available("orchid", "interactive", now=0.03).available_accelerator_ms
     assert left == pytest.approx(143.2 + 3.0 + 56.8 - 30.0)
+
+
+def test_a_tensor_parallel_request_costs_both_devices_and_reserves_its_wall_time() -> None:
+    """On a TP-2 unit (dispatch rule 10) the profile's 56.8 ms are the pair's wall time: the
+    record's accelerator-ms are both devices' (113.6), the execution reserve the wall time;
+    settlement charges observed wall x 2; a pipeline's unit is held for its cadence."""
+    from gateway.core.topology import Layout, Topology, plan_units
+    from gateway.core.units import UnitDeviceSet
+
+    topology = Topology(4, domains={"host": {"a": (0, 1), "b": (2, 3)}})
+    devices = UnitDeviceSet(topology)
+    queue = DispatchQueue("tp2", devices=2, slots=2, max_queued=10, device_set=devices)
+    devices.attach(queue, Layout(tensor_parallel=2), plan_units(topology, Layout(tensor_parallel=2), "m"))
+    record, _ = priced(queue, Estimator(), now=0.0)
+    assert record.demand.accelerator_ms == pytest.approx(113.6)
+    assert record.budget.reserve_exec_ms == pytest.approx(56.8)
+    slot = queue.request(0.0, latest_start=1.0, cost_ms=record.demand.accelerator_ms, tenant="orchid")
+    assert isinstance(slot, Slot) and slot.cost_ms == pytest.approx(56.8)  # the pair is held 56.8 ms
+    quotas = orchid_quotas()
+    outcome = settlement.settle(
+        record,
+        ADMITTED,
+        quotas.reserve_record(record, now=0.0),
+        CorrectionKey("full-v18", "", "short"),
+        quotas=quotas,
+        estimator=Estimator(),
+        backend_model="full-v18",
+        queue_ms=0.0,
+        wall_ms=60.0,
+        backend_queue_ms=0.0,
+        batch=1.0,
+        first_result_ms=60.0,
+        output_tokens=64,
+        learn=False,
+        now=0.1,
+        unit_device_ms=queue.layout.device_ms_per_ms,
+    )
+    assert outcome.observed_accelerator_ms == pytest.approx(120.0)
+    pipe = Layout(tensor_parallel=1, stage_shares=(0.5, 0.5))  # 2 stages: a new request each half
+    pipeline = UnitDeviceSet(topology)
+    staged = DispatchQueue("pp", devices=2, slots=2, max_queued=10, device_set=pipeline)
+    pipeline.attach(staged, pipe, plan_units(topology, pipe, "p"))
+    record, _ = priced(staged, Estimator(), now=0.0)
+    assert record.demand.accelerator_ms == pytest.approx(56.8)  # 2 devices x a 28.4 ms cadence
+    assert record.budget.reserve_exec_ms == pytest.approx(56.8)  # the latency: both stages
+    slot = staged.request(0.0, latest_start=1.0, cost_ms=record.demand.accelerator_ms, tenant="orchid")
+    assert isinstance(slot, Slot) and slot.cost_ms == pytest.approx(28.4)  # held for the cadence
