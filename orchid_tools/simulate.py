@@ -35,6 +35,12 @@ How a scenario maps onto the runtime (nothing below is re-implemented here):
   caller's deadline partly spent before the gateway), and rollouts started as
   ``orchid-gateway rollout start`` starts them (``gateway.rollouts`` over the emulated
   repository API), with published quality evidence.
+* A fleet backend may declare a ``topology`` (the gateway config's schema): its models then
+  share its devices as units (dispatch rule 10; the ``MemoryBackend`` holds exactly the unit
+  a request names). A ``devices_lost`` fault (``devices`` or a topology ``domain``) loses
+  them in the backend at ``at_s`` and tells the gateway (``pools.set_devices_lost``, as the
+  admin RPC ``SetDevicesLost`` does) ``detect_after_s`` later; its report entry lists the
+  units taken per pool, and each phase reports the pools' available units at its end.
 * ``expect:`` bounds a phase's figures; ``check_expectations`` judges them against the
   report (``--check`` exits 1 when one fails). The seed's combined bottlenecks are shipped
   as ``examples/orchid/simulate/combined-*.yaml`` with expectations.
