@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -21,7 +20,7 @@ import grpc
 
 from gateway._proto import admin_pb2
 from gateway.core.topology import TopologyError, parse_devices
-from orchid_tools.evidence import KEY_ENV, _call, _channel
+from orchid_tools.evidence import KEY_ENV, _call, _channel, admin_key, refused
 
 
 def topology_status(
@@ -116,9 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    key = args.key or os.environ.get(KEY_ENV, "")
+    key = admin_key(args, "devices")
     if not key:
-        print(f"devices: an admin key is needed (--key or ${KEY_ENV})", file=sys.stderr)
         return 2
     try:
         if args.action == "status":
@@ -138,9 +136,6 @@ def run(args: argparse.Namespace) -> int:
                 args.address, key, args.backend, devices, lost=args.action == "lost", ca=args.ca
             )
     except grpc.RpcError as error:
-        code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-        details = error.details() if isinstance(error, grpc.Call) else str(error)
-        print(f"devices {args.action}: {code.name}: {details}", file=sys.stderr)
-        return 3 if code is grpc.StatusCode.UNAVAILABLE else 1
+        return refused(f"devices {args.action}", error)
     print(json.dumps(status_json(reply), indent=2) if args.json else render(reply))
     return 0

@@ -156,19 +156,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    key = args.key or os.environ.get(KEY_ENV, "")
+    key = admin_key(args, "evidence")
     if not key:
-        print(f"evidence: an admin key is needed (--key or ${KEY_ENV})", file=sys.stderr)
         return 2
     try:
         if args.action == "publish":
             return _publish(args, key)
         return _list(args, key)
     except grpc.RpcError as error:
-        code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-        details = error.details() if isinstance(error, grpc.Call) else str(error)
-        print(f"evidence {args.action}: {code.name}: {details}", file=sys.stderr)
-        return 3 if code is grpc.StatusCode.UNAVAILABLE else 1
+        return refused(f"evidence {args.action}", error)
+
+
+def admin_key(args: argparse.Namespace, command: str) -> str:
+    """The admin key from ``--key`` or ``$ORCHID_ADMIN_KEY`` ("" after saying it is missing)."""
+    key: str = args.key or os.environ.get(KEY_ENV, "")
+    if not key:
+        print(f"{command}: an admin key is needed (--key or ${KEY_ENV})", file=sys.stderr)
+    return key
+
+
+def refused(command: str, error: grpc.RpcError) -> int:
+    """Say why an admin call failed; the exit code: 3 when the gateway is unreachable, else 1."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    print(f"{command}: {code.name}: {details}", file=sys.stderr)
+    return 3 if code is grpc.StatusCode.UNAVAILABLE else 1
 
 
 def _publish(args: argparse.Namespace, key: str) -> int:
