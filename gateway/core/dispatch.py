@@ -511,6 +511,10 @@ class DeviceSet:
         bound there (rule 8)?"""
         if live_bytes <= 0 or self.memory is None:
             return True
+        if sum(1 for slot in self.bound if slot.occupant) < self.devices:
+            # A device holds no bound work: it frees first (now) and holds the least live
+            # state (none), so it is the one the schedule below would pick, at no cost.
+            return live_bytes <= self.live_room_bytes
         device = min(self.schedule(now), key=lambda d: (d.free_at, d.live_bytes))
         return device.live_bytes + live_bytes <= self.live_room_bytes
 
@@ -834,8 +838,11 @@ class DispatchQueue:
                     fair.append((key[1], f, sorted(w for w in f.heap if w.live)))
                 else:
                     this_pool = queue is self
+                    # Another layout's work on shared units (rule 10) holds its own number of
+                    # devices: counted in this pool's units by its device time.
+                    wide = 1.0 if this_pool else queue.layout.width / self.layout.width
                     ahead.extend(
-                        (w.latest_start, w.cost_ms, w.long, w.batch if this_pool else None)
+                        (w.latest_start, w.cost_ms * wide, w.long, w.batch if this_pool else None)
                         for w in f.heap
                         if earlier(w)
                     )
@@ -1061,8 +1068,13 @@ class DispatchQueue:
             self._classes[waiter.flow[0]].live -= 1
 
     def _charge(self, flow_key: tuple[str, str], cost_ms: float, weight: float, class_weight: float) -> None:
-        cls = self._classes.setdefault(flow_key[0], _Flow())
-        flow = self._flows.setdefault(flow_key, _Flow())
+        # Looked up first: a ``setdefault`` default would build a ``_Flow`` nobody reads.
+        cls = self._classes.get(flow_key[0])
+        if cls is None:
+            cls = self._classes[flow_key[0]] = _Flow()
+        flow = self._flows.get(flow_key)
+        if flow is None:
+            flow = self._flows[flow_key] = _Flow()
         # Its start tag: its own virtual time, or the system's if it was idle (granted at once).
         cls.vtime = max(cls.vtime, self._system_vtime(self._class_vclock))
         tenant_clock = self._tenant_vclock.get(flow_key[0], (0.0, 0.0))
