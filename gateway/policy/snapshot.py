@@ -166,7 +166,12 @@ _Planned = tuple[dict[str, Any], list[bool], list[list[bool]]]
 def _frozen(value: Any) -> Any:
     """``value`` as a hashable memo key part (lists and maps of plain values)."""
     if isinstance(value, list):
-        return tuple(_frozen(v) for v in value)
+        plain = tuple(value)
+        try:
+            hash(plain)  # a list of plain values (the usual: names from configuration) is its tuple
+        except TypeError:
+            return tuple(_frozen(v) for v in value)
+        return plain
     if isinstance(value, dict):
         return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
     return value
@@ -214,6 +219,7 @@ class PolicySnapshot:
     """An immutable, compiled policy set. Build with ``loader``; share freely across tasks."""
 
     __slots__ = (
+        "_backend_keys",
         "_backend_readers",
         "_by_id",
         "_engine",
@@ -253,6 +259,7 @@ class PolicySnapshot:
         self._files = tuple(files)
         self._plans = tuple(plans)
         self._memo: dict[tuple[Any, ...], _Planned] = {}
+        self._backend_keys: dict[int, tuple[tuple[BackendFacts, ...], tuple[Any, ...]]] = {}
         self._by_id = {rule.id: rule for rule in self._rules}
         self._stages: dict[Stage, tuple[Rule, ...]] = {
             stage: tuple(rule for rule in self._rules if rule.stage is stage) for stage in Stage
@@ -383,9 +390,7 @@ class PolicySnapshot:
                 key = (
                     tuple([inputs[path] for path in plan.scalar_reads]),
                     tuple([_frozen(inputs[path]) for path in plan.other_reads]),
-                    tuple([(b.name, b.model, tuple(b.labels.items())) for b in context.backends])
-                    if plan.routing
-                    else (),
+                    self._backends_key(context.backends) if plan.routing else (),
                 )
                 planned = self._memo.get(key)
                 if planned is None:
@@ -407,6 +412,19 @@ class PolicySnapshot:
             for name in plan.variable_names:
                 inputs[f"variables.{name}"] = values[name]
         return conditions, routing
+
+    def _backends_key(self, backends: tuple[BackendFacts, ...]) -> tuple[Any, ...]:
+        """The backends' part of the memo key. A route's backend facts are one tuple built once
+        per route and cell (``gateway.chain.judge``), so the key is derived once per tuple (held,
+        so its id cannot be reused while the entry lives)."""
+        held = self._backend_keys.get(id(backends))
+        if held is not None and held[0] is backends:
+            return held[1]
+        key = tuple([(b.name, b.model, tuple(b.labels.items())) for b in backends])
+        if len(self._backend_keys) >= _MEMO_LIMIT:
+            self._backend_keys.clear()
+        self._backend_keys[id(backends)] = (backends, key)
+        return key
 
     def _evaluate_plan(self, plan: Plan, inputs: dict[str, Any], context: PolicyContext) -> _Planned | None:
         """One plan's variables, conditions and routing conditions; ``None`` if it erred or
