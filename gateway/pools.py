@@ -257,6 +257,7 @@ class PoolRegistry:
 
     def update_ladders(self, now: float, listener: GatewayListener) -> None:
         """Step every pool's ladder from fresh evidence (called periodically)."""
+        self._share_units(now)
         for backend_name, _model, queue in self.pools():
             load = self.loads.get(queue.name)
             handle = self.backends.get(backend_name)
@@ -267,6 +268,25 @@ class PoolRegistry:
             if state.changed:
                 overload_log.warning("pool %s ladder step -> %d: %s", load.name, state.step, state.reason)
             listener.ladder(queue.name, int(state.step))
+
+    def _share_units(self, now: float) -> None:
+        """On a backend with a topology every pool's units share the same devices: each pool's
+        ladder plans for its part of them, in proportion to the demand offered to it
+        (``PoolLoad.capacity_share``: its offered accelerator-ms per second over all the pools'
+        on the devices; all of them while it is offered none). Every pool then reads the devices'
+        whole load, and all step together. Without it each pool counted every device as its
+        own: a TP-2 model's load beside a TP-1 model's overloaded the devices while neither
+        ladder stepped, and the fallback both divert to ran late."""
+        for _backend, units in self.topologies():
+            loads = [self.loads[q.name] for q in units.queues if q.name in self.loads]
+            if len(loads) < 2:
+                continue
+            offered = [load.demand.rate_ms_per_s(now) for load in loads]
+            total = sum(offered)
+            for load, mine in zip(loads, offered, strict=True):
+                # A pool offered nothing (a fallback its primary diverts to, counted there) has
+                # nothing to shed: it keeps every device, never a capacity of zero to step on.
+                load.capacity_share = mine / total if mine > 0 else 1.0
 
     async def sample_statistics(self) -> None:
         """Refresh per-pool Triton queue/compute timing from statistics deltas."""

@@ -133,6 +133,35 @@ def test_a_tp2_request_waits_while_only_one_device_of_each_unit_is_free() -> Non
     assert set(waiting.slot.unit.devices) == {first, first ^ 1}
 
 
+def test_a_waiting_tp2_request_claims_a_pair_and_tp1_work_only_backfills_it() -> None:
+    """Gang scheduling's reservation: without it a freed device goes to the next TP-1 request
+    and the pair is never whole while TP-1 work keeps coming."""
+    topology = Topology(4, domains={"host": {"a": (0, 1), "b": (2, 3)}})
+    devices = UnitDeviceSet(topology)
+    big = DispatchQueue("b/big", devices=2, slots=4, max_queued=100, device_set=devices)
+    small = DispatchQueue("b/small", devices=4, slots=8, max_queued=100, device_set=devices)
+    devices.attach(big, TP2, plan_units(topology, TP2, "big"))
+    devices.attach(small, TP1, plan_units(topology, TP1, "small"))
+    held = [small.request(0.0, latest_start=5.0, cost_ms=c, tenant="t") for c in (10.0, 20.0, 30.0, 40.0)]
+    assert all(isinstance(s, Slot) for s in held)
+    pair = big.request(0.001, latest_start=1.0, cost_ms=20.0, tenant="t")  # the most urgent waiter
+    assert isinstance(pair, Waiter)
+    held[0].release(0.010)  # type: ignore[union-attr]
+    # The pair predicted whole first (devices 0 and 1: whole at 20 ms) is claimed for it.
+    claim = devices.claim(0.011)
+    assert claim is not None and claim[0] is big and claim[1].devices == (0, 1)
+    assert claim[2] == pytest.approx(0.020)
+    late = small.request(0.011, latest_start=5.0, cost_ms=30.0, tenant="t")
+    assert isinstance(late, Waiter) and late.slot is None  # would end after 20 ms: not on device 0
+    short = small.request(0.011, latest_start=5.0, cost_ms=5.0, tenant="u")
+    assert isinstance(short, Waiter)  # queued behind the waiter of its own pool...
+    small.withdraw(late, 0.011)  # ... until that one leaves: then it backfills device 0
+    assert short.slot is not None and short.slot.unit is not None and short.slot.unit.devices == (0,)
+    short.slot.release(0.016)
+    held[1].release(0.020)  # type: ignore[union-attr]
+    assert pair.slot is not None and pair.slot.unit is not None and pair.slot.unit.devices == (0, 1)
+
+
 def test_a_bound_tp2_unit_is_taken_from_the_tp1_pool() -> None:
     devices, big, small = pools()
     pairs = [ask(big, 0.0) for _ in range(4)]

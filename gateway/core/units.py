@@ -11,6 +11,11 @@ request holds one, whichever frees first. On a backend that declares a topology
   busy), never onto a unit with a device held by other work or lost. A pool's units share
   devices with other pools' units: a device a TP-1 request holds takes every TP-2 unit that
   spans it, and a bound TP-2 unit takes both of its devices from the TP-1 pool;
+* **no starvation of wide units** (``claim``): when the device set's most urgent waiter (the
+  earliest latest start of every pool's next waiter) finds none of its units free, the unit
+  predicted to be whole first is claimed for it: other pools' work takes a device of it only if
+  it ends before the unit is predicted to be whole (backfill), so freed devices accumulate into
+  the pair instead of going to a stream of narrow work;
 * **which free unit** (``assign``): the one that breaks the fewest whole units of the other
   pools that are free now (best fit: a TP-1 request takes a device whose pair is already
   broken before one of a whole free pair), then the lowest-numbered; the slot carries it
@@ -160,15 +165,53 @@ class UnitDeviceSet(DeviceSet):
         stream: bool = False,
         queue: DispatchQueue | None = None,
     ) -> float | None:
-        """Now, if one of ``queue``'s units is wholly free now; else None (it waits)."""
+        """Now, if one of ``queue``'s units is wholly free now and not claimed for more
+        urgent work (or backfills it: ``allowed_units``); else None (it waits)."""
         if queue is None:
             return None
-        return now if self.free_units(queue) else None
+        return now if self.allowed_units(now, queue, cost_ms) else None
+
+    def claim(self, now: float) -> tuple[DispatchQueue, Unit, float] | None:
+        """The unit held for the most urgent waiter of the device set (the earliest latest
+        start of every pool's next waiter) when none of its pool's units is free now: the one
+        predicted to be whole first, and when. Without it a wide unit would starve: a device
+        freed by narrow work is taken again by narrow work before its partner frees, and the
+        pair is never whole (gang scheduling's reservation, as in backfilling schedulers)."""
+        urgent: tuple[float, DispatchQueue] | None = None
+        for queue in self.units:
+            if queue.queued:
+                head = queue._head_latest_start()
+                if head < math.inf and (urgent is None or head < urgent[0]):
+                    urgent = (head, queue)
+        if urgent is None or self.free_units(urgent[1]):
+            return None
+        queue = urgent[1]
+        free = self.device_free_times(now)
+        best: tuple[float, Unit] | None = None
+        for unit in self.available_units(queue):
+            whole_at = max(free[d] for d in unit.devices)
+            if best is None or whole_at < best[0]:
+                best = (whole_at, unit)
+        return None if best is None else (queue, best[1], best[0])
+
+    def allowed_units(self, now: float, queue: DispatchQueue, cost_ms: float) -> list[Unit]:
+        """``queue``'s free units that work of ``cost_ms`` (occupancy) may take now: not one
+        spanning a device claimed for another pool's more urgent waiter (``claim``), unless it
+        ends before that unit is predicted to be whole (backfill: it delays nobody)."""
+        free = self.free_units(queue)
+        if not free:
+            return free
+        held = self.claim(now)
+        if held is None or held[0] is queue:
+            return free
+        _, claimed, whole_at = held
+        fits_before = now + cost_ms / 1000.0 <= whole_at
+        return [u for u in free if fits_before or not u.spans(claimed.devices)]
 
     def assign(self, queue: DispatchQueue, slot: Slot) -> None:
-        """Give the granted slot the free unit that breaks the fewest free units of the other
-        pools (then the lowest-numbered)."""
-        free = self.free_units(queue)
+        """Give the granted slot the free unit, of those it may take (``allowed_units``), that
+        breaks the fewest free units of the other pools (then the lowest-numbered)."""
+        free = self.allowed_units(slot.predicted_start, queue, slot.cost_ms) or self.free_units(queue)
         if not free:  # bind_start said one was free: a caller granting without asking is a bug
             raise RuntimeError(f"{queue.name}: a slot was granted with no free unit")
         others = [u for q in self.units if q is not queue for u in self.free_units(q)]
