@@ -14,7 +14,10 @@ from gateway.core.errors import GatewayError
 from gateway.core.overload import Shedder
 from gateway.core.overload import effects as overload_effects
 from gateway.core.record import Approximation
+from gateway.core.topology import Unit
+from gateway.core.units import UnitDeviceSet
 from gateway.scheduler import Slot
+from gateway.shape import DEVICES_PARAMETER
 
 if TYPE_CHECKING:
     from gateway.auth import Tenant
@@ -74,7 +77,23 @@ class ShadowTraffic:
         # in, or delays, a production queue).
         device_set = self.pools.shared_device_set(name)
         slot: Slot | None = None
-        if device_set is not None and device_set.queues:
+        unit: Unit | None = None
+        if isinstance(device_set, UnitDeviceSet):
+            # A topology (dispatch rule 10): the candidate takes a whole unit of its own layout
+            # that is free now and not claimed, named on its request like production's.
+            topology = self.pools.backends[name].topology
+            units = topology.units_of(device_set.devices, shadow.backend_model) if topology else ()
+            unit = device_set.free_unit_among(clock.now(), units)
+            if unit is None or not device_set.queues:
+                self.skipped += 1
+                return
+            demand = admitted.record.demand
+            slot = Slot(
+                device_set.queues[0], demand.accelerator_ms / len(unit.devices), clock.now(), clock.now()
+            )
+            slot.unit = unit
+            device_set.bound[slot] = None
+        elif device_set is not None and device_set.queues:
             now = clock.now()
             live_bytes = admitted.record.demand.peak_memory_bytes
             if len(device_set.bound) >= device_set.devices or not device_set.fits(now, live_bytes):
@@ -87,6 +106,8 @@ class ShadowTraffic:
         mirrored.CopyFrom(admitted.backend_request)
         mirrored.model_name = shadow.backend_model
         mirrored.model_version = ""
+        if unit is not None:  # production's unit is not the candidate's
+            mirrored.parameters[DEVICES_PARAMETER].string_param = ",".join(str(d) for d in unit.devices)
         remaining_s = admitted.deadline_at - clock.now()
         if remaining_s <= 0:
             if slot is not None:

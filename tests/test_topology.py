@@ -268,3 +268,22 @@ def test_a_layout_that_cannot_be_placed_is_an_error_at_its_line(tmp_path: Path) 
         load_gateway_config(path)
     assert "full-v18-tp2: no unit of 4 devices fits inside one host" in error.value.problem
     assert error.value.location.startswith(str(path)) and error.value.location.count(":") >= 2
+
+
+def test_work_that_takes_only_an_idle_unit_never_takes_a_held_or_claimed_one() -> None:
+    """A shadow candidate's slot (``free_unit_among``): a unit wholly idle, not lost, not claimed."""
+    devices, big, small = pools(lost=(7,))
+    candidate = plan_units(HOSTS, TP1, "shadow")
+    held = [ask(small, 0.0) for _ in range(2)]  # best fit: 0, then 6 (its pair is broken: 7 lost)
+    assert {s.unit.devices for s in held if isinstance(s, Slot) and s.unit} == {(0,), (6,)}
+    assert devices.free_unit_among(0.0, candidate) == candidate[1]
+    assert devices.free_unit_among(0.0, candidate[6:]) is None  # 6 held, 7 lost
+    pairs = [ask(big, 0.0, cost_ms=60.0) for _ in range(3)]  # (2, 3) and (4, 5); the third waits
+    assert [p.unit.devices for p in pairs if isinstance(p, Slot) and p.unit] == [(2, 3), (4, 5)]
+    assert isinstance(pairs[2], Waiter)
+    # The waiter claims (0, 1): whole when device 0's 20 ms end, before the pairs' 30 ms. Device 1
+    # is idle, but claimed: work that takes only an idle unit may not take it.
+    claimed = devices.claim(0.001)
+    assert claimed is not None and claimed[1].devices == (0, 1)
+    assert devices.free_unit_among(0.001, [candidate[1]]) is None
+    assert devices.free_unit_among(0.001, candidate) is None  # nothing else is idle

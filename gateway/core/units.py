@@ -208,6 +208,15 @@ class UnitDeviceSet(DeviceSet):
         fits_before = now + cost_ms / 1000.0 <= whole_at
         return [u for u in free if fits_before or not u.spans(claimed.devices)]
 
+    def free_unit_among(self, now: float, units: Iterable[Unit]) -> Unit | None:
+        """The first of ``units`` (another model's, e.g. a shadow candidate's) wholly free now,
+        not lost and not claimed for a waiter: work that takes only an idle unit."""
+        busy = self.held() | self.lost
+        held = self.claim(now)
+        if held is not None:
+            busy |= set(held[1].devices)
+        return next((u for u in units if not u.spans(busy)), None)
+
     def assign(self, queue: DispatchQueue, slot: Slot) -> None:
         """Give the granted slot the free unit, of those it may take (``allowed_units``), that
         breaks the fewest free units of the other pools (then the lowest-numbered)."""
