@@ -234,7 +234,13 @@ def test_admin_rpcs_refused_for_tenants(client: grpcclient.InferenceServerClient
             call(bearer(ORCHID_KEY))
         assert denied.value.status() == "StatusCode.PERMISSION_DENIED"
     index = client.get_model_repository_index(headers=bearer(OPS_KEY))
-    assert {m.name for m in index.models} == {"full-v18", "compact-v11", "full-v18-stream", "ranker", "full-v18-tp2"}
+    assert {m.name for m in index.models} == {
+        "full-v18",
+        "compact-v11",
+        "full-v18-stream",
+        "ranker",
+        "full-v18-tp2",
+    }
 
 
 def test_health_service_and_reflection(gateway: ThreadedGateway) -> None:
