@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import metrics as _prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from gateway import clock
 from gateway.config import TelemetryConfig
@@ -57,8 +61,117 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 
 _RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 
 
+class CounterSeries:
+    """One counter's series: label values -> a one-element cell (``[value]``) the request path
+    adds to, and the wall time each series was first fed (the ``_created`` sample). Read by
+    ``Metrics.collect`` at scrape time: no lock, no allocation per increment (prometheus_client's
+    ``labels(...).inc()`` validates, locks and, for a new child, allocates on every call)."""
+
+    __slots__ = ("created", "doc", "labelnames", "name", "values")
+
+    def __init__(self, name: str, doc: str, labelnames: tuple[str, ...]) -> None:
+        self.name, self.doc, self.labelnames = name, doc, labelnames
+        self.values: dict[tuple[str, ...], list[float]] = {}
+        self.created: dict[tuple[str, ...], float] = {}
+
+    def cell(self, labels: tuple[str, ...]) -> list[float]:
+        """The series of ``labels`` (created at zero on first use: it shows from then on)."""
+        cell = self.values.get(labels)
+        if cell is None:
+            self.created[labels] = time.time()
+            cell = self.values[labels] = [0.0]
+        return cell
+
+    def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        self.cell(labels)[0] += amount
+
+    def family(self, use_created: bool) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.doc, labels=list(self.labelnames))
+        created = self.created
+        for labels, cell in list(self.values.items()):
+            family.add_metric(labels, cell[0], created[labels] if use_created else None)
+        return family
+
+
+class HistogramSeries:
+    """One histogram's series: label values -> a cell of per-bucket counts (not cumulative, as
+    prometheus_client keeps them) followed by the sum; ``observe`` finds the bucket by bisection
+    (the first upper bound ``>=`` the value, as prometheus_client's scan)."""
+
+    __slots__ = ("bounds", "created", "doc", "labelnames", "les", "name", "values")
+
+    def __init__(self, name: str, doc: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]) -> None:
+        self.name, self.doc, self.labelnames = name, doc, labelnames
+        self.bounds = (*buckets, float("inf"))
+        # The ``le`` labels as prometheus_client writes them (``floatToGoString``: "0.001", "+Inf").
+        self.les: tuple[str, ...] = tuple(
+            str(floatToGoString(bound))  # type: ignore[no-untyped-call]
+            for bound in self.bounds
+        )
+        self.values: dict[tuple[str, ...], list[float]] = {}
+        self.created: dict[tuple[str, ...], float] = {}
+
+    def cell(self, labels: tuple[str, ...]) -> list[float]:
+        """Bucket counts then the sum (``len(bounds) + 1`` entries), zero on first use."""
+        cell = self.values.get(labels)
+        if cell is None:
+            self.created[labels] = time.time()
+            cell = self.values[labels] = [0.0] * (len(self.bounds) + 1)
+        return cell
+
+    def observe_into(self, cell: list[float], value: float) -> None:
+        if value == value:  # NaN falls in no bucket (prometheus_client: ``value <= bound`` never holds)
+            cell[bisect_left(self.bounds, value)] += 1.0
+        cell[-1] += value
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        self.observe_into(self.cell(labels), value)
+
+    def family(self, use_created: bool) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labelnames))
+        created, les, names = self.created, self.les, self.labelnames
+        for labels, cell in list(self.values.items()):
+            counts = list(cell)  # one copy: the request path may add while the scrape reads
+            cumulative, buckets = 0.0, []
+            for le, count in zip(les, counts, strict=False):
+                cumulative += count
+                buckets.append((le, cumulative))
+            family.add_metric(labels, buckets, counts[-1])
+            if use_created:
+                family.samples.append(
+                    Sample(
+                        self.name + "_created", dict(zip(names, labels, strict=True)), created[labels], None
+                    )
+                )
+        return family
+
+
+class GaugeSeries:
+    """A gauge's series: label values -> value (set, not added)."""
+
+    __slots__ = ("doc", "labelnames", "name", "values")
+
+    def __init__(self, name: str, doc: str, labelnames: tuple[str, ...]) -> None:
+        self.name, self.doc, self.labelnames = name, doc, labelnames
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def set(self, labels: tuple[str, ...], value: float) -> None:
+        self.values[labels] = float(value)
+
+    def family(self, use_created: bool) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(self.name, self.doc, labels=list(self.labelnames))
+        for labels, value in list(self.values.items()):
+            family.add_metric(labels, value)
+        return family
+
+
 class Metrics:
-    """The gateway's Prometheus metrics, in their own registry (tests create many)."""
+    """The gateway's Prometheus metrics, in their own registry (tests create many).
+
+    Plain accumulators (``CounterSeries``, ``HistogramSeries``, ``GaugeSeries``) that the
+    request path feeds and this collector reads when scraped: the same names, help texts,
+    labels, buckets and samples (``_created`` included) the prometheus_client metrics they
+    replace exposed (``tests/test_metrics_golden.py``)."""
 
     def __init__(self, registry: CollectorRegistry, *, include_process_registry: bool = True) -> None:
         self.registry = registry
@@ -66,103 +179,114 @@ class Metrics:
             # The policy store's metrics (reloads, evaluation latency, rule errors, fail-open)
             # and the process collectors live in the process-wide registry: scrape them too.
             registry.register(REGISTRY)
-        self.decisions = Counter(
+        self.decisions = CounterSeries(
             "orchid_decisions",
             "Admission decisions by outcome and deciding rule",
-            ["model", "request_class", "outcome", "rule", "tenant"],
-            registry=registry,
+            ("model", "request_class", "outcome", "rule", "tenant"),
         )
-        self.failures = Counter(
+        self.failures = CounterSeries(
             "orchid_failed_responses",
             "Calls answered with an error status (rejections included), by status and rule",
-            ["status", "rule"],
-            registry=registry,
+            ("status", "rule"),
         )
-        self.queue_dwell = Histogram(
+        self.queue_dwell = HistogramSeries(
             "orchid_queue_dwell_seconds",
             "Time from arrival to dispatch",
-            ["request_class"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            ("request_class",),
+            _LATENCY_BUCKETS,
         )
-        self.first_result = Histogram(
+        self.first_result = HistogramSeries(
             "orchid_first_result_seconds",
             "Time from arrival to the first result (a stream's first token; unary: the response)",
-            ["request_class", "model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            ("request_class", "model"),
+            _LATENCY_BUCKETS,
         )
-        self.completion = Histogram(
+        self.completion = HistogramSeries(
             "orchid_completion_seconds",
             "Time from arrival to the last result",
-            ["request_class", "model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            ("request_class", "model"),
+            _LATENCY_BUCKETS,
         )
-        self.deadline_misses = Counter(
+        self.deadline_misses = CounterSeries(
             "orchid_deadline_misses",
             "Admitted requests that completed after their deadline",
-            ["request_class", "model"],
-            registry=registry,
+            ("request_class", "model"),
         )
-        self.predicted_ms = Counter(
-            "orchid_predicted_accelerator_ms",
-            "Predicted accelerator-ms of completed work",
-            ["model"],
-            registry=registry,
+        self.predicted_ms = CounterSeries(
+            "orchid_predicted_accelerator_ms", "Predicted accelerator-ms of completed work", ("model",)
         )
-        self.charged_ms = Counter(
+        self.charged_ms = CounterSeries(
             "orchid_charged_accelerator_ms",
             "Observed (charged) accelerator-ms of completed work",
-            ["model", "tenant"],
-            registry=registry,
+            ("model", "tenant"),
         )
-        self.prediction_ratio = Histogram(
+        self.prediction_ratio = HistogramSeries(
             "orchid_observed_over_predicted",
             "Observed / predicted accelerator-ms per request (1.0 = exact)",
-            ["model", "bucket"],
-            buckets=_RATIO_BUCKETS,
-            registry=registry,
+            ("model", "bucket"),
+            _RATIO_BUCKETS,
         )
-        self.useful_tokens = Counter(
-            "orchid_input_tokens", "Useful input tokens of completed work", ["model"], registry=registry
+        self.useful_tokens = CounterSeries(
+            "orchid_input_tokens", "Useful input tokens of completed work", ("model",)
         )
-        self.successes = Counter(
+        self.successes = CounterSeries(
             "orchid_validated_successes",
             "Completed responses delivered within deadline (denominator of cost per validated success)",
-            ["model"],
-            registry=registry,
+            ("model",),
         )
-        self.ladder_step = Gauge(
-            "orchid_ladder_step", "Overload ladder step (0-6)", ["pool"], registry=registry
-        )
+        self.ladder_step = GaugeSeries("orchid_ladder_step", "Overload ladder step (0-6)", ("pool",))
         # Streams (``stream_settled``): the first result and the gaps between results.
-        self.stream_first_result = Histogram(
+        self.stream_first_result = HistogramSeries(
             "orchid_stream_first_result_seconds",
             "A stream's time from arrival to its first result",
-            ["request_class", "model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            ("request_class", "model"),
+            _LATENCY_BUCKETS,
         )
-        self.stream_gap = Histogram(
+        self.stream_gap = HistogramSeries(
             "orchid_stream_gap_seconds",
             "Time between two consecutive results of a stream",
-            ["request_class", "model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            ("request_class", "model"),
+            _LATENCY_BUCKETS,
         )
-        self.stream_gap_misses = Counter(
+        self.stream_gap_misses = CounterSeries(
             "orchid_stream_gap_objective_misses",
             "Gaps between two results of a stream longer than its gap objective",
-            ["request_class", "model"],
-            registry=registry,
+            ("request_class", "model"),
         )
-        self.stream_first_result_misses = Counter(
+        self.stream_first_result_misses = CounterSeries(
             "orchid_stream_first_result_misses",
             "Streams whose first result arrived after its deadline (or never)",
-            ["request_class", "model"],
-            registry=registry,
+            ("request_class", "model"),
         )
+        # In the order the scrape shows them (the order the prometheus_client metrics registered).
+        self.series: tuple[CounterSeries | HistogramSeries | GaugeSeries, ...] = (
+            self.decisions,
+            self.failures,
+            self.queue_dwell,
+            self.first_result,
+            self.completion,
+            self.deadline_misses,
+            self.predicted_ms,
+            self.charged_ms,
+            self.prediction_ratio,
+            self.useful_tokens,
+            self.successes,
+            self.ladder_step,
+            self.stream_first_result,
+            self.stream_gap,
+            self.stream_gap_misses,
+            self.stream_first_result_misses,
+        )
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        for series in self.series:
+            yield series.family(False)
+
+    def collect(self) -> Iterator[Metric]:
+        use_created = bool(_prometheus_metrics._use_created)
+        for series in self.series:
+            yield series.family(use_created)
 
 
 # At most this many label combinations are cached per event; a full cache starts over.
@@ -170,9 +294,9 @@ MAX_CACHED_LABELS = 4096
 
 
 class _SettledChildren:
-    """The labelled metrics one settled request of a (class, model, tenant, bucket) feeds.
-    Those a request feeds only sometimes (a miss, a success, a ratio) are labelled on first
-    use, as before: a labelled child is a series the scrape shows, even at zero."""
+    """The series one settled request of a (class, model, tenant, bucket) feeds, as cells.
+    Those a request feeds only sometimes (a miss, a success, a ratio) are created on first
+    use, as before: a series shows in the scrape from its first use, even at zero."""
 
     __slots__ = (
         "_bucket",
@@ -192,32 +316,32 @@ class _SettledChildren:
 
     def __init__(self, m: Metrics, request_class: str, model: str, tenant: str, bucket: str) -> None:
         self._metrics, self._request_class, self.model, self._bucket = m, request_class, model, bucket
-        self.queue_dwell = m.queue_dwell.labels(request_class)
-        self.first_result = m.first_result.labels(request_class, model)
-        self.completion = m.completion.labels(request_class, model)
-        self.predicted_ms = m.predicted_ms.labels(model)
-        self.charged_ms = m.charged_ms.labels(model, tenant)
-        self.useful_tokens = m.useful_tokens.labels(model)
-        self._deadline_misses: Counter | None = None
-        self._successes: Counter | None = None
-        self._prediction_ratio: Histogram | None = None
+        self.queue_dwell = m.queue_dwell.cell((request_class,))
+        self.first_result = m.first_result.cell((request_class, model))
+        self.completion = m.completion.cell((request_class, model))
+        self.predicted_ms = m.predicted_ms.cell((model,))
+        self.charged_ms = m.charged_ms.cell((model, tenant))
+        self.useful_tokens = m.useful_tokens.cell((model,))
+        self._deadline_misses: list[float] | None = None
+        self._successes: list[float] | None = None
+        self._prediction_ratio: list[float] | None = None
 
     @property
-    def deadline_misses(self) -> Counter:
+    def deadline_misses(self) -> list[float]:
         if self._deadline_misses is None:
-            self._deadline_misses = self._metrics.deadline_misses.labels(self._request_class, self.model)
+            self._deadline_misses = self._metrics.deadline_misses.cell((self._request_class, self.model))
         return self._deadline_misses
 
     @property
-    def successes(self) -> Counter:
+    def successes(self) -> list[float]:
         if self._successes is None:
-            self._successes = self._metrics.successes.labels(self.model)
+            self._successes = self._metrics.successes.cell((self.model,))
         return self._successes
 
     @property
-    def prediction_ratio(self) -> Histogram:
+    def prediction_ratio(self) -> list[float]:
         if self._prediction_ratio is None:
-            self._prediction_ratio = self._metrics.prediction_ratio.labels(self.model, self._bucket)
+            self._prediction_ratio = self._metrics.prediction_ratio.cell((self.model, self._bucket))
         return self._prediction_ratio
 
 
@@ -414,11 +538,11 @@ class Telemetry(GatewayListener):
         self.tracer = provider.get_tracer("orchid-gateway")
         # Monotonic -> wall clock, for span timestamps (OTel wants epoch nanoseconds).
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
-        # Labelled children, looked up once per label values (``labels()`` validates and
-        # locks on every call; a request settles into eight of them). Bounded: the labels
-        # come from configuration (classes, models, tenants, buckets, rules).
+        # The series' cells, looked up once per label values (a request settles into eight
+        # of them). Bounded: the labels come from configuration (classes, models, tenants,
+        # buckets, rules).
         self._settled_cache: dict[tuple[str, str, str, str], _SettledChildren] = {}
-        self._decision_cache: dict[tuple[str, str, Verdict, str, str], Counter] = {}
+        self._decision_cache: dict[tuple[str, str, Verdict, str, str], list[float]] = {}
 
     def bind(self, gateway: Gateway) -> None:
         """Read pool and backend gauges from ``gateway`` at scrape time."""
@@ -433,18 +557,20 @@ class Telemetry(GatewayListener):
         identity = record.identity
         rule = decision.rules[0] if decision.verdict is Verdict.REJECT and decision.rules else ""
         key = (identity.model, identity.request_class, decision.verdict, rule, identity.tenant)
-        counter = self._decision_cache.get(key)
-        if counter is None:
+        cell = self._decision_cache.get(key)
+        if cell is None:
             if len(self._decision_cache) >= MAX_CACHED_LABELS:
                 self._decision_cache.clear()
-            counter = self._decision_cache[key] = self.metrics.decisions.labels(
-                identity.model,
-                identity.request_class,
-                str(decision.verdict),
-                rule,
-                self._tenant(identity.tenant),
+            cell = self._decision_cache[key] = self.metrics.decisions.cell(
+                (
+                    identity.model,
+                    identity.request_class,
+                    str(decision.verdict),
+                    rule,
+                    self._tenant(identity.tenant),
+                )
             )
-        counter.inc()
+        cell[0] += 1.0
         if not self.decision_log.records(policy):
             return
         self.decision_log.record(
@@ -459,26 +585,29 @@ class Telemetry(GatewayListener):
         )
 
     def failed(self, status: str, rule: str) -> None:
-        self.metrics.failures.labels(status, rule).inc()
+        self.metrics.failures.inc((status, rule))
 
     def settled(self, settled: Settled) -> None:
         record, decision, outcome = settled.record, settled.decision, settled.outcome
         identity = record.identity
         c = self._settled_children(identity.request_class, decision.target_model, identity.tenant, record)
-        c.queue_dwell.observe(outcome.queue_ms / 1000.0)
+        m = self.metrics
+        m.queue_dwell.observe_into(c.queue_dwell, outcome.queue_ms / 1000.0)
         total_s = (outcome.queue_ms + outcome.completion_ms) / 1000.0
-        c.first_result.observe((outcome.queue_ms + outcome.first_result_ms) / 1000.0)
-        c.completion.observe(total_s)
-        late = total_s * 1000.0 > record.budget.deadline_ms
-        if late:
-            c.deadline_misses.inc()
+        m.first_result.observe_into(c.first_result, (outcome.queue_ms + outcome.first_result_ms) / 1000.0)
+        m.completion.observe_into(c.completion, total_s)
+        if total_s * 1000.0 > record.budget.deadline_ms:
+            c.deadline_misses[0] += 1.0
         else:
-            c.successes.inc()
-        c.predicted_ms.inc(record.demand.accelerator_ms)
-        c.charged_ms.inc(outcome.charged_accelerator_ms)
-        if record.demand.accelerator_ms > 0:
-            c.prediction_ratio.observe(outcome.observed_accelerator_ms / record.demand.accelerator_ms)
-        c.useful_tokens.inc(record.shape.input_tokens * record.shape.items)
+            c.successes[0] += 1.0
+        predicted_ms = record.demand.accelerator_ms
+        c.predicted_ms[0] += predicted_ms
+        c.charged_ms[0] += outcome.charged_accelerator_ms
+        if predicted_ms > 0:
+            m.prediction_ratio.observe_into(
+                c.prediction_ratio, outcome.observed_accelerator_ms / predicted_ms
+            )
+        c.useful_tokens[0] += record.shape.input_tokens * record.shape.items
         if settled.stages is not None and self.config.trace_sample_ratio > 0:
             self._spans(settled, settled.stages)
 
@@ -488,15 +617,15 @@ class Telemetry(GatewayListener):
         m = self.metrics
         labels = (settled.record.identity.request_class, settled.decision.target_model)
         if stream.first_result_ms is not None:
-            m.stream_first_result.labels(*labels).observe(stream.first_result_ms / 1000.0)
+            m.stream_first_result.observe(labels, stream.first_result_ms / 1000.0)
         if not stream.first_result_met:
-            m.stream_first_result_misses.labels(*labels).inc()
+            m.stream_first_result_misses.inc(labels)
         if stream.gaps_ms:
-            gap = m.stream_gap.labels(*labels)
+            gap = m.stream_gap.cell(labels)
             for gap_ms in stream.gaps_ms:
-                gap.observe(gap_ms / 1000.0)
+                m.stream_gap.observe_into(gap, gap_ms / 1000.0)
         if stream.gaps_over_objective:
-            m.stream_gap_misses.labels(*labels).inc(stream.gaps_over_objective)
+            m.stream_gap_misses.inc(labels, stream.gaps_over_objective)
 
     def _settled_children(
         self, request_class: str, model: str, tenant: str, record: RequestRecord
@@ -512,7 +641,7 @@ class Telemetry(GatewayListener):
         return children
 
     def ladder(self, pool: str, step: int) -> None:
-        self.metrics.ladder_step.labels(pool).set(step)
+        self.metrics.ladder_step.set((pool,), step)
 
     # ------------------------------------------------------------ traces
 
