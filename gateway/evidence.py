@@ -24,6 +24,9 @@ gateway's ``/metrics`` serves).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from prometheus_client import Counter
 
 from gateway.config import QualityEvidence, RouteConfig, RouteTable, parse_time
@@ -76,11 +79,49 @@ def population(route: RouteConfig, fallback: RouteConfig | None) -> str:
     return ""
 
 
+MAX_VERDICTS = 1024  # cached route verdicts (route x fallback x floor); cleared when full
+
+
+class _Verdicts:
+    """One route's verdicts, valid until the earliest expiry among the evidence they judged."""
+
+    __slots__ = ("fallback", "route", "since", "until", "verdicts")
+
+    def __init__(
+        self,
+        route: RouteConfig,
+        fallback: RouteConfig | None,
+        verdicts: RouteEvidence,
+        since: float,
+        until: float,
+    ) -> None:
+        self.route = route  # held, so the ids keying it cannot be reused while the entry lives
+        self.fallback = fallback
+        self.verdicts = verdicts
+        self.since = since  # judged at; an earlier clock (stepped back) judges again
+        self.until = until
+
+
+def _until(verdict: EvidenceVerdict, now: float) -> float:
+    """Until when (wall clock) ``verdict`` stays what ``judge`` answers at ``now``: the evidence's
+    expiry when it has not passed yet; for ever otherwise (an expired verdict stays expired)."""
+    evidence = verdict.evidence
+    expires = evidence.expires_at() if evidence is not None else None
+    return expires if expires is not None and now < expires else math.inf
+
+
 class EvidenceStore:
-    """The latest evidence per key. One per gateway; the event loop is its only writer."""
+    """The latest evidence per key. One per gateway; the event loop is its only writer.
+
+    ``route_evidence`` answers from a cache of verdicts per route, emptied by every
+    publication (which also calls ``on_change``: the gateway's generation) and consulted only
+    before the earliest review-by or max-age expiry of the evidence it judged, so a
+    publication or an expiry takes effect on the very next request."""
 
     def __init__(self, routes: RouteTable | None = None) -> None:
         self._latest: dict[EvidenceKey, Evidence] = {}
+        self._verdicts: dict[tuple[str, int, int, float], _Verdicts] = {}
+        self.on_change: Callable[[str], object] | None = None
         if routes is not None:
             self.seed(routes)
 
@@ -103,6 +144,12 @@ class EvidenceStore:
         current = self._latest.get(evidence.key)
         if is_newer(evidence, current):
             self._latest[evidence.key] = evidence
+            self._changed()
+
+    def _changed(self) -> None:
+        self._verdicts.clear()
+        if self.on_change is not None:
+            self.on_change("evidence")
 
     def publish(self, evidence: Evidence) -> Evidence:
         """Record a published evaluation; INVALID_ARGUMENT if it is malformed or older than the
@@ -127,6 +174,7 @@ class EvidenceStore:
                 "population and output cap; publish a newer evaluation"
             )
         self._latest[evidence.key] = evidence
+        self._changed()
         return evidence
 
     def latest(self, key: EvidenceKey) -> Evidence | None:
@@ -140,7 +188,27 @@ class EvidenceStore:
         self, name: str, route: RouteConfig, fallback: RouteConfig | None, *, floor: float, now: float
     ) -> RouteEvidence:
         """The verdicts for logical route ``name`` (``route`` as the request runs it) and its
-        fallback (the route ``route.fallback`` names), at wall-clock ``now``."""
+        fallback (the route ``route.fallback`` names), at wall-clock ``now``. Derived once per
+        publication and expiry (see the class docstring)."""
+        key = (name, id(route), id(fallback), floor)
+        cached = self._verdicts.get(key)
+        if (
+            cached is not None
+            and cached.route is route
+            and cached.fallback is fallback
+            and cached.since <= now < cached.until
+        ):
+            return cached.verdicts
+        verdicts = self._judge(name, route, fallback, floor=floor, now=now)
+        if len(self._verdicts) >= MAX_VERDICTS:
+            self._verdicts.clear()
+        until = min(_until(verdicts.fallback, now), _until(verdicts.reduced_output, now))
+        self._verdicts[key] = _Verdicts(route, fallback, verdicts, now, until)
+        return verdicts
+
+    def _judge(
+        self, name: str, route: RouteConfig, fallback: RouteConfig | None, *, floor: float, now: float
+    ) -> RouteEvidence:
         pop = population(route, fallback)
         fallback_verdict: EvidenceVerdict = MISSING
         if fallback is not None and route.fallback:

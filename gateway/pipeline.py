@@ -61,6 +61,12 @@ class Gateway:
         self.quotas: QuotaStore = quotas if quotas is not None else MemoryQuotaStore(tenants.settings.quotas)
         self.listener: GatewayListener = listener or GatewayListener()
         self.pools = PoolRegistry(config, routes, backends)
+        # One generation for every plan cache: a policy reload and an evidence publication start
+        # a new one (a rollout step does in ``RolloutController``; health is read live).
+        self.generation = self.pools.generation
+        if isinstance(policy, PolicyStore):  # (some tests hand in none, or a stand-in)
+            policy.on_change = self.generation.bump
+        self.evidence.on_change = self.generation.bump
         self.estimator = Estimator()
         self.rollouts = RolloutController(self.pools, routes, self.evidence)  # none by default
         self.shadows = ShadowTraffic(self.pools, routes, self.rollouts)

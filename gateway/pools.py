@@ -37,6 +37,47 @@ overload_log = logging.getLogger("orchid.overload")
 Pool = tuple[BackendHandle, ModelSpec, DispatchQueue]
 
 
+class Generation:
+    """The generation of everything a request's plan is derived from: configuration, policy,
+    quality evidence, backend health and rollout state. One per ``Gateway`` (its pool
+    registry's); whoever changes one of those calls ``bump``, and every cache of per-request
+    plans (pool candidates, route facts, the stable policy context, evidence verdicts) keys
+    on ``value``, so a change takes effect on the very next request."""
+
+    __slots__ = ("reasons", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.reasons: dict[str, int] = {}  # bumps by reason (for tests and the status page)
+
+    def bump(self, reason: str = "") -> int:
+        self.value += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        return self.value
+
+
+class _Candidates:
+    """A route's candidate backends in one cell, less an exclusion: derived once per
+    generation (``PoolRegistry.place``). Health is read live on every request."""
+
+    __slots__ = ("generation", "handles", "profile", "route")
+
+    def __init__(
+        self,
+        generation: int,
+        route: RouteConfig,
+        handles: tuple[tuple[str, BackendHandle], ...],
+        profile: DemandProfile | None,
+    ) -> None:
+        self.generation = generation
+        self.route = route  # held, so the id keying it cannot be reused while the entry lives
+        self.handles = handles
+        self.profile = profile
+
+
+MAX_PLANS = 4096  # cached candidate plans (route x cell x exclusion); cleared when full
+
+
 class PoolRegistry:
     """Backends and their pools. One per ``Gateway``."""
 
@@ -59,6 +100,8 @@ class PoolRegistry:
                     lost=handle.topology.lost_devices(),
                 )
         self._stats_samples: dict[str, StatsSample] = {}
+        self.generation = Generation()
+        self._plans: dict[tuple[int, str, frozenset[str]], _Candidates] = {}
         default = config.classes.get(config.default_class)
         # One dwell budget per pool, whatever class arrives first: the default class's cap.
         self.dwell_budget_ms = default.max_dwell_ms if default is not None else 20.0
@@ -184,6 +227,29 @@ class PoolRegistry:
             if isinstance(device_set, UnitDeviceSet):
                 yield name, device_set
 
+    def health_changed(self, backend_name: str) -> None:
+        """A backend's health flipped (its client calls this): a new generation."""
+        self.generation.bump(f"health:{backend_name}")
+
+    def candidates(self, route: RouteConfig, cell: str, exclude: Iterable[str] = ()) -> _Candidates:
+        """``candidate_backends`` with their handles and the route's profile, derived once per
+        (generation, route, cell, exclusion)."""
+        excluded = exclude if isinstance(exclude, frozenset) else frozenset(exclude)
+        key = (id(route), cell, excluded)
+        generation = self.generation.value
+        plan = self._plans.get(key)
+        if plan is None or plan.generation != generation or plan.route is not route:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()  # bounded: rollouts' candidate routes come and go
+            plan = _Candidates(
+                generation,
+                route,
+                tuple((n, self.backends[n]) for n in self.candidate_backends(route, cell, excluded)),
+                self.routes.profiles.get(route.profile),
+            )
+            self._plans[key] = plan
+        return plan
+
     async def place(
         self, route: RouteConfig, cell: str, logical: str, *, exclude: Iterable[str] = ()
     ) -> Pool:
@@ -193,18 +259,18 @@ class PoolRegistry:
         never feeds a degrading pool more demand), then the least work still to run on the
         pool's device set. Nothing is predicted when there is no choice."""
         best: tuple[tuple[float, float, float], BackendHandle, ModelSpec, DispatchQueue] | None = None
-        candidates = self.candidate_backends(route, cell, exclude)
+        plan = self.candidates(route, cell, exclude)
+        candidates = plan.handles
         now = clock.now()
-        for name in candidates:
-            handle = self.backends[name]
+        for name, handle in candidates:
             backend = handle.client
-            if not backend.healthy:
+            if not backend.healthy:  # read live: a flip takes effect on the next request
                 continue
             try:
                 spec = await backend.model_spec(route.backend_model, logical=logical)
             except Unavailable:
                 continue
-            queue = self.queue_for(name, spec, self.routes.profiles.get(route.profile))
+            queue = self.queue_for(name, spec, plan.profile)
             if len(candidates) > 1:
                 load = self.loads.get(queue.name)
                 key = placement_key(

@@ -405,6 +405,7 @@ class RolloutController:
         self.runs[spec.name] = run
         self.active[spec.route] = run
         run.rollout.start(clock.now())
+        self.pools.generation.bump("rollout")
         self._save(run)
         STEP.labels(spec.name).set(0)
         run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"rollout-{spec.name}")
@@ -598,8 +599,7 @@ class RolloutController:
         self._guard(run, run.rollout.abort)
         return run
 
-    @staticmethod
-    def _guard(run: RolloutRun, action: Callable[[float], None]) -> None:
+    def _guard(self, run: RolloutRun, action: Callable[[float], None]) -> None:
         if run.follower:  # a fleet: only the owner's state machine decides
             raise FailedPrecondition(
                 f"rollout {run.name!r} is owned by another replica of the fleet: promote, roll back "
@@ -609,6 +609,8 @@ class RolloutController:
             action(clock.now())
         except ValueError as exc:
             raise FailedPrecondition(str(exc)) from None
+        finally:
+            self.pools.generation.bump("rollout")  # a phase or step change: a new generation
 
     async def close(self) -> None:
         if self.fleet is not None:
@@ -650,12 +652,14 @@ class RolloutController:
                 rollout.tick(clock.now(), min(run.canaries.values(), default=None))
                 STEP.labels(spec.name).set(rollout.step + 1)
                 if (rollout.phase, rollout.step) != saved:
+                    self.pools.generation.bump("rollout")  # a phase or step change
                     await self._persist(run)
                     saved = (rollout.phase, rollout.step)
             if run.lost:  # another replica owns it now: it decides, this one follows
                 if self.active.get(spec.route) is run:
                     self.active.pop(spec.route, None)
                 return
+            self.pools.generation.bump("rollout")  # promoted, rolled back or aborted
             if rollout.phase is Phase.PROMOTED:
                 self.promoted[spec.route] = run
                 self.active.pop(spec.route, None)
@@ -996,7 +1000,10 @@ class RolloutController:
             if self.fleet is not None and run.rollout.phase in (Phase.SHADOW, Phase.CANARY):
                 self.fleet.report(run.spec.route, candidate, sample)  # the owner judges
             return
+        before = (run.rollout.phase, run.rollout.step)
         run.rollout.observe(candidate, sample)
+        if (run.rollout.phase, run.rollout.step) != before:
+            self.pools.generation.bump("rollout")
 
     def _canary_run(self, admitted: Admitted) -> RolloutRun | None:
         """The rollout this admitted request is a canary of. Found by the admission's route
@@ -1054,6 +1061,7 @@ class RolloutController:
         details = getattr(error.__cause__, "details", None)
         detail = str(details() if callable(details) else error.message)
         if ALLOCATION_FAILURE in detail.lower() and run.rollout.phase in (Phase.SHADOW, Phase.CANARY):
+            self.pools.generation.bump("rollout")
             run.rollout.roll_back(
                 now, f"allocation failure on {run.spec.candidate.backend_model}: {detail[:200]}"
             )

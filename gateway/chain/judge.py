@@ -24,8 +24,8 @@ from gateway.core.load import PoolLoad
 from gateway.core.quota import QuotaView
 from gateway.core.record import RequestRecord
 from gateway.exchange import BackendHandle
-from gateway.policy.context import build_policy_context
-from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext
+from gateway.policy.context import build_policy_context, build_route_facts
+from gateway.policy.schema import BackendFacts, LoadFacts, PolicyContext, RouteFacts
 from gateway.policy.snapshot import PolicySnapshot
 from gateway.policy.store import PolicyStore
 from gateway.pools import PoolRegistry
@@ -39,9 +39,16 @@ class ConfiguredRoute:
     fallback: RouteConfig | None
     fallback_handles: tuple[BackendHandle, ...]  # the fallback's backends in the cell, in order
     backends: tuple[BackendFacts, ...]
+    generation: int = 0  # the pool registry's generation it was derived in
+    # The policy context's route part by (fallback warm, its cell, id of the evidence verdicts):
+    # the verdicts held beside it (the store hands out one object until a publication or expiry).
+    plans: dict[tuple[bool, str, int], tuple[RouteEvidence | None, RouteFacts]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 MAX_ROUTE_FACTS = 1024
+MAX_ROUTE_PLANS = 16  # per route and cell: warm or not, times the verdicts in force
 
 
 class Judge:
@@ -82,6 +89,22 @@ class Judge:
                 if handle.client.is_warm(fallback.backend_model):
                     fallback_warm, fallback_cell = True, handle.labels.get("cell", "")
                     break
+        plan_key = (fallback_warm, fallback_cell, id(evidence))
+        planned = facts.plans.get(plan_key)
+        if planned is None or planned[0] is not evidence:
+            if len(facts.plans) >= MAX_ROUTE_PLANS:
+                facts.plans.clear()
+            planned = (
+                evidence,
+                build_route_facts(
+                    route,
+                    fallback,
+                    fallback_warm=fallback_warm,
+                    fallback_cell=fallback_cell,
+                    evidence=evidence,
+                ),
+            )
+            facts.plans[plan_key] = planned
         return build_policy_context(
             tenant.name,
             tenant.config,
@@ -93,6 +116,7 @@ class Judge:
             quota=quota,
             backends=facts.backends,
             evidence=evidence,
+            route_facts=planned[1],
         )
 
     @staticmethod
@@ -107,11 +131,13 @@ class Judge:
 
     def route_facts(self, route: RouteConfig, cell: str) -> ConfiguredRoute:
         """What ``context`` reads from configuration alone for ``route`` in ``cell``, derived
-        once: routes, tenants and backends do not change (a rollout's or a dedicated
-        tenant's route is another ``RouteConfig`` object, with its own entry)."""
+        once per generation (``PoolRegistry.generation``: a policy reload, an evidence
+        publication, a health flip or a rollout step starts a new one; a rollout's or a
+        dedicated tenant's route is another ``RouteConfig`` object, with its own entry)."""
         key = (id(route), cell)
         facts = self._route_facts.get(key)
-        if facts is None or facts.route is not route:
+        generation = self.pools.generation.value
+        if facts is None or facts.route is not route or facts.generation != generation:
             fallback = self.routes.models.get(route.fallback) if route.fallback else None
             backends = self.pools.backends
             facts = ConfiguredRoute(
@@ -128,6 +154,7 @@ class Judge:
                     for name in (route.backends or tuple(backends))
                     if name in backends
                 ),
+                generation=generation,
             )
             if len(self._route_facts) >= MAX_ROUTE_FACTS:
                 self._route_facts.clear()  # bounded: rollouts' candidate routes come and go

@@ -77,6 +77,38 @@ def declared_evidence(route: RouteConfig, fallback: RouteConfig | None) -> Route
     )
 
 
+def build_route_facts(
+    route: RouteConfig,
+    fallback: RouteConfig | None,
+    *,
+    fallback_warm: bool,
+    fallback_cell: str,
+    evidence: RouteEvidence | None = None,
+) -> RouteFacts:
+    """The route's part of the policy context: configuration, the fallback's observed warmth
+    and cell, and the quality evidence. It reads nothing of one request, so a caller may
+    derive it once per generation (``gateway.chain.judge``)."""
+    reduced = route.reduced_output
+    verdicts = evidence if evidence is not None else declared_evidence(route, fallback)
+    return RouteFacts(
+        model=route.backend_model,
+        fallback_model=route.fallback or "",
+        fallback_classes=route.fallback_classes,
+        fallback_warm=fallback_warm,
+        fallback_cell=fallback_cell,
+        quality=QualityEvidence(
+            score=route.quality.score if route.quality else 0.0,
+            fallback_score=verdicts.fallback.score if fallback is not None else 0.0,
+            floor=quality_floor(route, fallback),
+            population=route.quality.population if route.quality else "",
+            reduced_output_score=verdicts.reduced_output.score if reduced else 0.0,
+            fallback_evidence=str(verdicts.fallback.status),
+            reduced_output_evidence=str(verdicts.reduced_output.status),
+        ),
+        reduced_output_tokens=reduced.max_output_tokens if reduced else 0,
+    )
+
+
 def build_policy_context(
     tenant_name: str,
     tenant: TenantConfig,
@@ -89,6 +121,7 @@ def build_policy_context(
     quota: QuotaView | None,
     backends: Sequence[BackendFacts] = (),
     evidence: RouteEvidence | None = None,
+    route_facts: RouteFacts | None = None,
 ) -> PolicyContext:
     """Policy's view of one request's tenant, route, load and candidate backends.
 
@@ -96,9 +129,9 @@ def build_policy_context(
     the route its ``fallback`` names (``None``: none); ``fallback_warm``/``fallback_cell``
     what the caller observed of the fallback's pool; ``quota`` the ledger's view of the
     tenant's account for the request's class (``None``: unmetered); ``evidence`` the live
-    store's verdicts (``None``: ``declared_evidence``)."""
-    reduced = route.reduced_output
-    verdicts = evidence if evidence is not None else declared_evidence(route, fallback)
+    store's verdicts (``None``: ``declared_evidence``). ``route_facts``: what
+    ``build_route_facts`` answered for the same route, fallback, observations and evidence
+    (a caller's plan, derived once per generation); ``None``: derived here."""
     return PolicyContext(
         tenant=TenantFacts(
             name=tenant_name,
@@ -117,26 +150,20 @@ def build_policy_context(
                 quota.available_accelerator_ms + quota.borrowable_ms if quota is not None else math.inf
             ),
         ),
-        route=RouteFacts(
-            model=route.backend_model,
-            fallback_model=route.fallback or "",
-            fallback_classes=route.fallback_classes,
-            fallback_warm=fallback_warm,
-            fallback_cell=fallback_cell,
-            quality=QualityEvidence(
-                score=route.quality.score if route.quality else 0.0,
-                fallback_score=verdicts.fallback.score if fallback is not None else 0.0,
-                floor=quality_floor(route, fallback),
-                population=route.quality.population if route.quality else "",
-                reduced_output_score=verdicts.reduced_output.score if reduced else 0.0,
-                fallback_evidence=str(verdicts.fallback.status),
-                reduced_output_evidence=str(verdicts.reduced_output.status),
-            ),
-            reduced_output_tokens=reduced.max_output_tokens if reduced else 0,
+        route=route_facts
+        if route_facts is not None
+        else build_route_facts(
+            route, fallback, fallback_warm=fallback_warm, fallback_cell=fallback_cell, evidence=evidence
         ),
         load=load,
         backends=tuple(backends),
     )
 
 
-__all__ = ["NO_EVIDENCE_FLOOR", "build_policy_context", "declared_evidence", "quality_floor"]
+__all__ = [
+    "NO_EVIDENCE_FLOOR",
+    "build_policy_context",
+    "build_route_facts",
+    "declared_evidence",
+    "quality_floor",
+]

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,8 @@ class PolicyStore:
         self._engine = engine
         self._log = logger or LOG
         self._snapshot: PolicySnapshot | None = None
+        # Called with "policy" whenever a reload swaps a new snapshot in (the gateway's generation).
+        self.on_change: Callable[[str], object] | None = None
         self._lock = threading.Lock()
         self._failures = 0
         self._last_diagnostics: tuple[Diagnostic, ...] = ()
@@ -142,6 +145,8 @@ class PolicyStore:
                 return self._rejected(previous_version, attempted, (problem,))
             self._snapshot = snapshot
             self._last_diagnostics = ()
+            if self.on_change is not None and snapshot.version != previous_version:
+                self.on_change("policy")
             POLICY_RELOADS.labels("ok").inc()
             if snapshot.version != previous_version:
                 self._log.info(
