@@ -198,6 +198,11 @@ LONG_URGENT_LEAD = 0.1
 JOIN_LEAD_S = 0.003
 
 
+# Versions of the bound work (``_Bound``): unique across device sets, so a cached schedule never
+# matches another set's work.
+_VERSIONS = itertools.count(1)
+
+
 def _too_late(start: float, latest_start: float, cost_ms: float) -> bool:
     """Would long work starting at ``start`` be urgent (rule 7's soft lane)?"""
     return start > latest_start - LONG_URGENT_LEAD * cost_ms / 1000.0
@@ -346,12 +351,72 @@ class _Device:
         return sum(held for end, held in self.ends if end > t)
 
 
+class _Bound(dict["Slot", None]):
+    """The work bound to a device set, in binding order: a dict whose every change takes a new
+    ``version`` (``DeviceSet._occupancy`` caches the list schedule's inputs by it). Changes to
+    the bound slots themselves (a replanned start, a batch joined or left) ``touch`` it."""
+
+    __slots__ = ("version",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = next(_VERSIONS)
+
+    def touch(self) -> None:
+        self.version = next(_VERSIONS)
+
+    def __setitem__(self, key: Slot, value: None) -> None:
+        super().__setitem__(key, value)
+        self.version = next(_VERSIONS)
+
+    def __delitem__(self, key: Slot) -> None:
+        super().__delitem__(key)
+        self.version = next(_VERSIONS)
+
+    def pop(self, key: Slot, *default: Any) -> Any:
+        self.version = next(_VERSIONS)
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[Slot, None]:
+        self.version = next(_VERSIONS)
+        return super().popitem()
+
+    def setdefault(self, key: Slot, default: None = None) -> None:
+        self.version = next(_VERSIONS)
+        return super().setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self.version = next(_VERSIONS)
+
+    def clear(self) -> None:
+        super().clear()
+        self.version = next(_VERSIONS)
+
+    def __ior__(self, other: Any) -> _Bound:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+
 class DeviceSet:
-    """The devices one or more pools run on, and the work bound to them (in binding order)."""
+    """The devices one or more pools run on, and the work bound to them (in binding order).
+
+    The list schedule's inputs (each occupant's predicted start and run, in binding order) are
+    kept per version of the bound work (``_occupancy``), so the schedule is re-run from plain
+    floats, and not at all for a set with a device free and nothing waiting
+    (``DispatchQueue.predicted_wait_ms``). ``incremental = False`` re-simulates from the slots
+    on every call (the reference the property tests compare against)."""
+
+    incremental = True
 
     def __init__(self, devices: int, short_lane: int = 0, memory: DeviceMemory | None = None) -> None:
         self.devices = max(1, devices)
-        self.bound: dict[Slot, None] = {}
+        self.bound: dict[Slot, None] = _Bound()
+        # ``_occupancy``'s cache: the bound work's version it was read at, each occupant's
+        # (predicted start, run ms) in binding order, the latest predicted start of any bound slot.
+        self._occ_version = 0
+        self._occ: list[tuple[float, float]] = []
+        self._occ_latest = -math.inf
         self.queues: list[DispatchQueue] = []
         self.short_lane = short_lane  # devices long work never occupies (rule 7)
         # Further devices long work takes only when it could not start in time on its own
@@ -483,7 +548,32 @@ class DeviceSet:
         which of several equally free devices takes the next slot changes no free time, so
         a heap of floats gives the same times (and the same ``replan``) without the devices'
         live state. It runs for every prediction, binding and release. (``queue``: the pool
-        asking; a device set with a topology answers its units' free times, rule 10.)"""
+        asking; a device set with a topology answers its units' free times, rule 10.)
+
+        Without ``replan`` or other replicas' work it runs from ``_occupancy`` (the same
+        floats in the same order, so the same times); with no more occupants than devices each
+        occupant has a device of its own, free ``now``, and the heap is their ends and ``now``
+        for the rest."""
+        if not replan and self.incremental and not (fleet and self.remote_ends):
+            occ = self._occupancy()
+            count = self.devices
+            if len(occ) <= count:
+                # Every occupant pops a device still free at ``now`` (the rest stay ``now``).
+                free = [
+                    now + max(0.0, run_ms - max(0.0, now - start) * 1000.0) / 1000.0 for start, run_ms in occ
+                ]
+                if len(occ) < count:
+                    free.extend([now] * (count - len(occ)))
+                heapq.heapify(free)
+                return free
+            free = [now] * count
+            for start, run_ms in occ:
+                heapq.heapreplace(free, free[0] + max(0.0, run_ms - max(0.0, now - start) * 1000.0) / 1000.0)
+            return free
+        return self._simulated_free_times(now, replan=replan, fleet=fleet)
+
+    def _simulated_free_times(self, now: float, *, replan: bool = False, fleet: bool = False) -> list[float]:
+        """``free_times`` re-simulated from the bound slots themselves (the reference)."""
         free = [now] * self.devices
         if fleet and self.remote_ends:
             for remote_end in self._remote_ends_after(now):
@@ -500,7 +590,33 @@ class DeviceSet:
 
     def occupants(self) -> int:
         """How many devices' worth of work is bound: a batch bound together counts once."""
+        if self.incremental:
+            return len(self._occupancy())
         return sum(1 for slot in self.bound if slot.occupant)
+
+    def _occupancy(self) -> list[tuple[float, float]]:
+        """Each occupant's (predicted start, run ms) in binding order: the list schedule's
+        inputs, read again only when the bound work changed (``_Bound.version``)."""
+        version = getattr(self.bound, "version", 0)
+        if version != self._occ_version or not version:
+            bound = self.bound
+            self._occ = [(slot.predicted_start, slot.run_ms) for slot in bound if slot.occupant]
+            self._occ_latest = max((slot.predicted_start for slot in bound), default=-math.inf)
+            self._occ_version = version
+        return self._occ
+
+    def waiting_after(self, now: float) -> bool:
+        """Is a bound slot predicted to start after ``now`` (waiting in the backend's queue)?"""
+        if self.incremental:
+            self._occupancy()
+            return self._occ_latest > now
+        return any(slot.predicted_start > now for slot in self.bound)
+
+    def touch(self) -> None:
+        """The bound slots changed in place (a start replanned, a batch joined or left)."""
+        bound = self.bound
+        if isinstance(bound, _Bound):
+            bound.touch()
 
     def _remote_ends_after(self, now: float) -> list[float]:
         return sorted(e for ends in self.remote_ends.values() for e in ends if e > now)
@@ -511,7 +627,7 @@ class DeviceSet:
         bound there (rule 8)?"""
         if live_bytes <= 0 or self.memory is None:
             return True
-        if sum(1 for slot in self.bound if slot.occupant) < self.devices:
+        if DeviceSet.occupants(self) < self.devices:
             # A device holds no bound work: it frees first (now) and holds the least live
             # state (none), so it is the one the schedule below would pick, at no cost.
             return live_bytes <= self.live_room_bytes
@@ -582,7 +698,7 @@ class DeviceSet:
         # One request (or one batch: ``join``) at most waits in the backend's queue: by
         # prediction (a bound slot not yet started) and in fact (more held than devices: work
         # that overran its prediction still holds its device, whatever the list schedule says).
-        if occupants > self.devices or any(s.predicted_start > now for s in self.bound):
+        if occupants > self.devices or DeviceSet.waiting_after(self, now):
             return None
         start = self.free_times(now)[0]
         return start if start <= latest_start else None
@@ -600,6 +716,8 @@ class DeviceSet:
         to its longest member, still ends within every member's deadline."""
         profile = queue.batch_profile
         if batch is None or profile is None or queue.co_batch_max < 2:
+            return None
+        if not DeviceSet.waiting_after(self, now):
             return None
         waiting = [s for s in self.bound if s.predicted_start > now]
         if not waiting:
@@ -646,6 +764,7 @@ def _replan(slot: Slot, start: float) -> None:
     """Work waiting in the backend's queue starts at ``start``: its batch's members with it."""
     for member in slot.group.members if slot.group is not None else (slot,):
         member.predicted_start = start
+    slot.queue.device_set.touch()
 
 
 @dataclass
@@ -766,21 +885,41 @@ class DispatchQueue:
         * for a new ``stream``, of another tenant's waiting streams no more than that tenant
           may still start within its decode share while this one waits (rule 9): an
           over-share tenant's streams wait for an in-share tenant's.
+
+        Nothing waiting in any pool of the device set, a device holding no bound work and no
+        other replica's work on them (the usual case): the list schedule starts it ``now``,
+        and it is not run (a topology's units are not devices: there it always runs).
         """
         cost_ms, _ = self._per_unit(cost_ms, 0)
-        free = self.device_set.free_times(now, fleet=True, queue=self)
-        queued = any(queue.queued for queue in self.device_set.queues)
-        ahead = self._ahead(latest_start, flow, weight, cost_ms, stream=stream) if queued else []
-        # Queued long work beyond what the short lane lets start takes no device here (it
-        # waits for a long device: rule 7; mostly within the soft cap).
-        long_room = self.device_set.long_soft_cap(now) - self.device_set.long_bound(now)
-        for _, cost, is_long in self._co_batched(ahead):
-            if is_long:
-                if long_room <= 0:
-                    continue
-                long_room -= 1
-            heapq.heappush(free, heapq.heappop(free) + cost / 1000.0)
-        start = free[0]
+        device_set = self.device_set
+        queued = False
+        for queue in device_set.queues:
+            if queue.queued:
+                queued = True
+                break
+        if (
+            not queued
+            and not device_set.remote_ends
+            and device_set.incremental
+            and not device_set.units_mode
+            and device_set.occupants() < device_set.devices
+        ):
+            start = now  # a device holds no bound work: ``free_times(...)[0]`` is ``now``
+            ahead: list[tuple[float, float, bool, BatchShape | None]] = []
+        else:
+            free = device_set.free_times(now, fleet=True, queue=self)
+            ahead = self._ahead(latest_start, flow, weight, cost_ms, stream=stream) if queued else []
+            if ahead:
+                # Queued long work beyond what the short lane lets start takes no device here
+                # (it waits for a long device: rule 7; mostly within the soft cap).
+                long_room = device_set.long_soft_cap(now) - device_set.long_bound(now)
+                for _, cost, is_long in self._co_batched(ahead):
+                    if is_long:
+                        if long_room <= 0:
+                            continue
+                        long_room -= 1
+                    heapq.heappush(free, heapq.heappop(free) + cost / 1000.0)
+            start = free[0]
         if long and not self.device_set.units_mode:  # not before a long device frees
             longs_ahead = [cost for _, cost, is_long, _ in ahead if is_long]
             devices = self.device_set
@@ -1196,7 +1335,7 @@ class DispatchQueue:
             group.cost_ms = batch_ms
             group.solo_ms += cost_ms
             slot.group = group
-            _replan(head, start)
+            _replan(head, start)  # touches the bound work (the batch's cost changed too)
             self.co_batched += 1
         self._inflight.add(slot)
         self.device_set.assign(self, slot)
@@ -1213,7 +1352,11 @@ class DispatchQueue:
             slot.group.members.remove(slot)
             if slot.predicted_start <= now:  # it ran: so did its whole batch
                 slot.group.finished = True
-        devices.free_times(now, replan=True)
+            devices.touch()  # its batch's occupant or run changed
+        # Work still waiting in the backend's queue starts when the next device frees (the
+        # replan moves it); with none waiting the schedule changes nothing.
+        if DeviceSet.waiting_after(devices, now):
+            devices.free_times(now, replan=True)
         # A device freed by long work goes to waiting long work first (rule 7: short work has
         # its lane; without this, shorts with nearer latest starts would take every device a
         # long request frees, and queued long work would start later than predicted).
