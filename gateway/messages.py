@@ -46,6 +46,7 @@ objectives come on its final response (ask for it with
 from __future__ import annotations
 
 import logging
+import struct
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TypeVar
 
@@ -126,10 +127,11 @@ def stream_provenance(stream: StreamSummary) -> dict[str, str | int | float | bo
     return out
 
 
-def decision_provenance(
+def _static_provenance(
     record: RequestRecord, decision: Decision, evidence: Evidence | None
 ) -> dict[str, str | int | float | bool]:
-    """What provenance says of a request from its admission alone (no outcome yet)."""
+    """What provenance says of a request that depends only on its route, version, policy and
+    ladder (``_STATIC_KEY``), not on the request itself: built once, pre-serialised."""
     out: dict[str, str | int | float | bool] = {
         "orchid.model": decision.target_model,
         "orchid.model_version": record.identity.model_version,
@@ -140,14 +142,10 @@ def decision_provenance(
         # The step that decided (the requested model's pool); a fallback answer also says its
         # own pool's step: the fallback's pool at 0 says nothing about the primary's.
         "orchid.ladder_step": decision.ladder_step,
-        "orchid.predicted_accelerator_ms": round(record.demand.accelerator_ms, 3),
-        "orchid.request_id": record.identity.request_id,
         "orchid.risk_class": record.identity.risk_class,
     }
     if decision.approximation is Approximation.FALLBACK:
         out["orchid.fallback_ladder_step"] = record.ladder_step
-    if record.identity.operation_id:
-        out["orchid.operation_id"] = record.identity.operation_id
     if evidence is not None:
         out["orchid.evidence_population"] = evidence.key.population
         out["orchid.evidence_at"] = (
@@ -159,7 +157,20 @@ def decision_provenance(
     return out
 
 
+def decision_provenance(
+    record: RequestRecord, decision: Decision, evidence: Evidence | None
+) -> dict[str, str | int | float | bool]:
+    """What provenance says of a request from its admission alone (no outcome yet)."""
+    out = _static_provenance(record, decision, evidence)
+    out["orchid.predicted_accelerator_ms"] = round(record.demand.accelerator_ms, 3)
+    out["orchid.request_id"] = record.identity.request_id
+    if record.identity.operation_id:
+        out["orchid.operation_id"] = record.identity.operation_id
+    return out
+
+
 def provenance(settled: Settled, stream: StreamSummary | None = None) -> dict[str, str | int | float | bool]:
+    """The whole provenance of a settled request (``attach_provenance`` merges it in)."""
     out = decision_provenance(settled.record, settled.decision, settled.evidence)
     out["orchid.complete"] = settled.outcome.complete
     out["orchid.charged_accelerator_ms"] = round(settled.outcome.charged_accelerator_ms, 3)
@@ -196,12 +207,131 @@ def _write(response: service_pb2.ModelInferResponse, values: dict[str, str | int
             param.string_param = value
 
 
+# ------------------------------------------------------------------ provenance as bytes
+#
+# A response's provenance is merged into it as serialised ``ModelInferResponse.parameters``
+# map entries (``MergeFromString``: an entry replaces one of the same key, as ``_write`` would
+# set it): the part that depends only on the route, version, policy and ladder is serialised
+# once (``_static_bytes``), the per-request values (request id, predicted and charged ms,
+# completeness, features, a stream's objectives) are encoded here, and the response takes
+# both in one merge instead of a dozen map writes through the protobuf runtime.
+
+_PARAMETERS_TAG = bytes(
+    [(service_pb2.ModelInferResponse.DESCRIPTOR.fields_by_name["parameters"].number << 3) | 2]
+)
+_DOUBLE = struct.Struct("<d")
+_U64 = (1 << 64) - 1
+# At most this many static provenance templates are kept; a full cache starts over.
+MAX_TEMPLATES = 4096
+_templates: dict[tuple[object, ...], bytes] = {}
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _length_delimited(tag: bytes, data: bytes) -> bytes:
+    size = len(data)
+    return tag + (bytes((size,)) if size < 0x80 else _varint(size)) + data
+
+
+def _parameter(value: str | int | float | bool) -> bytes:
+    """An ``InferParameter`` with ``value`` in the field ``_write`` would set."""
+    if isinstance(value, bool):
+        return b"\x08\x01" if value else b"\x08\x00"
+    if isinstance(value, int):
+        return b"\x10" + _varint(value & _U64)
+    if isinstance(value, float):
+        return b"\x21" + _DOUBLE.pack(value)
+    return _length_delimited(b"\x1a", value.encode())
+
+
+def encode_parameters(values: dict[str, str | int | float | bool]) -> bytes:
+    """``values`` as serialised ``ModelInferResponse.parameters`` entries: what
+    ``response.MergeFromString`` of them writes is what ``_write(response, values)`` writes."""
+    return b"".join(
+        _length_delimited(
+            _PARAMETERS_TAG,
+            _length_delimited(b"\x0a", key.encode()) + _length_delimited(b"\x12", _parameter(value)),
+        )
+        for key, value in values.items()
+    )
+
+
+def _key_field(key: str) -> bytes:
+    return _length_delimited(b"\x0a", key.encode())
+
+
+def _double_prefix(key: str) -> bytes:
+    """An entry of ``key`` with a double value, less the value's 8 bytes (fixed length)."""
+    body = _key_field(key) + b"\x12\x09\x21"
+    return _PARAMETERS_TAG + _varint(len(body) + 8) + body
+
+
+def _string_entry(key_field: bytes, value: str) -> bytes:
+    body = key_field + _length_delimited(b"\x12", _length_delimited(b"\x1a", value.encode()))
+    return _length_delimited(_PARAMETERS_TAG, body)
+
+
+_PREDICTED = _double_prefix("orchid.predicted_accelerator_ms")
+_CHARGED = _double_prefix("orchid.charged_accelerator_ms")
+_REQUEST_ID = _key_field("orchid.request_id")
+_OPERATION_ID = _key_field("orchid.operation_id")
+_COMPLETE = {flag: encode_parameters({"orchid.complete": flag}) for flag in (False, True)}
+
+
+def _static_bytes(settled: Settled) -> bytes:
+    record, decision, evidence = settled.record, settled.decision, settled.evidence
+    identity = record.identity
+    fallback = decision.approximation is Approximation.FALLBACK
+    key = (
+        decision.target_model,
+        identity.model_version,
+        decision.route_reason,
+        decision.approximation,
+        decision.max_output_tokens is None,
+        decision.policy_version,
+        decision.rules,
+        decision.ladder_step,
+        identity.risk_class,
+        record.ladder_step if fallback else None,
+        evidence,
+    )
+    static = _templates.get(key)
+    if static is None:
+        if len(_templates) >= MAX_TEMPLATES:
+            _templates.clear()
+        static = _templates[key] = encode_parameters(_static_provenance(record, decision, evidence))
+    return static
+
+
 def attach_provenance(
     response: service_pb2.ModelInferResponse, settled: Settled, stream: StreamSummary | None = None
 ) -> None:
-    """The whole provenance; with ``stream`` (a stream's ``GapTracker`` summary, final or so far)
-    also its objectives and how its results met them."""
-    _write(response, provenance(settled, stream))
+    """The whole provenance (``provenance``); with ``stream`` (a stream's ``GapTracker``
+    summary, final or so far) also its objectives and how its results met them. The static
+    part is a pre-serialised template; the rest is encoded per request; one merge."""
+    record, outcome = settled.record, settled.outcome
+    identity = record.identity
+    parts = [
+        _static_bytes(settled),
+        _PREDICTED + _DOUBLE.pack(round(record.demand.accelerator_ms, 3)),
+        _string_entry(_REQUEST_ID, identity.request_id),
+        _COMPLETE[outcome.complete],
+        _CHARGED + _DOUBLE.pack(round(outcome.charged_accelerator_ms, 3)),
+    ]
+    if identity.operation_id:
+        parts.append(_string_entry(_OPERATION_ID, identity.operation_id))
+    if settled.features is not None:
+        parts.append(encode_parameters(settled.features.provenance()))
+    if stream is not None:
+        parts.append(encode_parameters(stream_provenance(stream)))
+    response.MergeFromString(b"".join(parts))
 
 
 def attach_partial(

@@ -1,4 +1,6 @@
-"""``/metrics`` is byte-for-byte what it was when each metric was a prometheus_client
+"""Telemetry and provenance off the hot path (issue 31 item 4): their outputs unchanged.
+
+``/metrics`` is byte-for-byte what it was when each metric was a prometheus_client
 ``Counter``/``Histogram`` fed per request (issue 31: the request path now feeds plain
 accumulators that the collector reads at scrape time).
 
@@ -13,6 +15,11 @@ of the exposition). Two sequences:
   on ``MemoryBackend`` (the example stack, as ``bench/request_path.py``): the series, their
   order and every count exact; values that follow the wall clock (latencies, charges, the
   pools' rates) normalised.
+
+Provenance is merged into a response as pre-serialised ``parameters`` entries
+(``gateway.messages.attach_provenance``): what it writes is what writing each value of
+``provenance(settled)`` into the map wrote, on an empty response and over one that already
+holds those keys (hypothesis over the values).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY, generate_latest
 from tritonclient.grpc import service_pb2
 
@@ -32,6 +41,7 @@ from gateway import clock
 from gateway.backends.memory import MemoryBackend, MemoryModel
 from gateway.config import TelemetryConfig, hash_api_key, load_gateway_config
 from gateway.core.errors import GatewayError
+from gateway.core.evidence import Evidence, EvidenceKey
 from gateway.core.memory import DeviceMemory
 from gateway.core.record import (
     Approximation,
@@ -46,7 +56,9 @@ from gateway.core.record import (
     Verdict,
 )
 from gateway.core.streaming import StreamObjectives, StreamSummary
+from gateway.core.upstream import FeatureSnapshot
 from gateway.exchange import BackendHandle, CallContext, Settled
+from gateway.messages import _write, attach_provenance, encode_parameters, provenance
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.snapshot import PolicyResult
 from gateway.server import assemble_gateway, load_configuration, load_policies
@@ -308,6 +320,125 @@ def test_event_sequence_exposition_is_the_golden_one() -> None:
 
 def test_live_gateway_exposition_is_the_golden_one() -> None:
     assert gateway_exposition() == GATEWAY_GOLDEN.read_text()
+
+
+# ------------------------------------------------------------------ provenance
+
+
+def _parameters(response: service_pb2.ModelInferResponse) -> dict[str, tuple[str | None, object]]:
+    return {
+        key: (
+            value.WhichOneof("parameter_choice"),
+            getattr(value, value.WhichOneof("parameter_choice") or "", None),
+        )
+        for key, value in response.parameters.items()
+    }
+
+
+_VALUES = st.one_of(
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=300),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=150), _VALUES, max_size=8), st.booleans())
+def test_encoded_parameters_merge_as_written(
+    values: dict[str, str | int | float | bool], prefilled: bool
+) -> None:
+    written, merged = service_pb2.ModelInferResponse(id="x"), service_pb2.ModelInferResponse(id="x")
+    if prefilled:  # an entry of the same key is replaced, whatever field it held
+        for response in (written, merged):
+            for key in values:
+                response.parameters[key].uint64_param = 7
+            response.parameters["other"].string_param = "kept"
+    _write(written, values)
+    merged.MergeFromString(encode_parameters(values))
+    assert _parameters(merged) == _parameters(written)
+    assert merged.id == "x"
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    fallback=st.booleans(),
+    reduced=st.booleans(),
+    evidence=st.sampled_from([None, 1_700_000_000.0, "undated"]),
+    operation=st.sampled_from(["", "op-1"]),
+    features=st.booleans(),
+    stream=st.booleans(),
+    complete=st.booleans(),
+    step=st.integers(min_value=0, max_value=6),
+    predicted=st.floats(min_value=0.0, max_value=1e6),
+    charged=st.floats(min_value=0.0, max_value=1e6),
+)
+def test_attached_provenance_is_the_provenance_written(
+    fallback: bool,
+    reduced: bool,
+    evidence: float | str | None,
+    operation: str,
+    features: bool,
+    stream: bool,
+    complete: bool,
+    step: int,
+    predicted: float,
+    charged: float,
+) -> None:
+    record = _record(
+        "r-1", "orchid", "interactive", "full-v18", "short", deadline_ms=200.0, prefill_ms=predicted
+    )
+    identity = record.identity
+    record = RequestRecord(
+        identity=Identity(
+            identity.request_id,
+            identity.tenant,
+            identity.request_class,
+            identity.model,
+            "2",
+            identity.operation,
+            identity.mode,
+            identity.privacy_cell,
+            risk_class="elevated" if step % 2 else "standard",
+            operation_id=operation,
+        ),
+        shape=record.shape,
+        demand=record.demand,
+        budget=record.budget,
+        ladder_step=step,
+    )
+    decision = Decision(
+        Verdict.FALLBACK if fallback else Verdict.ADMIT,
+        "lite-v3" if fallback else "full-v18",
+        "fallback" if fallback else "primary",
+        approximation=Approximation.FALLBACK if fallback else Approximation.NONE,
+        rules=("shed-bulk", "cap") if reduced else (),
+        policy_version="sha256:p",
+        max_output_tokens=4 if reduced else None,
+        ladder_step=step,
+    )
+    proof = (
+        None
+        if evidence is None
+        else Evidence(
+            EvidenceKey("full-v18", "2", "eu-support"),
+            0.9,
+            500,
+            "quality-team",
+            evaluated_at=evidence if isinstance(evidence, float) else None,
+        )
+    )
+    snapshot = FeatureSnapshot(
+        "v12", 1_700_000_000.5 if step % 2 else None, ("a", "b") if step > 3 else (), True
+    )
+    outcome = Outcome(True, "OK", complete=complete, charged_accelerator_ms=charged)
+    settled = Settled(record, decision, outcome, evidence=proof, features=snapshot if features else None)
+    summary = _stream(12.5, (0.01, 0.05), 1, True) if stream else None
+    for _ in range(2):  # the template's first build, then the cached one
+        written, attached = service_pb2.ModelInferResponse(), service_pb2.ModelInferResponse()
+        _write(written, provenance(settled, summary))
+        attach_provenance(attached, settled, summary)
+        assert _parameters(attached) == _parameters(written)
 
 
 if __name__ == "__main__":
