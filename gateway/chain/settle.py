@@ -12,11 +12,10 @@ It may write quota and the estimator; it may not place, judge or call a backend.
 
 from __future__ import annotations
 
-import dataclasses
-
 from gateway.core import settlement
 from gateway.core.dispatch import CoBatch
 from gateway.core.estimate import Estimator
+from gateway.core.topology import Layout
 from gateway.exchange import Admitted, Settled, StageTimes
 from gateway.pools import PoolRegistry
 from gateway.state.base import QuotaStore
@@ -29,6 +28,10 @@ class Settle:
         self.pools = pools
         self.quotas = quotas
         self.estimator = estimator
+        # Each layout's accelerator-ms per ms of wall time, by identity (a queue's layout is
+        # replaced, never changed, when its topology is attached: the entry keeps the layout,
+        # so its id is not reused while cached).
+        self._unit_device_ms: dict[int, tuple[Layout, float]] = {}
 
     def run(
         self,
@@ -58,12 +61,13 @@ class Settle:
         stream request that ended early) whose output limit no rule or ladder step reduced
         (a reduced limit may have cut the answer)."""
         wall_ms = (finished - started) * 1000.0
-        timing = self.pools.timing.get(admitted.queue.name)
+        queue = admitted.queue
+        timing = self.pools.timing.get(queue.name)
         # The pool's mean batch from Triton's statistics; but where the queue co-batches its own
         # work (dispatch rule 6), that mean counts those batches, which are charged by their
         # members below, and a request the queue bound alone (``backend_wait_s``) ran alone.
         batch, solo_factor = (timing.batch if timing else 1.0), 1.0
-        if backend_wait_s is not None and admitted.queue.co_batch_max >= 2:
+        if backend_wait_s is not None and queue.co_batch_max >= 2:
             batch = 1.0
         if co_batch is not None and co_batch.cost_ms > 0.0:
             own_ms = admitted.record.demand.accelerator_ms
@@ -91,11 +95,9 @@ class Settle:
             learn=learn,
             now=finished,
             observed_live_token_ms=observed_live_token_ms,
-            unit_device_ms=admitted.queue.layout.device_ms_per_ms,
+            unit_device_ms=self._device_ms_per_ms(queue.layout),
+            complete=finished_answer and admitted.decision.max_output_tokens is None,
         )
-        complete = finished_answer and admitted.decision.max_output_tokens is None
-        if not complete:
-            outcome = dataclasses.replace(outcome, complete=False)
         stages = StageTimes(admitted.received_at, admitted.admitted_at, started, finished)
         return Settled(
             admitted.record,
@@ -105,6 +107,14 @@ class Settle:
             evidence=admitted.evidence,
             features=admitted.features,
         )
+
+    def _device_ms_per_ms(self, layout: Layout) -> float:
+        cached = self._unit_device_ms.get(id(layout))
+        if cached is None or cached[0] is not layout:
+            if len(self._unit_device_ms) >= 256:  # layouts come from configuration: reloads
+                self._unit_device_ms.clear()
+            cached = self._unit_device_ms[id(layout)] = (layout, layout.device_ms_per_ms)
+        return cached[1]
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:
         """A request that failed or was cancelled: settle quota by what it held, or refund."""

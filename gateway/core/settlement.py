@@ -48,6 +48,7 @@ def settle(
     solo_factor: float = 1.0,
     observed_live_token_ms: float | None = None,
     unit_device_ms: float = 1.0,
+    complete: bool = True,
 ) -> Outcome:
     """Charge observed work and (with ``learn``: a final answer) settle its quota and teach
     the estimator; without ``learn`` only the outcome is built (a request that ended early
@@ -57,9 +58,11 @@ def settle(
     ``observed_live_token_ms``: the live state it was observed to hold (a stream's, which grows
     with its tokens); otherwise its predicted live-token-ms stretched to the observed time.
     ``unit_device_ms``: accelerator-ms per ms the request held its unit (its layout's devices x
-    a pipeline's cadence factor, ``gateway.core.topology``; 1 for one device)."""
+    a pipeline's cadence factor, ``gateway.core.topology``; 1 for one device).
+    ``complete``: the outcome's ``complete`` (false for a partial answer)."""
     observed_ms = observed_accelerator_ms(wall_ms, backend_queue_ms, batch) * unit_device_ms
     demand = record.demand
+    predicted_ms = demand.accelerator_ms
     live_token_ms = (
         observed_live_token_ms
         if observed_live_token_ms is not None
@@ -67,9 +70,8 @@ def settle(
     )
     if learn:
         quotas.settle(reservation, charged_ms=observed_ms, charged_live_token_ms=live_token_ms, now=now)
-        base_ms = (
-            demand.accelerator_ms / demand.correction if demand.correction > 0 else demand.accelerator_ms
-        )
+        correction = demand.correction
+        base_ms = predicted_ms / correction if correction > 0 else predicted_ms
         estimator.observe(
             correction_key,
             record.identity.tenant,
@@ -82,6 +84,7 @@ def settle(
         status="OK",
         backend_model=backend_model,
         approximation=decision.approximation,
+        complete=complete,
         queue_ms=queue_ms,
         first_result_ms=first_result_ms,
         completion_ms=wall_ms,
