@@ -631,8 +631,31 @@ class DeviceSet:
             # A device holds no bound work: it frees first (now) and holds the least live
             # state (none), so it is the one the schedule below would pick, at no cost.
             return live_bytes <= self.live_room_bytes
-        device = min(self.schedule(now), key=lambda d: (d.free_at, d.live_bytes))
-        return device.live_bytes + live_bytes <= self.live_room_bytes
+        if not self.incremental:
+            device = min(self.schedule(now), key=lambda d: (d.free_at, d.live_bytes))
+            return device.live_bytes + live_bytes <= self.live_room_bytes
+        _, held = min(self._device_loads(now))
+        return held + live_bytes <= self.live_room_bytes
+
+    def _device_loads(self, now: float) -> list[tuple[float, int]]:
+        """Each device's (free at, live bytes) in ``schedule`` (no replan, no other replicas'
+        work): the same list schedule without building its devices."""
+        count = self.devices
+        free_at = [now] * count
+        live = [0] * count
+        heap = [(now, 0, index) for index in range(count)]
+        for slot in self.bound:
+            if not slot.occupant:
+                continue
+            device_free, _, index = heapq.heappop(heap)
+            done_ms = max(0.0, now - slot.predicted_start) * 1000.0
+            end = device_free + max(0.0, slot.run_ms - done_ms) / 1000.0
+            group = slot.group
+            held = slot.live_bytes if group is None else sum(m.live_bytes for m in group.members)
+            free_at[index] = end
+            live[index] += held
+            heapq.heappush(heap, (end, live[index], index))
+        return list(zip(free_at, live, strict=True))
 
     def room_for(self, now: float, slot: Slot, live_bytes: int) -> bool:
         """May bound ``slot`` hold ``live_bytes`` more live state on the device the list schedule
@@ -1268,6 +1291,14 @@ class DispatchQueue:
         free_for_ordinary = self._free("") > 0
         # Ties of virtual time go to the flow whose waiting work arrived first, never by name.
         heads = {key: self._head(f) for key, f in self._flows.items() if f.live > 0}
+        if len(heads) <= 1:  # one flow waits (or none): nothing to order
+            for key, head in heads.items():
+                if head is None or self._classes[key[0]].live <= 0:
+                    return None
+                if not (free_for_ordinary or key[0] == CONTROL_CLASS):
+                    return None
+                return self._pick(self._flows[key].heap, ok, prefer_long)
+            return None
         first_seq: dict[str, int] = {}
         for (name, _), head in heads.items():
             if head is not None:
@@ -1290,17 +1321,24 @@ class DispatchQueue:
             ):
                 flows = flows[1:] + flows[:1]  # turn cap: someone else goes first
             for _, _, key in flows:
-                heap = self._flows[key].heap
-                if heap and prefer_long and not heap[0].long:
-                    waiting_long = [w for w in heap if w.live and w.long and ok(w)]
-                    if waiting_long:
-                        return min(waiting_long)
-                if heap and ok(heap[0]):
-                    return heap[0]
-                if heap:
-                    eligible = [w for w in heap if w.live and ok(w)]
-                    if eligible:
-                        return min(eligible)
+                picked = self._pick(self._flows[key].heap, ok, prefer_long)
+                if picked is not None:
+                    return picked
+        return None
+
+    @staticmethod
+    def _pick(heap: list[Waiter], ok: Callable[[Waiter], bool], prefer_long: bool) -> Waiter | None:
+        """A flow's waiter to wake (``_next_waiter``), or None if none of its waiters may start."""
+        if heap and prefer_long and not heap[0].long:
+            waiting_long = [w for w in heap if w.live and w.long and ok(w)]
+            if waiting_long:
+                return min(waiting_long)
+        if heap and ok(heap[0]):
+            return heap[0]
+        if heap:
+            eligible = [w for w in heap if w.live and ok(w)]
+            if eligible:
+                return min(eligible)
         return None
 
     # ------------------------------------------------------------------ slots
