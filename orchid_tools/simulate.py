@@ -60,6 +60,7 @@ import json
 import logging
 import math
 import sys
+import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -2483,6 +2484,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the report; 2 (with ``FILE[:line:col]: key.path: problem`` on stderr) for a bad
     scenario, config, tenants, routes or policy file."""
     logging.basicConfig(level=str(args.log_level).upper(), format="%(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
     try:
         document = simulate(
             args.scenario,
@@ -2494,6 +2496,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"orchid-gateway simulate: {exc}", file=sys.stderr)
         return 2
+    wall_s = time.perf_counter() - started
     if args.json:
         sys.stdout.write(render_json(document))
     elif "baseline" in document:
@@ -2511,6 +2514,9 @@ def run(args: argparse.Namespace) -> int:
             else [("", document)]
         )
         plot(documents, args.plot)
+    # The wall time is not part of the report (whose bytes are deterministic): it goes to stderr
+    # only, as one JSON object, so `--json > file` stays comparable with `cmp`.
+    print(json.dumps({"wall_s": round(wall_s, 3)}), file=sys.stderr)
     if getattr(args, "check", False):
         reports = [document["baseline"], document["candidate"]] if "baseline" in document else [document]
         if not all(r["expectations_held"] for r in reports):
