@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from gateway import clock
 from gateway.backends.base import ModelSpec
 from gateway.backends.stats import PoolTiming, StatsSample, timing_between
+from gateway.backends.triton import TritonBackend
 from gateway.config import GatewayConfig, RouteConfig, RouteTable
 from gateway.core import memory as device_memory
 from gateway.core.errors import InvalidArgument, Unavailable
@@ -101,6 +102,9 @@ class PoolRegistry:
                 )
         self._stats_samples: dict[str, StatsSample] = {}
         self.generation = Generation()
+        for handle in backends.values():
+            if isinstance(handle.client, TritonBackend):  # MemoryBackend's health is read live only
+                handle.client.on_health_change = self.health_changed
         self._plans: dict[tuple[int, str, frozenset[str]], _Candidates] = {}
         default = config.classes.get(config.default_class)
         # One dwell budget per pool, whatever class arrives first: the default class's cap.

@@ -639,6 +639,7 @@ class RolloutController:
                 if rollout.phase is Phase.WARMING:
                     problems = await self._warm(run)
                     rollout.warmed(clock.now(), problems)
+            self.pools.generation.bump("rollout")  # loaded and warmed (or resumed): its first step
             await self._persist(run)
             saved = (rollout.phase, rollout.step)
             while rollout.phase in (Phase.SHADOW, Phase.CANARY) and not run.lost:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,16 +23,19 @@ from tritonclient.grpc import service_pb2
 
 from gateway import clock
 from gateway.backends.memory import MemoryBackend, MemoryModel
+from gateway.backends.triton import TritonBackend
 from gateway.config import GatewayConfig, hash_api_key, load_gateway_config
-from gateway.core.errors import NotFound, Unavailable
+from gateway.core.errors import Unavailable
 from gateway.core.evidence import Evidence, EvidenceKey, EvidenceStatus
 from gateway.core.load import PoolLoad
 from gateway.core.memory import DeviceMemory
+from gateway.core.rollout import Phase
 from gateway.evidence import EvidenceStore
 from gateway.exchange import BackendHandle, CallContext
 from gateway.pipeline import Gateway
 from gateway.policy.schema import PolicyContext
 from gateway.pools import PoolRegistry
+from gateway.rollouts import load_rollouts
 from gateway.server import assemble_gateway, load_configuration, load_policies
 from orchid_tools.simulate import minted_key
 
@@ -45,7 +49,9 @@ def _config(policies: Path | None = None) -> GatewayConfig:
     return config if policies is None else config.model_copy(update={"policies_dir": policies})
 
 
-async def _gateway(config: GatewayConfig) -> tuple[Gateway, MemoryBackend]:
+async def _gateway(config: GatewayConfig, *, candidate: bool = False) -> tuple[Gateway, MemoryBackend]:
+    """The example stack on one MemoryBackend; ``candidate``: with rollouts/full-v19.yaml's
+    candidate model in its repository, not loaded (explicit model control)."""
     tenants, routes = load_configuration(config)
     keyed = {
         name: tenant.model_copy(update={"key_sha256": (hash_api_key(minted_key(name)),)})
@@ -61,6 +67,9 @@ async def _gateway(config: GatewayConfig) -> tuple[Gateway, MemoryBackend]:
         for route in routes.models.values()
         if not route.streaming
     }
+    if candidate:
+        full = routes.profiles[routes.models["full-v18"].profile]
+        models["full-v19"] = MemoryModel(name="full-v19", profile=full, instances=local.devices, loaded=False)
     backend = MemoryBackend("local", models, time_factor=0.0)
     handle = BackendHandle(
         backend,
@@ -207,28 +216,40 @@ def test_a_health_flip_takes_effect_on_the_next_request() -> None:
     asyncio.run(scenario())
 
 
-def test_a_rollout_step_starts_a_new_generation_and_the_plans_follow_it() -> None:
+def test_a_rollout_step_takes_effect_on_the_next_request() -> None:
+    """rollouts/full-v19.yaml started in process: each phase change is a new generation, and
+    an operator's promotion serves the very next request from the candidate (v19)."""
+
     async def scenario() -> None:
-        gateway, _backend = await _gateway(_config())
-        await _infer(gateway)
+        config = _config()
+        gateway, _backend = await _gateway(config, candidate=True)
+        tenants, routes = load_configuration(config)
+        spec = load_rollouts(ROOT / "rollouts", config, tenants, routes)["full-v19"]
         judge, pools = gateway.chain.judge, gateway.pools
         tenant = gateway.tenants.tenants["orchid"]
         route = gateway.chain.resolve.tenant_route(tenant, "full-v18")
         cell = tenant.config.home_cell
-        facts = judge.route_facts(route, cell)
-        plan = pools.candidates(route, cell)
-        assert judge.route_facts(route, cell) is facts and pools.candidates(route, cell) is plan
+        first = await _infer(gateway)
+        assert first.parameters["orchid.model_version"].string_param == "1"
+        facts, plan = judge.route_facts(route, cell), pools.candidates(route, cell)
         generation = gateway.generation.value
-        with pytest.raises(NotFound):
-            gateway.rollouts.promote("no-such-rollout")
-        # A step change inside the controller bumps the generation (``_guard``, ``tick``);
-        # the plans are derived anew on the next request, whatever changed.
-        gateway.generation.bump("rollout")
-        assert gateway.generation.value > generation
-        assert judge.route_facts(route, cell) is not facts
-        assert pools.candidates(route, cell) is not plan
-        await _infer(gateway)
-        assert judge.route_facts(route, cell).generation == gateway.generation.value
+        run = gateway.rollouts.start(spec)
+        assert gateway.generation.value == generation + 1  # started: loading
+        for _ in range(10_000):  # yield to the rollout's task until it has loaded and warmed
+            if run.rollout.phase not in (Phase.LOADING, Phase.WARMING):
+                break
+            await asyncio.sleep(0)
+        assert run.rollout.phase in (Phase.SHADOW, Phase.CANARY)
+        assert gateway.generation.reasons["rollout"] == 2  # its first step
+        try:
+            assert judge.route_facts(route, cell) is not facts  # derived anew in this generation
+            assert pools.candidates(route, cell) is not plan
+            gateway.rollouts.promote(spec.name)
+            assert gateway.generation.reasons["rollout"] == 3
+            promoted = await _infer(gateway)  # the very next request
+            assert promoted.parameters["orchid.model_version"].string_param == "v19"
+        finally:
+            await gateway.rollouts.close()
 
     asyncio.run(scenario())
 
@@ -303,5 +324,31 @@ def test_a_context_from_a_cached_plan_equals_one_built_afresh() -> None:
         assert again.route is cached.route  # one plan
         judge._route_facts.clear()
         assert judge.context(tenant, route, cell, load, quota, evidence=verdicts) == cached
+
+    asyncio.run(scenario())
+
+
+def test_a_triton_health_flip_starts_a_new_generation() -> None:
+    """A Triton client reports its flips to the pool registry (a probe that finds the server
+    gone); health itself is read live by placement on every request."""
+
+    async def scenario() -> None:
+        with socket.socket() as held:  # a port nothing listens on while the probe runs
+            held.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{held.getsockname()[1]}"
+            client = TritonBackend("t", address, max_message_bytes=1 << 20)
+            pools = PoolRegistry(
+                _config(), _two_cells().routes, {"t": BackendHandle(client, {"cell": "a"}, 1, 1)}
+            )
+            try:
+                client.healthy = True
+                generation = pools.generation.value
+                assert await client.probe() is False
+                assert pools.generation.value == generation + 1
+                assert pools.generation.reasons == {"health:t": 1}
+                assert await client.probe() is False  # no flip: no new generation
+                assert pools.generation.value == generation + 1
+            finally:
+                await client.close()
 
     asyncio.run(scenario())

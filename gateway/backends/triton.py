@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
@@ -93,6 +93,8 @@ class TritonBackend:
         self._ready_models: dict[str, bool] = {}
         self.healthy = False
         self.healthy_at = 0.0  # monotonic time of the last successful probe
+        # Told the backend's name on every health flip (the pool registry: a new generation).
+        self.on_health_change: Callable[[str], object] | None = None
         self.watched_models: set[str] = set()  # readiness refreshed by the probe (warm checks)
         self._probe_task: asyncio.Task[None] | None = None
 
@@ -104,13 +106,16 @@ class TritonBackend:
             healthy = bool(reply.ready)
         except grpc.aio.AioRpcError:
             healthy = False
-        if healthy != self.healthy:
+        was = self.healthy
+        if healthy != was:
             level = logging.INFO if healthy else logging.WARNING
             log.log(level, "backend %s is now %s", self.name, "healthy" if healthy else "UNHEALTHY")
             # A restarted server may have different models/configs: forget what we cached.
             self._specs.clear()
             self._ready_models.clear()
         self.healthy = healthy
+        if healthy != was and self.on_health_change is not None:
+            self.on_health_change(self.name)
         if healthy:
             self.healthy_at = clock.now()
             for model in list(self.watched_models):
@@ -237,8 +242,10 @@ class TritonBackend:
         try:
             return await self.stub.ModelInfer(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and self.healthy:
                 self.healthy = False  # the probe loop will notice recovery
+                if self.on_health_change is not None:
+                    self.on_health_change(self.name)
             raise translate_rpc_error(exc, model=logical, backend_model=request.model_name) from exc
 
     def stream(
