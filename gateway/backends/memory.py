@@ -86,6 +86,7 @@ simulator's record of wasted device time.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -225,6 +226,7 @@ class _Model:
     state: str = "READY"  # Triton's repository states: READY, LOADING, UNAVAILABLE
     loading: asyncio.TimerHandle | None = None
     loaded_waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    model_spec: ModelSpec | None = None  # spec.spec(), built once (both are frozen)
 
     @property
     def ready(self) -> bool:
@@ -477,9 +479,11 @@ class MemoryBackend:
         return state
 
     async def model_spec(self, model: str, *, logical: str) -> ModelSpec:
-        if not self._healthy or not self._model(model, logical).ready:
+        if not self._healthy or not (state := self._model(model, logical)).ready:
             raise Unavailable(f"model {logical!r} is not ready on its backend")
-        return self._model(model, logical).spec.spec()
+        if state.model_spec is None:
+            state.model_spec = state.spec.spec()
+        return state.model_spec
 
     async def metadata(self, model: str, version: str) -> service_pb2.ModelMetadataResponse:
         spec = self._model(model, model).spec
@@ -865,14 +869,14 @@ class MemoryBackend:
         if spec.decoupled:
             work.deliver(work, response, None)  # the empty final response
             return
-        tokens = _output_tokens(work.request, spec.input_name, work.output_tokens)
+        tokens = _output_bytes(_input_sum(work.request, spec.input_name), work.output_tokens)
         output = response.outputs.add(name=spec.output_name, datatype="INT32")
         if spec.max_batch_size > 0:
             output.shape.extend([work.rows, work.output_tokens])
-            tokens = np.tile(tokens, work.rows)
+            tokens *= work.rows  # the rows' tokens one after the other (np.tile's bytes)
         else:
             output.shape.append(work.output_tokens)
-        response.raw_output_contents.append(tokens.tobytes())
+        response.raw_output_contents.append(tokens)
         work.deliver(work, response, None)
 
     def _fail(self, work: _Work, error: GatewayError) -> None:
@@ -949,10 +953,8 @@ class MemoryBackend:
         self._reschedule(batch)
 
 
-def _output_tokens(
-    request: service_pb2.ModelInferRequest, input_name: str, count: int
-) -> npt.NDArray[np.int32]:
-    """The emulator's deterministic 'generated' tokens: derived from the sum of the input ids."""
+def _input_sum(request: service_pb2.ModelInferRequest, input_name: str) -> int:
+    """The sum of the input ids (the last tensor named ``input_name``; 0 without one)."""
     total = 0
     for index, tensor in enumerate(request.inputs):
         if tensor.name != input_name:
@@ -961,10 +963,31 @@ def _output_tokens(
             total = int(np.frombuffer(request.raw_input_contents[index], dtype=np.int32).sum(dtype=np.int64))
         else:
             total = int(sum(tensor.contents.int_contents))
-    seed = total % VOCAB
+    return total
+
+
+def _output_tokens(
+    request: service_pb2.ModelInferRequest, input_name: str, count: int
+) -> npt.NDArray[np.int32]:
+    """The emulator's deterministic 'generated' tokens: derived from the sum of the input ids."""
+    return _tokens(_input_sum(request, input_name) % VOCAB, count)
+
+
+def _tokens(seed: int, count: int) -> npt.NDArray[np.int32]:
     steps = np.arange(count, dtype=np.int64)
     tokens: npt.NDArray[np.int32] = ((seed + 7919 * steps + 17) % VOCAB).astype(np.int32)
     return tokens
+
+
+@functools.lru_cache(maxsize=4096)
+def _output_bytes_of(seed: int, count: int) -> bytes:
+    return _tokens(seed, count).tobytes()
+
+
+def _output_bytes(total: int, count: int) -> bytes:
+    """``_output_tokens``' bytes, memoised by (sum mod VOCAB, count): a simulation's requests
+    repeat a few templates, so the same few token rows are generated again and again."""
+    return _output_bytes_of(total % VOCAB, count)
 
 
 class _MemoryStream:
