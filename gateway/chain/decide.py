@@ -20,12 +20,34 @@ from gateway.core.overload import LadderEffects
 from gateway.core.record import Decision, Verdict
 from gateway.policy.snapshot import PolicyResult
 
+MAX_FALLBACK_LIMITS = 256  # cached fallback limits (route x fallback name); cleared when full
+
 
 class Decide:
     """Decisions of the pure core, applied."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.batch_classes = frozenset(config.batch_classes)
+        # A fallback route's limits depend on its configuration alone: built once per route
+        # object (held, so its id cannot be reused while the entry lives).
+        self._fallback_limits: dict[tuple[int, str], tuple[RouteConfig, admission.FallbackLimits]] = {}
+
+    def fallback_limits(self, route: RouteConfig, name: str) -> admission.FallbackLimits:
+        """The limits the fallback ``name`` (its route ``route``) takes a request within."""
+        key = (id(route), name)
+        held = self._fallback_limits.get(key)
+        if held is not None and held[0] is route:
+            return held[1]
+        limits = admission.FallbackLimits(
+            model=name,
+            max_input_tokens=route.shape.max_input_tokens,
+            max_output_tokens=route.shape.max_output_tokens,
+            max_items=route.shape.max_items,
+        )
+        if len(self._fallback_limits) >= MAX_FALLBACK_LIMITS:
+            self._fallback_limits.clear()
+        self._fallback_limits[key] = (route, limits)
+        return limits
 
     def run(
         self,
@@ -47,12 +69,7 @@ class Decide:
                 retry_after_ms=load.retry_after_ms(),
                 batch_classes=self.batch_classes,
                 divert=divert,
-                fallback_limits=admission.FallbackLimits(
-                    model=fallback_name,
-                    max_input_tokens=fallback_route.shape.max_input_tokens,
-                    max_output_tokens=fallback_route.shape.max_output_tokens,
-                    max_items=fallback_route.shape.max_items,
-                )
+                fallback_limits=self.fallback_limits(fallback_route, fallback_name)
                 if fallback_route is not None and fallback_name
                 else None,
                 fallback_refused=fallback_refused,
