@@ -1388,15 +1388,19 @@ async def _run(
             loop.call_at(t0 + arrivals[index + 1].at_s, start, index + 1)
         arrival = arrivals[index]
         f = facts[arrival.klass]
-        # The id first, then the template: protobuf merges concatenated messages.
-        raw = service_pb2.ModelInferRequest(id=str(index)).SerializeToString() + templates[arrival.klass]
+        # The id first, then the template: protobuf merges concatenated messages. Field 3 (id),
+        # length-delimited, as ModelInferRequest(id=...).SerializeToString() writes it.
+        ident = str(index).encode()
+        raw = b"\x1a" + bytes((len(ident),)) + ident + templates[arrival.klass]
         draw = entity_draws.get(arrival.klass)
         if draw is not None and draw[0] is not None:
             raw += entity_bytes(draw[0], draw[1], draw[2])
         # Upstream work (features, preprocessing) already spent part of the caller's deadline.
-        elapsed_ms = upstream[arrival.klass] + sum(
-            ms for a, u, chosen, ms in slow_upstream if arrival.klass in chosen and a <= arrival.at_s < u
-        )
+        elapsed_ms = upstream[arrival.klass]
+        if slow_upstream:
+            elapsed_ms += sum(
+                ms for a, u, chosen, ms in slow_upstream if arrival.klass in chosen and a <= arrival.at_s < u
+            )
         deadline_s = (f.deadline_ms - elapsed_ms) / MS_PER_S
         call = CallContext(
             metadata=metadata[arrival.klass],
