@@ -1,6 +1,6 @@
 """``seed-10x.yaml``: the simulator at ten times the seed (issue 31 item 6).
 
-The full scenario (106,650 requests) runs in minutes on a 2-core machine, so it is marked slow;
+The full scenario (106,650 requests) takes about 90 s on a 2-core machine, so it is marked slow;
 its determinism is checked on the same scenario with its phases cut to a twentieth of their length
 (same fleet, rates, surge shape and seed). No assertion reads the wall time's value.
 """
