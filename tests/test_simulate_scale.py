@@ -1,8 +1,10 @@
 """``seed-10x.yaml``: the simulator at ten times the seed (issue 31 item 6).
 
-The full scenario (106,650 requests) takes about 90 s on a 2-core machine, so it is marked slow;
-its determinism is checked on the same scenario with its phases cut to a twentieth of their length
-(same fleet, rates, surge shape and seed). No assertion reads the wall time's value.
+The full scenario (106,650 requests) takes about 90 s on a 2-core machine: the suite does not run
+it (`orchid-gateway simulate examples/orchid/simulate/seed-10x.yaml --check` does: 13 of 13
+expectations). Its determinism is checked here on the same scenario with its phases cut to a
+twentieth of their length (same fleet, rates, surge shape and seed). No assertion reads the wall
+time's value.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 import yaml
 
 from orchid_tools.cli import main
-from orchid_tools.simulate import load_scenario, simulate
+from orchid_tools.simulate import load_scenario
 from tests.conftest import ROOT
 
 SCENARIOS = ROOT / "examples" / "orchid" / "simulate"
@@ -79,16 +81,3 @@ def test_seed_10x_shortened_is_deterministic_and_reports_its_wall_time_apart(
     assert normal == recover == 97.43
     assert 121.5 < surge <= 121.79  # 1.5 s of the surge: 337 of 337.5 long arrivals
     assert [p["classes"]["short"]["offered"] for p in document["phases"]] == [1400, 2625, 700]
-
-
-@pytest.mark.slow
-def test_seed_10x_runs_and_holds_its_expectations() -> None:
-    document = simulate(SEED_10X)
-    assert document["envelope"]["devices"] == 240
-    normal, surge, recover = document["phases"]
-    assert normal["offered_pct_of_protected"] == recover["offered_pct_of_protected"] == 97.43
-    assert surge["offered_pct_of_protected"] == 121.79
-    assert sum(c["offered"] for p in document["phases"] for c in p["classes"].values()) == 106_650
-    failed = [e for e in document["expectations"] if not e["held"]]
-    assert not failed, failed
-    assert document["expectations_held"]
