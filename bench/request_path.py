@@ -46,15 +46,14 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from gateway import clock
-from gateway.backends.memory import MemoryBackend, MemoryModel
 from gateway.config import hash_api_key, load_gateway_config
-from gateway.core.memory import DeviceMemory
-from gateway.exchange import BackendHandle, CallContext
+from gateway.exchange import CallContext
 from gateway.pipeline import Gateway
 from gateway.policy.decision_log import DecisionLog
 from gateway.server import assemble_gateway, load_configuration, load_policies
 from gateway.statusboard import StatusBoard
 from gateway.telemetry import ListenerGroup, Telemetry
+from orchid_tools.harness import memory_example
 from orchid_tools.simulate import minted_key
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,23 +165,7 @@ async def build() -> tuple[Gateway, bytes, tuple[tuple[str, str | bytes], ...]]:
     )
     tenants = tenants.model_copy(update={"tenants": {**tenants.tenants, "orchid": orchid}})
     policy = load_policies(config)
-    local = config.local_triton
-    assert local is not None, "the example config runs a local Triton"
-    models = {
-        name: MemoryModel(name=name, profile=routes.profiles[route.profile], instances=local.devices)
-        for name, route in ((r.backend_model, r) for r in routes.models.values())
-        if not route.streaming
-    }
-    backend = MemoryBackend("local", models, time_factor=0.0)
-    handle = BackendHandle(
-        backend,
-        dict(local.labels),
-        local.devices,
-        local.max_inflight_per_device,
-        0.001,
-        False,
-        DeviceMemory.from_gib(local.device_memory_gib, local.runtime_reserve_gib),
-    )
+    _, handle = memory_example(config, routes)  # the example's local Triton, in memory
     # The listeners GatewayServer attaches (the decision log to a logger, as with no file set).
     telemetry = Telemetry(config.telemetry, decision_log=DecisionLog(logging.getLogger("orchid.decisions")))
     board = StatusBoard()

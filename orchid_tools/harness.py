@@ -15,6 +15,9 @@ It owns:
   manager.
 * :func:`send_open_loop`: start one coroutine per arrival at its scheduled time whatever is
   still outstanding (an open loop), run hooks at their times, and wait for all.
+* :func:`memory_example`: the example config's local Triton as an in-process ``MemoryBackend``
+  and its ``BackendHandle``, for what runs the request path without a Triton
+  (``bench/request_path.py``, in-process tests).
 
 The scenario, phase and arrival models of a simulated run are :mod:`orchid_tools.simulate`'s.
 The runtime never imports this module (import-linter: ``gateway`` does not import
@@ -39,6 +42,10 @@ import yaml
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.local import free_port, stop_process_group
+from gateway.backends.memory import MemoryBackend, MemoryModel
+from gateway.config import GatewayConfig, RouteTable
+from gateway.core.memory import DeviceMemory
+from gateway.exchange import BackendHandle
 from gateway.yaml_source import read_yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,6 +86,37 @@ def example_backend(
     if time_scale is not None:
         backend["time_scale"] = time_scale
     return {**backend, **changes}
+
+
+def memory_example(
+    config: GatewayConfig, routes: RouteTable, *, extra: Iterable[MemoryModel] = (), time_factor: float = 0.0
+) -> tuple[MemoryBackend, BackendHandle]:
+    """The example config's local Triton as an in-process ``MemoryBackend`` named ``local``:
+    every non-streaming route's backend model with as many instances as the local Triton's
+    devices (and ``extra`` models), at ``time_factor`` (0: every execution returns at once);
+    and its ``BackendHandle`` with the local Triton's labels, devices and device memory."""
+    local = config.local_triton
+    if local is None:
+        raise ValueError("the config runs no local Triton to stand in for")
+    models = {
+        route.backend_model: MemoryModel(
+            name=route.backend_model, profile=routes.profiles[route.profile], instances=local.devices
+        )
+        for route in routes.models.values()
+        if not route.streaming
+    }
+    models.update({model.name: model for model in extra})
+    backend = MemoryBackend("local", models, time_factor=time_factor)
+    handle = BackendHandle(
+        backend,
+        dict(local.labels),
+        local.devices,
+        local.max_inflight_per_device,
+        0.001 if time_factor == 0 else time_factor,
+        False,
+        DeviceMemory.from_gib(local.device_memory_gib, local.runtime_reserve_gib),
+    )
+    return backend, handle
 
 
 def example_config(

@@ -28,7 +28,6 @@ from gateway.config import GatewayConfig, hash_api_key, load_gateway_config
 from gateway.core.errors import Unavailable
 from gateway.core.evidence import Evidence, EvidenceKey, EvidenceStatus
 from gateway.core.load import PoolLoad
-from gateway.core.memory import DeviceMemory
 from gateway.core.rollout import Phase
 from gateway.evidence import EvidenceStore
 from gateway.exchange import BackendHandle, CallContext
@@ -37,6 +36,7 @@ from gateway.policy.schema import PolicyContext
 from gateway.pools import PoolRegistry
 from gateway.rollouts import load_rollouts
 from gateway.server import assemble_gateway, load_configuration, load_policies
+from orchid_tools.harness import memory_example
 from orchid_tools.simulate import minted_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,28 +58,14 @@ async def _gateway(config: GatewayConfig, *, candidate: bool = False) -> tuple[G
         for name, tenant in tenants.tenants.items()
     }
     tenants = tenants.model_copy(update={"tenants": keyed})
-    local = config.local_triton
-    assert local is not None
-    models = {
-        route.backend_model: MemoryModel(
-            name=route.backend_model, profile=routes.profiles[route.profile], instances=local.devices
-        )
-        for route in routes.models.values()
-        if not route.streaming
-    }
+    extra = []
     if candidate:
+        assert config.local_triton is not None
         full = routes.profiles[routes.models["full-v18"].profile]
-        models["full-v19"] = MemoryModel(name="full-v19", profile=full, instances=local.devices, loaded=False)
-    backend = MemoryBackend("local", models, time_factor=0.0)
-    handle = BackendHandle(
-        backend,
-        dict(local.labels),
-        local.devices,
-        local.max_inflight_per_device,
-        0.001,
-        False,
-        DeviceMemory.from_gib(local.device_memory_gib, local.runtime_reserve_gib),
-    )
+        extra.append(
+            MemoryModel(name="full-v19", profile=full, instances=config.local_triton.devices, loaded=False)
+        )
+    backend, handle = memory_example(config, routes, extra=extra)
     gateway = await assemble_gateway(config, tenants, routes, {"local": handle}, load_policies(config))
     return gateway, backend
 

@@ -38,11 +38,9 @@ from prometheus_client import REGISTRY, generate_latest
 from tritonclient.grpc import service_pb2
 
 from gateway import clock
-from gateway.backends.memory import MemoryBackend, MemoryModel
 from gateway.config import TelemetryConfig, hash_api_key, load_gateway_config
 from gateway.core.errors import GatewayError
 from gateway.core.evidence import Evidence, EvidenceKey
-from gateway.core.memory import DeviceMemory
 from gateway.core.record import (
     Approximation,
     Budget,
@@ -57,13 +55,14 @@ from gateway.core.record import (
 )
 from gateway.core.streaming import StreamObjectives, StreamSummary
 from gateway.core.upstream import FeatureSnapshot
-from gateway.exchange import BackendHandle, CallContext, Settled
+from gateway.exchange import CallContext, Settled
 from gateway.messages import _write, attach_provenance, encode_parameters, provenance
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.snapshot import PolicyResult
 from gateway.server import assemble_gateway, load_configuration, load_policies
 from gateway.statusboard import StatusBoard
 from gateway.telemetry import ListenerGroup, Telemetry
+from orchid_tools.harness import memory_example
 from orchid_tools.simulate import minted_key
 
 REPO = Path(__file__).resolve().parents[1]
@@ -236,24 +235,7 @@ async def _gateway_run() -> str:
         update={"key_sha256": (hash_api_key(minted_key("orchid")),)}
     )
     tenants = tenants.model_copy(update={"tenants": {**tenants.tenants, "orchid": orchid}})
-    local = config.local_triton
-    assert local is not None
-    models = {
-        route.backend_model: MemoryModel(
-            name=route.backend_model, profile=routes.profiles[route.profile], instances=local.devices
-        )
-        for route in routes.models.values()
-        if not route.streaming
-    }
-    handle = BackendHandle(
-        MemoryBackend("local", models, time_factor=0.0),
-        dict(local.labels),
-        local.devices,
-        local.max_inflight_per_device,
-        0.001,
-        False,
-        DeviceMemory.from_gib(local.device_memory_gib, local.runtime_reserve_gib),
-    )
+    _, handle = memory_example(config, routes)
     telemetry = _telemetry(tenant_labels=True)
     board = StatusBoard()
     gateway = await assemble_gateway(
