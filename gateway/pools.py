@@ -26,7 +26,7 @@ from gateway.config import GatewayConfig, RouteConfig, RouteTable
 from gateway.core import memory as device_memory
 from gateway.core.errors import InvalidArgument, Unavailable
 from gateway.core.load import PoolLoad
-from gateway.core.placement import placement_key
+from gateway.core.placement import best_placement, device_work_term, placement_head
 from gateway.core.profile import DemandProfile
 from gateway.core.units import UnitDeviceSet
 from gateway.exchange import BackendHandle, GatewayListener
@@ -261,11 +261,11 @@ class PoolRegistry:
         ``exclude``), ranked by ``core.placement``: the least predicted wait, then the least
         recent offered demand per device (what each pool's ladder judges, so placement
         never feeds a degrading pool more demand), then the least work still to run on the
-        pool's device set. Nothing is predicted when there is no choice."""
-        best: tuple[tuple[float, float, float], BackendHandle, ModelSpec, DispatchQueue] | None = None
+        pool's device set (``core.placement.best_placement``: that sum over the work in flight
+        only where the first two terms tie). Nothing is predicted when there is no choice."""
         plan = self.candidates(route, cell, exclude)
         candidates = plan.handles
-        now = clock.now()
+        pools: list[Pool] = []
         for name, handle in candidates:
             backend = handle.client
             if not backend.healthy:  # read live: a flip takes effect on the next request
@@ -274,24 +274,29 @@ class PoolRegistry:
                 spec = await backend.model_spec(route.backend_model, logical=logical)
             except Unavailable:
                 continue
-            queue = self.queue_for(name, spec, plan.profile)
-            if len(candidates) > 1:
-                load = self.loads.get(queue.name)
-                key = placement_key(
-                    queue.predicted_wait_ms(now),
-                    load.offered_rate.ms_per_s(now) if load is not None else 0.0,
-                    sum(q.inflight_remaining_ms(now) for q in queue.device_set.queues),
-                    queue.devices,
-                )
-            else:
-                key = (0.0, 0.0, 0.0)
-            if best is None or key < best[0]:
-                best = (key, handle, spec, queue)
-        if best is None:
+            pools.append((handle, spec, self.queue_for(name, spec, plan.profile)))
+        if not pools:
             raise Unavailable(
                 f"no healthy backend serves model {logical!r} in this credential's privacy cell"
             )
-        return best[1], best[2], best[3]
+        if len(candidates) == 1:
+            return pools[0]
+        now = clock.now()
+
+        def head(pool: Pool) -> tuple[float, float]:
+            queue = pool[2]
+            load = self.loads.get(queue.name)
+            offered = load.offered_rate.ms_per_s(now) if load is not None else 0.0
+            return placement_head(queue.predicted_wait_ms(now), offered, queue.devices)
+
+        def device_work(pool: Pool) -> float:
+            queue = pool[2]
+            work = sum(q.inflight_remaining_ms(now) for q in queue.device_set.queues)
+            return device_work_term(work, queue.devices)
+
+        chosen = best_placement(pools, head, device_work)
+        assert chosen is not None  # pools is not empty
+        return chosen
 
     async def warm(
         self, route: RouteConfig, cell: str, logical: str, *, exclude: Iterable[str] = ()

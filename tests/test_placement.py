@@ -7,12 +7,19 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.core.load import PoolLoad
 from gateway.core.overload import LadderConfig
-from gateway.core.placement import PLACEMENT_TAU_S, OfferedRate, placement_key
+from gateway.core.placement import (
+    PLACEMENT_TAU_S,
+    OfferedRate,
+    best_placement,
+    device_work_term,
+    placement_head,
+    placement_key,
+)
 
 
 def test_the_offered_rate_decays_with_its_time_constant() -> None:
@@ -61,3 +68,38 @@ def test_wait_ranks_first_then_offered_demand_per_device_then_device_work() -> N
     # Per device: twice the devices carry twice the offered demand at the same rank.
     assert placement_key(0.0, 2000.0, 0.0, 4) == placement_key(0.0, 4000.0, 0.0, 8)
     assert placement_key(0.0, 0.0, 0.0, 0) > placement_key(0.0, 1e9, 1e9, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 1.5, 7.25, math.inf]),  # waits: few values, so ties are common
+            st.sampled_from([0.0, 100.0, 250.0]),
+            st.sampled_from([0.0, 12.5, 40.0, 90.0]),
+            st.integers(0, 3),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_the_lazy_pick_is_the_least_key_and_sums_work_only_on_ties(
+    candidates: list[tuple[float, float, float, int]],
+) -> None:
+    """``best_placement`` picks what ``min`` over ``placement_key`` picks (the first of equals),
+    asking a candidate's device work only where its first two terms tie with the best so far."""
+    asked: list[int] = []
+
+    def work(index: int) -> float:
+        asked.append(index)
+        return device_work_term(candidates[index][2], candidates[index][3])
+
+    def head(index: int) -> tuple[float, float]:
+        wait, offered, _, devices = candidates[index]
+        return placement_head(wait, offered, devices)
+
+    keys = [placement_key(w, o, d, n) for w, o, d, n in candidates]
+    expected = min(range(len(candidates)), key=lambda i: (keys[i], i))
+    assert best_placement(range(len(candidates)), head, work) == expected
+    heads = [head(i) for i in range(len(candidates))]
+    assert all(heads.count(heads[i]) > 1 for i in asked)  # only tied candidates paid for the sum

@@ -41,7 +41,11 @@ keeps a group whose devices are busy with another model's work from looking idle
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # The decay time of the offered rate placement balances: short enough to follow a surge's
 # end or a restored group within a second or two, long enough that one long request does
@@ -79,6 +83,40 @@ def placement_key(
     """The rank of one candidate pool (lower is better): predicted wait, then offered demand
     per device, then the device set's remaining bound work per device. ``devices`` below 1
     (a pool that lost every device) ranks last on both per-device terms."""
+    head = placement_head(wait_ms, offered_ms_per_s, devices)
+    return (*head, device_work_term(device_work_ms, devices))
+
+
+def placement_head(wait_ms: float, offered_ms_per_s: float, devices: int) -> tuple[float, float]:
+    """The first two terms of ``placement_key``: a caller compares these first and needs the
+    last term (a sum over the device set's work in flight) only where two candidates tie."""
     if devices < 1:
-        return (wait_ms, math.inf, math.inf)
-    return (wait_ms, offered_ms_per_s / devices, device_work_ms / devices)
+        return (wait_ms, math.inf)
+    return (wait_ms, offered_ms_per_s / devices)
+
+
+def device_work_term(device_work_ms: float, devices: int) -> float:
+    """The last term of ``placement_key``: the device set's remaining bound work per device."""
+    return math.inf if devices < 1 else device_work_ms / devices
+
+
+def best_placement(
+    candidates: Sequence[T], head: Callable[[T], tuple[float, float]], work: Callable[[T], float]
+) -> T | None:
+    """The candidate whose ``placement_key`` is least (the first of equals): ``head`` gives its
+    first two terms, ``work`` its last, which is asked only of candidates whose first two terms
+    tie with the best so far (it sums the device set's work in flight: the costly term)."""
+    best: T | None = None
+    best_head: tuple[float, float] = (0.0, 0.0)
+    best_work: float | None = None
+    for candidate in candidates:
+        mine = head(candidate)
+        if best is None or mine < best_head:
+            best, best_head, best_work = candidate, mine, None
+        elif mine == best_head:
+            if best_work is None:
+                best_work = work(best)
+            own = work(candidate)
+            if own < best_work:
+                best, best_work = candidate, own
+    return best
