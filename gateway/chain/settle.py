@@ -15,7 +15,6 @@ from __future__ import annotations
 from gateway.core import settlement
 from gateway.core.dispatch import CoBatch
 from gateway.core.estimate import Estimator
-from gateway.core.topology import Layout
 from gateway.exchange import Admitted, Settled, StageTimes
 from gateway.pools import PoolRegistry
 from gateway.state.base import QuotaStore
@@ -28,10 +27,6 @@ class Settle:
         self.pools = pools
         self.quotas = quotas
         self.estimator = estimator
-        # Each layout's accelerator-ms per ms of wall time, by identity (a queue's layout is
-        # replaced, never changed, when its topology is attached: the entry keeps the layout,
-        # so its id is not reused while cached).
-        self._unit_device_ms: dict[int, tuple[Layout, float]] = {}
 
     def run(
         self,
@@ -95,7 +90,7 @@ class Settle:
             learn=learn,
             now=finished,
             observed_live_token_ms=observed_live_token_ms,
-            unit_device_ms=self._device_ms_per_ms(queue.layout),
+            unit_device_ms=queue.layout.device_ms_per_ms,
             complete=finished_answer and admitted.decision.max_output_tokens is None,
         )
         stages = StageTimes(admitted.received_at, admitted.admitted_at, started, finished)
@@ -107,14 +102,6 @@ class Settle:
             evidence=admitted.evidence,
             features=admitted.features,
         )
-
-    def _device_ms_per_ms(self, layout: Layout) -> float:
-        cached = self._unit_device_ms.get(id(layout))
-        if cached is None or cached[0] is not layout:
-            if len(self._unit_device_ms) >= 256:  # layouts come from configuration: reloads
-                self._unit_device_ms.clear()
-            cached = self._unit_device_ms[id(layout)] = (layout, layout.device_ms_per_ms)
-        return cached[1]
 
     def abandon(self, admitted: Admitted, *, started: float | None, now: float) -> None:
         """A request that failed or was cancelled: settle quota by what it held, or refund."""

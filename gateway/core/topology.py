@@ -58,6 +58,9 @@ class Layout:
     data_parallel: int | None = None  # how many units (None: as many as the devices hold)
     units: tuple[tuple[int, ...], ...] | None = None  # each unit's devices, spelled out
     measured_as: MeasuredAs = "wall_ms"
+    # Accelerator-ms (device-ms of the whole unit) per ms of an execution's wall time:
+    # ``width x cadence_factor``, derived once (settlement reads it for every request).
+    device_ms_per_ms: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -68,6 +71,7 @@ class Layout:
             raise TopologyError(f"pipeline stage shares must sum to 1, got {sum(self.stage_shares):g}")
         if not 0.0 <= self.bubble_fraction < 1.0:
             raise TopologyError(f"bubble_fraction must be in [0, 1), got {self.bubble_fraction}")
+        object.__setattr__(self, "device_ms_per_ms", self.width * self.cadence_factor)
 
     @property
     def stages(self) -> int:
@@ -85,11 +89,6 @@ class Layout:
         if self.stages == 1:
             return 1.0
         return max(self.stage_shares) * (1.0 + self.bubble_fraction)
-
-    @property
-    def device_ms_per_ms(self) -> float:
-        """Accelerator-ms (device-ms of the whole unit) per ms of an execution's wall time."""
-        return self.width * self.cadence_factor
 
     @property
     def trivial(self) -> bool:
