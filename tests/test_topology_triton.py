@@ -211,7 +211,8 @@ def test_a_tp2_request_waits_while_only_one_device_of_its_pair_is_free(
     ran = executions(log, mark)
     tp2 = [e for e in ran if e["model"] == TP2]
     tp1 = [e for e in ran if e["model"] == TP1]
-    assert len(tp2) == 1 and len(tp1) == 3
+    # Triton's batcher may run two of the TP-1 requests as one execution (on both their devices).
+    assert len(tp2) == 1 and sum(e["requests"] for e in tp1) == 3
     pair_devices = set(tp2[0]["devices"])
     blocking = [e for e in tp1 if set(e["devices"]) & pair_devices]
     assert blocking, "the TP-1 work left a whole pair free: the scenario did not exercise the wait"
