@@ -12,7 +12,9 @@ On a CPU-only machine it needs three things (ARCHITECTURE §6):
 
 ``LocalTriton`` prepares that, starts the server on free ports, waits until it
 reports ready (or fails with the tail of its log), and stops it: SIGTERM, then
-SIGKILL after a bound. NVML/DCGM warnings in its log are harmless.
+SIGKILL after a bound. NVML/DCGM warnings in its log are harmless. Unless the caller's ``env``
+names one, the server's ``ORCHID_PREFIX_CACHE_DIR`` (the emulator's prefix cache) is
+``<workdir>/prefix-cache``, emptied at each start: each server's cache is its own and starts cold.
 
 **No orphans.** The server runs in a session of its own (its process group holds the Python
 backend stubs it forks), so stopping it kills the whole group. A process that dies without
@@ -245,6 +247,12 @@ class LocalTriton:
         )
         env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
         env["ORCHID_TIME_FACTOR"] = repr(self.time_factor)
+        if "ORCHID_PREFIX_CACHE_DIR" not in self.env:
+            # Each server its own prefix cache (the emulator's chat-v1), cold at every start.
+            prefix_cache = self.workdir / "prefix-cache"
+            shutil.rmtree(prefix_cache, ignore_errors=True)
+            prefix_cache.mkdir(parents=True, exist_ok=True)
+            env["ORCHID_PREFIX_CACHE_DIR"] = str(prefix_cache)
         env.update(self.env)
         args = [
             str(install.binary),

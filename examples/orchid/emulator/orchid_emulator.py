@@ -114,6 +114,55 @@ request that carries it gets it back, as float32, in the output ``FEATURES_SEEN`
 tokens nor the cost. A request without it (and every model without the input) answers as before;
 one batch may mix both.
 
+Prefix cache (optional model config parameters, both together; ``chat-v1``):
+
+    prefix_block_tokens  tokens per cache block (int >= 1)
+    prefix_cache_blocks  how many blocks the cache holds (int >= 1)
+
+A model with them keeps a prefix cache *per Triton server and model*, shared by all of its
+instances (each instance is a stub process of its own). Each sequence (``INPUT_IDS``: each row
+of a ``[rows, n]`` tensor is a sequence of its own) is cut into full blocks of
+``prefix_block_tokens`` tokens (a partial tail block is never cached). Block keys are chained, so a
+block matches only if its scope and every block before it match::
+
+    k_0 = sha256(scope_utf8 + b"\x00" + tokens_0.astype("<i4").tobytes()).digest()[:16]
+    k_i = sha256(k_{i-1} + tokens_i.astype("<i4").tobytes()).digest()[:16]
+
+``scope`` is the request parameter ``prefix_scope`` (a string; absent: ``""``, so a direct
+client's requests all share one scope; any other type is an error response naming it). A lookup
+counts the leading blocks whose keys are cached (touching them); the sequence's cached tokens are
+``cached_blocks x prefix_block_tokens`` capped at ``n - 1`` (one token is always computed).
+Then all of the sequence's full blocks are inserted or touched, as if its prefill wrote them,
+and while the cache holds more than ``prefix_cache_blocks`` entries the least recently used are
+evicted (among blocks touched by the same lookup, the deeper first: a block is useless
+without those before it). Prefill is then charged on the uncached tokens only:
+
+    fixed_ms + prefill_ms_per_token * (batch_size * max over rows of (n - cached tokens))
+
+(decode unchanged). Each successful response carries its cached tokens in the output
+``PREFIX_CACHED_TOKENS`` (INT32, ``[rows, 1]``: each row's; ``[1]`` for a model without a batch
+dimension), which the model must declare (``chat-v1``: ``dims: [ 1 ]``). Not a response
+parameter: the Python backend of Triton 2.51 (the nvidia-pytriton wheel) does not accept
+``InferenceResponse(parameters=...)``. A model without the parameters runs exactly as before.
+
+    ORCHID_PREFIX_CACHE_DIR   where the cache lives: ``<dir>/<model name>.prefix.sqlite``
+                              (SQLite in WAL mode; each lookup and its inserts run in one
+                              ``BEGIN IMMEDIATE`` transaction, so the instances' processes never
+                              race). ``LocalTriton`` sets it to ``<workdir>/prefix-cache`` and
+                              empties that at each start: a fresh server starts cold. Unset, each
+                              instance keeps an in-process cache of its own (an in-memory SQLite
+                              database, same schema): instances then do not share it.
+
+The SQLite file's schema (tests read it directly; this module imports Triton's utilities):
+
+    CREATE TABLE blocks (key BLOB PRIMARY KEY, last_used INTEGER NOT NULL)  -- 16-byte keys;
+        -- last_used: a logical clock, higher = more recently used (index blocks_lru)
+    CREATE TABLE stats (name TEXT PRIMARY KEY, value INTEGER NOT NULL)
+        -- one row each: lookups (sequences looked up), hits (lookups with >= 1 cached
+        -- block), hit_blocks, miss_blocks (full blocks looked up but not cached),
+        -- inserted (blocks newly inserted), evictions (blocks evicted), clock (the
+        -- logical clock's last value; not a counter)
+
 Cancellation: decode runs in steps; between steps the emulator checks
 `request.is_cancelled()` and stops decoding a cancelled request, which frees
 the instance early exactly as a real server frees a slot.
@@ -122,9 +171,11 @@ the instance early exactly as a real server frees a slot.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
+import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -470,6 +521,141 @@ class Faults:
         return "CUDA out of memory. Tried to allocate live sequence state (forced allocation failure)"
 
 
+PREFIX_STATS = ("lookups", "hits", "hit_blocks", "miss_blocks", "inserted", "evictions", "clock")
+_PREFIX_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS blocks (key BLOB PRIMARY KEY, last_used INTEGER NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS blocks_lru ON blocks (last_used)",
+    "CREATE TABLE IF NOT EXISTS stats (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+)
+
+
+def prefix_scope(request: object) -> str:
+    """The request's ``prefix_scope`` parameter ("" when absent); ValueError when not a string."""
+    scope = request_parameters(request).get("prefix_scope", "")
+    if not isinstance(scope, str):
+        raise ValueError(f"parameter prefix_scope must be a string, got {scope!r}")
+    return scope
+
+
+def block_keys(scope: str, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
+    """The chained keys of a sequence's full blocks (see "Prefix cache" in the module docstring)."""
+    tokens = np.asarray(tokens).reshape(-1)
+    keys: list[bytes] = []
+    previous = scope.encode("utf-8") + b"\x00"
+    for b in range(len(tokens) // block_tokens):
+        block = tokens[b * block_tokens : (b + 1) * block_tokens].astype("<i4").tobytes()
+        previous = hashlib.sha256(previous + block).digest()[:16]
+        keys.append(previous)
+    return keys
+
+
+class PrefixCache:
+    """A model's prefix cache (see "Prefix cache" in the module docstring): SQLite in
+    ``ORCHID_PREFIX_CACHE_DIR`` shared by the model's instances, else in memory per instance."""
+
+    KEYS = ("prefix_block_tokens", "prefix_cache_blocks")
+
+    def __init__(self, model: str, block_tokens: int, capacity: int, directory: str = "") -> None:
+        self.block_tokens = block_tokens
+        self.capacity = capacity
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            self.path = os.path.join(directory, f"{model}.prefix.sqlite")
+        else:
+            self.path = ":memory:"
+        # Autocommit mode: transactions are the explicit BEGIN IMMEDIATE ... COMMIT below.
+        self.db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA busy_timeout = 60000")
+        if directory:
+            self.db.execute("PRAGMA journal_mode = WAL")
+        with self._transaction():
+            for statement in _PREFIX_SCHEMA:
+                self.db.execute(statement)
+            self.db.executemany(
+                "INSERT OR IGNORE INTO stats (name, value) VALUES (?, 0)", [(n,) for n in PREFIX_STATS]
+            )
+
+    @classmethod
+    def from_model_config(cls, config: dict, model: str) -> PrefixCache | None:
+        params = config.get("parameters", {})
+        present = [key for key in cls.KEYS if key in params]
+        if not present:
+            return None
+        if len(present) != len(cls.KEYS):
+            missing = next(key for key in cls.KEYS if key not in params)
+            raise pb_utils.TritonModelException(
+                f"model config parameter {missing!r} is required with {present[0]!r} (prefix cache)"
+            )
+        values: list[int] = []
+        for key in cls.KEYS:
+            raw = str(params[key].get("string_value", "")).strip()
+            if not raw.isdigit() or int(raw) < 1:
+                raise pb_utils.TritonModelException(
+                    f"model config parameter {key!r} must be an integer >= 1, got {raw!r}"
+                )
+            values.append(int(raw))
+        return cls(model, values[0], values[1], os.environ.get("ORCHID_PREFIX_CACHE_DIR", ""))
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def lookup(self, scope: str, tokens: np.ndarray) -> int:
+        """Look a sequence up, then insert/touch all of its full blocks (evicting the least
+        recently used beyond capacity): its cached tokens (capped at ``len(tokens) - 1``)."""
+        keys = block_keys(scope, tokens, self.block_tokens)
+        n = int(np.asarray(tokens).size)
+        db = self.db
+        with self._transaction():
+            cached = 0
+            for key in keys:
+                if db.execute("SELECT 1 FROM blocks WHERE key = ?", (key,)).fetchone() is None:
+                    break
+                cached += 1
+            clock = int(db.execute("SELECT value FROM stats WHERE name = 'clock'").fetchone()[0])
+            # One tick per lookup; within it the deeper blocks are older (evicted first).
+            tick = clock + len(keys)
+            existing = {
+                row[0]
+                for key in keys
+                for row in db.execute("SELECT key FROM blocks WHERE key = ?", (key,)).fetchall()
+            }
+            db.executemany(
+                "INSERT INTO blocks (key, last_used) VALUES (?, ?) "
+                "ON CONFLICT (key) DO UPDATE SET last_used = excluded.last_used",
+                [(key, tick - depth) for depth, key in enumerate(keys)],
+            )
+            inserted = len(set(keys) - existing)
+            evicted = 0
+            if inserted:
+                over = int(db.execute("SELECT COUNT(*) FROM blocks").fetchone()[0]) - self.capacity
+                if over > 0:
+                    evicted = db.execute(
+                        "DELETE FROM blocks WHERE key IN "
+                        "(SELECT key FROM blocks ORDER BY last_used ASC LIMIT ?)",
+                        (over,),
+                    ).rowcount
+            counts = {
+                "lookups": 1,
+                "hits": 1 if cached else 0,
+                "hit_blocks": cached,
+                "miss_blocks": len(keys) - cached,
+                "inserted": inserted,
+                "evictions": evicted,
+            }
+            db.executemany(
+                "UPDATE stats SET value = value + ? WHERE name = ?", [(v, k) for k, v in counts.items()]
+            )
+            db.execute("UPDATE stats SET value = ? WHERE name = 'clock'", (tick,))
+        return max(0, min(cached * self.block_tokens, n - 1))
+
+
 class _Emulator:
     """What both emulators read at load: the cost profile, the time factor, shared devices."""
 
@@ -500,6 +686,9 @@ class _Emulator:
             str(args.get("model_instance_name", "")),
             tensor_parallel=self.tensor_parallel,
             model=str(config.get("name", args.get("model_name", ""))),
+        )
+        self.prefix = PrefixCache.from_model_config(
+            config, str(config.get("name", args.get("model_name", "")))
         )
 
     def _placement(self, requests: list) -> tuple[list[int], dict[int, str], tuple[int, ...] | None]:
@@ -548,6 +737,7 @@ class BatchEmulator(_Emulator):
         work = []
         responses: list = [None] * len(requests)
         seen: dict[int, np.ndarray] = {}  # request index -> the FEATURES it carried
+        scopes: dict[int, str] = {}  # request index -> its prefix_scope (prefix-cache models)
         for i, request in enumerate(requests):
             try:
                 ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
@@ -555,6 +745,12 @@ class BatchEmulator(_Emulator):
             except ValueError as exc:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
                 continue
+            if self.prefix is not None:
+                try:
+                    scopes[i] = prefix_scope(request)
+                except ValueError as exc:
+                    responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+                    continue
             features = pb_utils.get_input_tensor_by_name(request, "FEATURES")  # optional input
             if features is not None:
                 seen[i] = np.asarray(features.as_numpy(), dtype=np.float32)
@@ -583,7 +779,17 @@ class BatchEmulator(_Emulator):
             self.executed += 1
             every = self.invalid_output_every
             invalid = bool(every) and self.executed > self.invalid_output_after and self.executed % every == 0
-            prefill_ms = p.fixed_ms + p.prefill_ms_per_token * len(work) * longest_in
+            cached: dict[int, list[int]] = {}  # request index -> each row's cached tokens (prefix cache)
+            if self.prefix is None:
+                prefill_ms = p.fixed_ms + p.prefill_ms_per_token * len(work) * longest_in
+            else:
+                uncached = 0
+                for i, _, ids, _ in work:
+                    rows = ids if ids.ndim == 2 else ids.reshape(1, -1)
+                    hits = [self.prefix.lookup(scopes[i], row) for row in rows]
+                    cached[i] = hits
+                    uncached = max([uncached, *(ids.shape[-1] - hit for hit in hits)])
+                prefill_ms = p.fixed_ms + p.prefill_ms_per_token * len(work) * uncached
             self._sleep(prefill_ms * slow)
             # Decode steps run in lockstep for the batch; a request leaves the
             # batch when its tokens are done or its caller cancelled.
@@ -611,6 +817,10 @@ class BatchEmulator(_Emulator):
                 tensors = [pb_utils.Tensor("OUTPUT_IDS", out)]
                 if i in seen:  # a model with a FEATURES input answers what it received
                     tensors.append(pb_utils.Tensor("FEATURES_SEEN", seen[i]))
+                if i in cached:  # a prefix-cache model: each row's cached tokens
+                    counts = np.array(cached[i], dtype=np.int32)
+                    shape = (ids.shape[0], 1) if ids.ndim == 2 else (1,)
+                    tensors.append(pb_utils.Tensor("PREFIX_CACHED_TOKENS", counts.reshape(shape)))
                 responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
         return responses
 
@@ -625,6 +835,14 @@ class BatchEmulator(_Emulator):
 
 class StreamEmulator(_Emulator):
     """Decoupled model: prefill, then one response per generated token."""
+
+    def initialize(self, args: dict) -> None:
+        super().initialize(args)
+        if self.prefix is not None:
+            raise pb_utils.TritonModelException(
+                "model config parameters 'prefix_block_tokens' and 'prefix_cache_blocks' (a prefix "
+                "cache) are supported by non-decoupled models only"
+            )
 
     def execute(self, requests: list) -> None:
         if self.devices is None:
