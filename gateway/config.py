@@ -708,6 +708,19 @@ class ShadowConfig(_Strict):
     max_inflight: int = Field(default=2, ge=1, description="shadow calls in flight at most; more are skipped")
 
 
+class PrefixAffinityConfig(_Strict):
+    """Prefix-aware routing for a route whose backend model keeps a prefix cache
+    (``gateway.core.prefix``; docs/prefix-affinity.md): a request goes to the backend where
+    its prompt's prefix is expected to be cached, as long as that backend's predicted wait is
+    within ``max_extra_wait_ms`` of the least-loaded one's; otherwise it spills to the
+    least-loaded. The cache scope (tenant, privacy cell, model version) is not configurable:
+    it is sent whenever the model declares a cache, with or without this block."""
+
+    max_extra_wait_ms: float = Field(
+        ge=0, description="how much longer a predicted wait affinity may choose than the least"
+    )
+
+
 class RouteConfig(_Strict):
     """A logical model clients call, mapped onto a backend model."""
 
@@ -736,6 +749,9 @@ class RouteConfig(_Strict):
     )
     features: FeatureContractConfig | None = Field(
         default=None, description="upstream features read for each request (gateway.features)"
+    )
+    prefix_affinity: PrefixAffinityConfig | None = Field(
+        default=None, description="route to the backend whose prefix cache holds the prompt"
     )
 
     def for_tenant(self, model: str, tenant: TenantConfig) -> RouteConfig | None:

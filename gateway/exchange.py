@@ -21,6 +21,7 @@ from gateway.config import RouteConfig, TopologyConfig
 from gateway.core.estimate import CorrectionKey
 from gateway.core.evidence import Evidence
 from gateway.core.memory import DeviceMemory
+from gateway.core.prefix import PrefixMatch
 from gateway.core.quota import Reservation
 from gateway.core.record import Decision, Outcome, RequestRecord
 from gateway.core.settlement import StreamSummary
@@ -92,6 +93,9 @@ class Admitted:
     # A canary's hedge: the candidate must answer by then, leaving the current version time.
     canary_deadline_at: float | None = None
     features: FeatureSnapshot | None = None  # the upstream features it reads (provenance)
+    # Its prompt on its pool's prefix cache (gateway.core.prefix): recorded in the pool's index
+    # when sent, and the backend's reported hit is learned when it is answered.
+    prefix: PrefixMatch | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 
+from tritonclient.grpc import service_pb2
+
 from gateway import clock
 from gateway.backends.base import ModelSpec
 from gateway.backends.stats import PoolTiming, StatsSample, timing_between
@@ -27,9 +29,11 @@ from gateway.core import memory as device_memory
 from gateway.core.errors import InvalidArgument, Unavailable
 from gateway.core.load import PoolLoad
 from gateway.core.placement import best_placement, device_work_term, placement_head
+from gateway.core.prefix import Option, PrefixMatch, choose
 from gateway.core.profile import DemandProfile
 from gateway.core.units import UnitDeviceSet
 from gateway.exchange import BackendHandle, GatewayListener
+from gateway.prefix_affinity import PrefixAffinity
 from gateway.scheduler import DeviceSet, DispatchQueue, FleetBinding
 
 # Ladder step changes (the core returns them; bench/surge.py and bench/noisy_neighbour.py read them).
@@ -102,6 +106,7 @@ class PoolRegistry:
                 )
         self._stats_samples: dict[str, StatsSample] = {}
         self.generation = Generation()
+        self.prefix = PrefixAffinity()  # prefix-cache indexes, learned hit rates, counters
         for handle in backends.values():
             if isinstance(handle.client, TritonBackend):  # MemoryBackend's health is read live only
                 handle.client.on_health_change = self.health_changed
@@ -263,10 +268,85 @@ class PoolRegistry:
         never feeds a degrading pool more demand), then the least work still to run on the
         pool's device set (``core.placement.best_placement``: that sum over the work in flight
         only where the first two terms tie). Nothing is predicted when there is no choice."""
+        pools = await self._healthy(route, cell, logical, exclude)
+        if len(pools) == 1:
+            return pools[0]
+        return self._least(pools, clock.now())
+
+    async def place_prompt(
+        self,
+        route: RouteConfig,
+        cell: str,
+        logical: str,
+        request: service_pb2.ModelInferRequest,
+        tenant: str,
+        *,
+        exclude: Iterable[str] = (),
+    ) -> tuple[Pool, PrefixMatch | None]:
+        """``place``, for a request whose prompt a backend's prefix cache may hold: when the
+        model declares a cache, the request's scope and block keys are matched against each
+        candidate pool's index and, if the route asks for affinity, the pool with the best
+        expected saving within ``max_extra_wait_ms`` of the least-loaded pool's predicted
+        wait is chosen (``core.prefix.choose``; otherwise the least-loaded, a spill). The
+        match is what pricing takes off the request's prefill."""
+        pools = await self._healthy(route, cell, logical, exclude)
+        spec = pools[0][1].prefix_cache
+        if spec is None:
+            return (pools[0] if len(pools) == 1 else self._least(pools, clock.now())), None
+        query = self.prefix.query(
+            request,
+            route.shape.tokens_input,
+            spec,
+            tenant=tenant,
+            cell=cell,
+            model=route.backend_model,
+            version=route.version,
+        )
+        now = clock.now()
+        least = pools[0] if len(pools) == 1 else self._least(pools, now)
+        affinity = route.prefix_affinity
+        profile = self.routes.profiles.get(route.profile)
+        per_token = profile.prefill_ms_per_token if profile is not None else 0.0
+        if affinity is None or len(pools) == 1 or not query.keys:
+            match = self.prefix.match(
+                query,
+                least[2].name,
+                spec,
+                route=logical,
+                tenant=tenant,
+                prefill_ms_per_token=per_token * least[0].time_scale,
+            )
+            return least, match
+        options = [
+            Option(
+                wait_ms=pool[2].predicted_wait_ms(now),
+                saving_ms=query.tokens(self.prefix.index(pool[2].name, spec).match(query.keys))
+                * per_token
+                * pool[0].time_scale,
+            )
+            for pool in pools
+        ]
+        choice = choose(options, pools.index(least), affinity.max_extra_wait_ms)
+        chosen = pools[choice.index]
+        match = self.prefix.match(
+            query,
+            chosen[2].name,
+            spec,
+            route=logical,
+            tenant=tenant,
+            prefill_ms_per_token=per_token * chosen[0].time_scale,
+            spilled=choice.spilled,
+            extra_wait_ms=choice.extra_wait_ms,
+        )
+        return chosen, match
+
+    async def _healthy(
+        self, route: RouteConfig, cell: str, logical: str, exclude: Iterable[str]
+    ) -> list[Pool]:
+        """The route's healthy pools in ``cell`` less ``exclude`` (Unavailable: none)."""
         plan = self.candidates(route, cell, exclude)
-        candidates = plan.handles
         pools: list[Pool] = []
-        for name, handle in candidates:
+        for name, handle in plan.handles:
             backend = handle.client
             if not backend.healthy:  # read live: a flip takes effect on the next request
                 continue
@@ -279,9 +359,10 @@ class PoolRegistry:
             raise Unavailable(
                 f"no healthy backend serves model {logical!r} in this credential's privacy cell"
             )
-        if len(candidates) == 1:
-            return pools[0]
-        now = clock.now()
+        return pools
+
+    def _least(self, pools: list[Pool], now: float) -> Pool:
+        """The load ranking's pick (``core.placement``) among several pools."""
 
         def head(pool: Pool) -> tuple[float, float]:
             queue = pool[2]

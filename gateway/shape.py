@@ -30,6 +30,7 @@ from gateway.backends.triton import ModelSpec
 from gateway.config import RequestClassConfig, ShapeSpec
 from gateway.core.admission import FallbackLimits, fallback_misfit
 from gateway.core.errors import InvalidArgument
+from gateway.core.prefix import SCOPE_PARAMETER
 from gateway.core.record import LONG_BUCKET, SHORT_BUCKET, Shape
 from gateway.core.streaming import StreamObjectives, stream_objectives
 
@@ -217,7 +218,9 @@ _KNOWN_HINTS = frozenset(
 # a topology it names the unit the gateway reserved, dispatch rule 10).
 REFUSED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
 DEVICES_PARAMETER = "devices"
-GATEWAY_OWNED_PARAMETERS = frozenset({"priority", "timeout", DEVICES_PARAMETER})
+# prefix_scope (gateway.core.prefix.SCOPE_PARAMETER): the prefix-cache scope the gateway sends
+# to a model with a prefix cache; a caller's own would let it read another scope's entries.
+GATEWAY_OWNED_PARAMETERS = frozenset({"priority", "timeout", DEVICES_PARAMETER, SCOPE_PARAMETER})
 _SHARED_MEMORY_PREFIX = "shared_memory_"
 
 

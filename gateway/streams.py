@@ -429,6 +429,8 @@ class StreamSession:
                     f"{problems[0]}",
                     rule=OUTPUT_CONTRACT_RULE,
                 )
+        if has_output and entry.tracker.results == 0:  # its first result reports the prefix hit
+            self.chain.execute.answered(admitted, response)
         gap_ms = entry.tracker.result(now) if has_output else None
         if has_output and entry.slot is not None and not entry.slot.grow_live(entry.token_bytes, now):
             # Its device has no live room left for the next token: the stream ends here.

@@ -16,7 +16,7 @@ same whichever serves it. Failures are raised as the domain's ``GatewayError``
 tree, never as a transport's exceptions.
 
 ``ModelSpec`` (with ``InputSpec``) is what the gateway needs to know about one
-backend model: its inputs, outputs, batching and instance count.
+backend model: its inputs, outputs, batching, instance count and prefix cache.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 from tritonclient.grpc import service_pb2
 
 from gateway.core.errors import GatewayError, Unavailable
+from gateway.core.prefix import PrefixCacheSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,9 @@ class ModelSpec:
     max_batch_size: int
     decoupled: bool
     instances: int  # instance count: each stands for one device in the emulator
+    # The model's prefix cache, when its config declares one (``prefix_block_tokens`` and
+    # ``prefix_cache_blocks`` parameters): requests carry their scope (gateway.core.prefix).
+    prefix_cache: PrefixCacheSpec | None = None
 
     def input(self, name: str) -> InputSpec | None:
         for spec in self.inputs:

@@ -40,7 +40,7 @@ from gateway.chain.settle import Settle
 from gateway.chain.shaping import fallback_shape, shape_of
 from gateway.chain.wait import Wait
 from gateway.config import GatewayConfig, RouteConfig, RouteTable
-from gateway.core import admission
+from gateway.core import admission, prefix
 from gateway.core import memory as device_memory
 from gateway.core.errors import InvalidArgument, Unavailable
 from gateway.core.estimate import Estimator
@@ -116,7 +116,7 @@ class RequestChain:
         self.reserve = Reserve(quotas)
         self.wait = Wait(config, pools, quotas, self._weight)
         self.settle = Settle(pools, quotas, estimator)
-        self.execute = Execute(rollouts, shadows, self.settle)
+        self.execute = Execute(rollouts, shadows, self.settle, pools.prefix)
         self.features = features
 
     def _weight(self, tenant: str) -> float:
@@ -331,7 +331,20 @@ class RequestChain:
             route=chosen.placement.route,
             backend=chosen.placement.handle.client,
             queue=chosen.placement.queue,
-            backend_request=backend_request(request, chosen.placement.route, max_output, mode),
+            backend_request=backend_request(
+                request,
+                chosen.placement.route,
+                max_output,
+                mode,
+                prefix_scope=prefix.scope_for(
+                    tenant.name,
+                    resolved.cell,
+                    chosen.placement.route.backend_model,
+                    chosen.placement.route.version,
+                )
+                if chosen.placement.spec.prefix_cache is not None
+                else None,
+            ),
             deadline_at=call.received_at + resolved.deadline_ms / 1000.0,
             correction_key=chosen.correction_key,
             reservation=reservation,
@@ -343,6 +356,7 @@ class RequestChain:
             and diverted.budget_ms is not None
             and chosen.placement.route.backend_model == diverted.route.backend_model
             else None,
+            prefix=_prefix_on(chosen.placement),
         )
         if resolved.features is None:
             return admitted
@@ -446,6 +460,7 @@ class RequestChain:
             except BaseException as error:
                 self.rollouts.hedge_unanswered(admitted, error)  # the canary cost its caller the answer
                 raise
+        self.execute.answered(admitted, response)
         self.execute.check_outputs(admitted, response)
         finished = clock.now()
         settled = self.settle.run(
@@ -463,6 +478,12 @@ class RequestChain:
         return response
 
 
+def _prefix_on(placement: Placement) -> prefix.PrefixMatch | None:
+    """The prompt's prefix match where the request runs (None: it runs elsewhere)."""
+    match = placement.prefix
+    return match if match is not None and match.pool == placement.queue.name else None
+
+
 def feature_scope(resolved: Resolved) -> str:
     """The authorization scope a request's cached features are kept under (beside its tenant):
     its privacy cell and risk class."""
@@ -470,10 +491,17 @@ def feature_scope(resolved: Resolved) -> str:
 
 
 def backend_request(
-    request: service_pb2.ModelInferRequest, route: RouteConfig, max_output_tokens: int, mode: Mode
+    request: service_pb2.ModelInferRequest,
+    route: RouteConfig,
+    max_output_tokens: int,
+    mode: Mode,
+    *,
+    prefix_scope: str | None = None,
 ) -> service_pb2.ModelInferRequest:
     """The request as its backend receives it: the backend model and version, the output
-    limit the decision set, and none of the gateway's own parameters."""
+    limit the decision set, the prefix-cache scope when its model keeps a prefix cache
+    (``gateway.core.prefix``: tenant, cell, model version), and none of the caller's
+    parameters the gateway owns."""
     out = service_pb2.ModelInferRequest()
     out.CopyFrom(request)
     out.model_name = route.backend_model
@@ -485,6 +513,8 @@ def backend_request(
         out.parameters[route.shape.output_limit_parameter].int64_param = max_output_tokens
     if mode is Mode.STREAMING:
         out.parameters["triton_enable_empty_final_response"].bool_param = True
+    if prefix_scope is not None:
+        out.parameters[prefix.SCOPE_PARAMETER].string_param = prefix_scope
     return out
 
 

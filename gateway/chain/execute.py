@@ -2,7 +2,8 @@
 
 Owns the call to the backend within the request's deadline (or a canary's hedge
 budget, whichever is first), the hooks around it (shadow traffic mirrors the request,
-the rollout controller sees it start, fail or answer) and the route's output contract:
+the rollout controller sees it start, fail or answer, the prefix index records what
+the pool's cache holds and learns the backend's reported hit) and the route's output contract:
 an answer outside it never leaves (INTERNAL, rule ``output.contract``), and the tenant
 is not charged for it. A canary that failed, ran out of its budget or answered outside
 its contract returns no response: the chain answers again from the current version.
@@ -26,6 +27,7 @@ from gateway.core.errors import DeadlineExpired, Internal
 from gateway.core.outputs import OUTPUT_CONTRACT_RULE
 from gateway.exchange import Admitted
 from gateway.outputs import INVALID_OUTPUTS, check_outputs
+from gateway.prefix_affinity import PrefixAffinity
 from gateway.rollouts import RolloutController
 from gateway.shadow import ShadowTraffic
 from gateway.shape import DEVICES_PARAMETER
@@ -36,10 +38,13 @@ log = logging.getLogger(__name__)
 class Execute:
     """Backend calls of admitted requests."""
 
-    def __init__(self, rollouts: RolloutController, shadows: ShadowTraffic, settle: Settle) -> None:
+    def __init__(
+        self, rollouts: RolloutController, shadows: ShadowTraffic, settle: Settle, prefix: PrefixAffinity
+    ) -> None:
         self.rollouts = rollouts
         self.shadows = shadows
         self.settle = settle
+        self.prefix = prefix
 
     def starting(self, admitted: Admitted, tenant: Tenant, started: float, slot: Slot | None = None) -> None:
         """The hooks as a request starts on its backend: the unit its slot holds named on the
@@ -47,8 +52,20 @@ class Execute:
         if slot is not None and slot.unit is not None:
             devices = ",".join(str(d) for d in slot.unit.devices)
             admitted.backend_request.parameters[DEVICES_PARAMETER].string_param = devices
+        if admitted.prefix is not None:  # its blocks are in the pool's cache from now on
+            self.prefix.sent(admitted.prefix)
         self.shadows.maybe_mirror(admitted, tenant)
         self.rollouts.dispatched(admitted, started)
+
+    def answered(self, admitted: Admitted, response: service_pb2.ModelInferResponse) -> None:
+        """The backend answered: its reported prefix-cache hit teaches the hit rate."""
+        if admitted.prefix is not None:
+            self.prefix.observe(
+                admitted.prefix,
+                response,
+                route=admitted.record.identity.model,
+                tenant=admitted.record.identity.tenant,
+            )
 
     @staticmethod
     def deadline_at(admitted: Admitted) -> float:

@@ -3,8 +3,10 @@
 Owns choosing the pool: the route's healthy backends in the request's privacy cell,
 less any a policy routing rule excluded (a filter, so an allowed backend in the same
 cell is tried rather than the request refused), ranked by ``gateway.core.placement``
-through the pool registry; a rollout's candidate pool when the rollout diverts the
-request; and the route's warm fallback pool (never one that must cold-load).
+through the pool registry, or by the prompt's expected prefix-cache hit inside the
+route's load bound (``gateway.core.prefix``: scoped by tenant, cell and model
+version); a rollout's candidate pool when the rollout diverts the request; and the
+route's warm fallback pool (never one that must cold-load).
 
 It may read pools and the rollout controller; it may not reserve anything, judge
 policy or touch quota.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from gateway.backends.base import ModelSpec
 from gateway.chain.resolve import Resolved
 from gateway.config import RouteConfig
+from gateway.core.prefix import PrefixMatch
 from gateway.core.record import RequestRecord, Shape
 from gateway.exchange import BackendHandle
 from gateway.pools import PoolRegistry
@@ -33,6 +36,9 @@ class Placement:
     handle: BackendHandle
     spec: ModelSpec
     queue: DispatchQueue
+    # The request's prompt on this pool's prefix cache (None: the model declares no cache, or
+    # this is not the request's primary placement): pricing takes its hit off the prefill.
+    prefix: PrefixMatch | None = None
 
 
 class Place:
@@ -43,17 +49,24 @@ class Place:
         self.rollouts = rollouts
 
     async def primary(self, resolved: Resolved, *, exclude: Iterable[str] = ()) -> Placement:
-        handle, spec, queue = await self.pools.place(
-            resolved.route, resolved.cell, resolved.logical, exclude=exclude
-        )
-        return Placement(resolved.route, handle, spec, queue)
+        """The request's primary pool: by load, or by its prompt's expected prefix-cache hit
+        within the route's load bound (``PoolRegistry.place_prompt``)."""
+        return await self._prompt(resolved.route, resolved, exclude)
 
     async def again(self, placement: Placement, resolved: Resolved, exclude: Iterable[str]) -> Placement:
         """``placement``'s route placed again without the excluded backends (the filter)."""
-        handle, spec, queue = await self.pools.place(
-            placement.route, resolved.cell, resolved.logical, exclude=exclude
+        return await self._prompt(placement.route, resolved, exclude)
+
+    async def _prompt(self, route: RouteConfig, resolved: Resolved, exclude: Iterable[str]) -> Placement:
+        (handle, spec, queue), prefix = await self.pools.place_prompt(
+            route,
+            resolved.cell,
+            resolved.logical,
+            resolved.request,
+            resolved.identity.tenant,
+            exclude=exclude,
         )
-        return Placement(placement.route, handle, spec, queue)
+        return Placement(route, handle, spec, queue, prefix)
 
     async def rollout(
         self,

@@ -76,5 +76,16 @@ class Price:
             received_at=resolved.call.received_at,
             ladder_step=ladder_step,
             now=now,
+            cached_tokens=_cached_tokens(placement, shape),
         )
         return Priced(record, placement, correction_key)
+
+
+def _cached_tokens(placement: Placement, shape: Shape) -> int:
+    """The prompt tokens the placement's prefix cache is expected to serve: only for the pool
+    and the prompt it was matched on (a rollout's candidate or a fallback pool has its own
+    cache; a shape the request does not run with is not the prompt)."""
+    prefix = placement.prefix
+    if prefix is None or prefix.pool != placement.queue.name or shape.items != 1:
+        return 0
+    return min(prefix.priced_tokens, max(0, shape.input_tokens - 1))

@@ -69,10 +69,22 @@ _MAX_STEP = math.log(2.0)
 
 
 def predict(
-    profile: DemandProfile, shape: Shape, *, time_scale: float = 1.0, correction: float = 1.0
+    profile: DemandProfile,
+    shape: Shape,
+    *,
+    time_scale: float = 1.0,
+    correction: float = 1.0,
+    cached_tokens: int = 0,
 ) -> Demand:
+    """Predicted demand of ``shape`` on ``profile``. ``cached_tokens``: prompt tokens a prefix
+    cache is expected to serve (``gateway.core.prefix``): prefill is priced on the rest, while
+    memory and live state still count the whole prompt (the cached blocks are live too)."""
     scale = time_scale * correction
-    prefill, decode = profile.phases(shape.input_tokens, shape.max_output_tokens, batch=shape.items)
+    prefill, decode = profile.phases(
+        shape.input_tokens - cached_tokens if cached_tokens > 0 else shape.input_tokens,
+        shape.max_output_tokens,
+        batch=shape.items,
+    )
     return Demand(
         prefill_ms=prefill * scale,
         decode_ms=decode * scale,

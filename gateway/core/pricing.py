@@ -80,15 +80,18 @@ def price(
     received_at: float,
     ladder_step: int,
     now: float,
+    cached_tokens: int = 0,
 ) -> tuple[RequestRecord, CorrectionKey]:
     """The record of this request as it would run on ``backend_model`` in ``queue`` at ``now``,
-    and the key its observed work will correct the estimator under."""
+    and the key its observed work will correct the estimator under. ``cached_tokens``: the
+    prompt tokens the pool's prefix cache is expected to serve (their prefill is not priced)."""
     correction_key = CorrectionKey(backend_model, version, shape.bucket)
     demand = predict(
         profile,
         shape,
         time_scale=time_scale,
         correction=estimator.correction(correction_key, identity.tenant, now),
+        cached_tokens=cached_tokens,
     )
     layout = queue.layout
     wall_per_ms = 1.0  # wall ms per accelerator-ms
