@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tritonclient.grpc import service_pb2
 
@@ -89,6 +90,14 @@ from gateway.config import (
 )
 from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError, Unavailable, error_for_status
 from gateway.core.evidence import Evidence, EvidenceKey
+from gateway.core.prefix import (
+    CACHED_TOKENS_PARAMETER,
+    SCOPE_PARAMETER,
+    PrefixCacheSpec,
+    PrefixMatch,
+    block_keys,
+    cached_tokens,
+)
 from gateway.core.rollout import CANARY_REASON, RolloutSpec
 from gateway.core.streaming import GapTracker, StreamObjectives, StreamSummary
 from gateway.core.topology import TopologyError, parse_devices
@@ -97,6 +106,7 @@ from gateway.evidence import population
 from gateway.exchange import BackendHandle, CallContext, GatewayListener
 from gateway.messages import flag_response
 from gateway.pipeline import Gateway
+from gateway.prefix_affinity import prompt_bytes
 from gateway.rollouts import parse_rollout
 from gateway.server import (
     assemble_gateway,
@@ -108,7 +118,6 @@ from gateway.server import (
 from gateway.settings import DemandProfileValue
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, parse_yaml, read_yaml
 from orchid_tools.simulate_features import (
-    Compare,
     Entities,
     FeatureLog,
     SourceModel,
@@ -145,6 +154,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class PrefixCacheModel(_Strict):
+    """A backend model's prefix cache (``gateway.core.prefix.PrefixCacheSpec``; the capacity
+    emulator's ``prefix_block_tokens`` and ``prefix_cache_blocks``)."""
+
+    block_tokens: int = Field(ge=1, description="tokens per cache block")
+    capacity_blocks: int = Field(ge=1, description="blocks the cache holds (least recently used evicted)")
+
+    def spec(self) -> PrefixCacheSpec:
+        return PrefixCacheSpec(self.block_tokens, self.capacity_blocks)
+
+
 class FleetModel(_Strict):
     """A backend model the emulated backend serves (what its Triton config would declare)."""
 
@@ -159,6 +179,9 @@ class FleetModel(_Strict):
         default=0.0, ge=0, description="load + warm-up before it is ready (a cold restore, a rollout's load)"
     )
     loaded: bool = Field(default=True, description="false: in the repository, loaded only by a rollout")
+    prefix_cache: PrefixCacheModel | None = Field(
+        default=None, description="the model keeps a prefix cache (the emulator's prefix_block_tokens, ...)"
+    )
 
 
 class FleetBackend(_Strict):
@@ -239,8 +262,60 @@ class FleetBackend(_Strict):
         return config.model_copy(update=memory) if memory else config
 
 
+def _range_of(key: str, pair: tuple[float, float]) -> None:
+    if pair[0] > pair[1]:
+        raise _Keyed(key, f"a range [low, high] with low <= high, got [{pair[0]:g}, {pair[1]:g}]")
+
+
+class ChatArrivals(_Strict):
+    """A tenant's multi-turn chat (``arrivals.NAME.chat``): conversations start as a Poisson
+    process; each turn's prompt is the system prompt, every earlier user message and answer,
+    and the new user message (the actual tokens: prefix caches see the shared prefix). Turns
+    follow each other by a think time from the turn before (open loop: the answer's latency is
+    not waited for). Lengths are drawn uniformly from the ``[low, high]`` ranges."""
+
+    system_prompt_tokens: int = Field(default=512, ge=0, description="the tenant's system prompt")
+    system_prompt_seed: int | None = Field(
+        default=None,
+        description="the system prompt's tokens come from this seed alone (two classes giving the "
+        "same seed send the same system prompt); default: the scenario's seed and this class",
+    )
+    turns: tuple[int, int] = Field(description="turns per conversation [low, high]")
+    user_tokens: tuple[int, int] = Field(description="tokens of each user message [low, high]")
+    answer_tokens: tuple[int, int] = Field(
+        description="tokens of each answer [low, high] (orchid.max_output_tokens; the next turns resend it)"
+    )
+    think_time_s: tuple[float, float] = Field(description="seconds from one turn to the next [low, high]")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> ChatArrivals:
+        for key in ("turns", "user_tokens", "answer_tokens"):
+            pair = getattr(self, key)
+            if pair[0] < 1:
+                raise _Keyed(key, f"at least 1, got {pair[0]}")
+            _range_of(key, pair)
+        if self.think_time_s[0] < 0:
+            raise _Keyed("think_time_s", f"at least 0, got {self.think_time_s[0]:g}")
+        _range_of("think_time_s", self.think_time_s)
+        return self
+
+    def mean_turns(self) -> float:
+        return (self.turns[0] + self.turns[1]) / 2.0
+
+    def mean_input_tokens(self) -> float:
+        """A turn's prompt tokens on average over requests (a long conversation sends more)."""
+        lengths = range(self.turns[0], self.turns[1] + 1)
+        earlier = sum(t * (t - 1) / 2.0 for t in lengths) / sum(lengths)  # E[turn index - 1]
+        user = sum(self.user_tokens) / 2.0
+        answer = sum(self.answer_tokens) / 2.0
+        return self.system_prompt_tokens + earlier * (user + answer) + user
+
+    def mean_output_tokens(self) -> float:
+        return sum(self.answer_tokens) / 2.0
+
+
 class ArrivalClass(_Strict):
-    """A stream of identical requests from one tenant."""
+    """A stream of identical requests from one tenant (or, with ``chat``, its conversations)."""
 
     tenant: str
     model: str = Field(description="the logical model called")
@@ -249,7 +324,7 @@ class ArrivalClass(_Strict):
     raw_capacity_share: float | None = Field(
         default=None, gt=0, description="rate as a share of the raw device time of the model's pools"
     )
-    input_tokens: int = Field(ge=1)
+    input_tokens: int | None = Field(default=None, ge=1, description="required, except for chat")
     output_tokens: int | None = Field(default=None, ge=1, description="orchid.max_output_tokens")
     items: int = Field(default=1, ge=1)
     deadline_ms: float | None = Field(default=None, gt=0, description="the gRPC deadline; none: the class's")
@@ -268,11 +343,29 @@ class ArrivalClass(_Strict):
     entities: Entities | None = Field(
         default=None, description="a route with a features contract: the entities its requests read"
     )
+    chat: ChatArrivals | None = Field(
+        default=None,
+        description="multi-turn conversations (rate_per_s, raw_capacity_share: of their turns)",
+    )
 
     @model_validator(mode="after")
     def _one_rate(self) -> ArrivalClass:
         if (self.rate_per_s is None) == (self.raw_capacity_share is None):
             raise _Keyed("rate_per_s", "give exactly one of rate_per_s and raw_capacity_share")
+        if self.chat is not None:
+            for name in ("input_tokens", "output_tokens"):
+                if getattr(self, name) is not None:
+                    raise _Keyed(
+                        name, f"a chat's {name} are its turns' (chat.user_tokens, chat.answer_tokens)"
+                    )
+            if self.arrivals != "poisson":
+                raise _Keyed("arrivals", "a chat's conversations start as a Poisson process")
+            if self.mode != "online" or self.items != 1:
+                raise _Keyed(
+                    "chat", "a chat's turns are online requests of one sequence (mode online, items 1)"
+                )
+        elif self.input_tokens is None:
+            raise _Keyed("input_tokens", "required field is missing (except for chat arrivals)")
         for name in ("first_result_ms", "gap_ms"):
             if getattr(self, name) is not None and self.mode != "streaming":
                 raise _Keyed(name, "a stream objective: set mode: streaming too")
@@ -446,8 +539,20 @@ EXPECTED_FIGURES = (
     "backpressure_last_refusal_s",  # seconds from the phase's start to its last such refusal (0: none)
     "expired_device_ms",  # device time of requests answered late or whose deadline passed as they ran
     "expired_device_ms_per_s",
+    # With a backend model that keeps a prefix cache (totals, or scope `route NAME`):
+    "prefix_requests",  # answered requests to a prefix-cache model
+    "prefix_hit_pct",  # of them, those whose backend reported cached tokens
+    "prefix_cached_tokens",  # the prompt tokens the backends reported their caches served
+    "prefix_cached_token_pct",  # of the answered requests' prompt tokens
+    "prefix_saved_device_ms",  # the prefill those tokens did not cost (the backend model's profile)
+    "prefix_device_ms_per_answered",  # device-ms on the caller's path per answered request
+    "prefix_spills",  # the gateway's count: sent elsewhere, the best saving was outside the bound
+    "prefix_extra_wait_ms_max",  # the largest predicted wait affinity chose above the least
+    "prefix_cross_tenant_hits",  # hits its own tenant's earlier prompts cannot explain (must be 0)
 )
-FEATURE_FIGURES = EXPECTED_FIGURES[EXPECTED_FIGURES.index("feature_reads") :]
+FEATURE_FIGURES = EXPECTED_FIGURES[
+    EXPECTED_FIGURES.index("feature_reads") : EXPECTED_FIGURES.index("prefix_requests")
+]
 
 
 class Expectation(_Strict):
@@ -460,20 +565,28 @@ class Expectation(_Strict):
     max: dict[str, float] = {}
     versus: str | None = Field(default=None, description="another phase, for max_above")
     max_above: dict[str, float] = Field(
-        default={}, description="figure <= the versus phase's + this (recovery: back to pre-fault)"
+        default={},
+        description="figure <= the versus phase's + this (recovery: back to pre-fault); with versus_run "
+        "(and no versus), the same phase's in that run",
     )
     because: str = ""
     run: str | None = Field(
         default=None, description="with compare: the run judged (e.g. backpressure=false); default the first"
     )
-    versus_run: str | None = Field(default=None, description="with compare: the run max_ratio compares with")
+    versus_run: str | None = Field(
+        default=None, description="with compare: the run max_ratio (or max_above) compares with"
+    )
     max_ratio: dict[str, float] = Field(
         default={}, description="figure <= this x the same figure in versus_run (which must be > 0)"
     )
 
     @model_validator(mode="after")
     def _figures(self) -> Expectation:
-        if bool(self.max_ratio) != (self.versus_run is not None):
+        if self.max_ratio and self.versus_run is None:
+            raise _Keyed(
+                "versus_run", "max_ratio needs versus_run (the run compared with), and versus_run max_ratio"
+            )
+        if self.versus_run is not None and not (self.max_ratio or (self.max_above and self.versus is None)):
             raise _Keyed(
                 "versus_run", "max_ratio needs versus_run (the run compared with), and versus_run max_ratio"
             )
@@ -481,16 +594,54 @@ class Expectation(_Strict):
             for name in getattr(self, part):
                 if name not in EXPECTED_FIGURES:
                     raise _Keyed(f"{part}.{name}", f"unknown figure (known: {', '.join(EXPECTED_FIGURES)})")
-        if bool(self.max_above) != (self.versus is not None):
+        if self.versus is not None and not self.max_above:
+            raise _Keyed("versus", "max_above needs versus (the phase compared with), and versus max_above")
+        if self.max_above and self.versus is None and self.versus_run is None:
             raise _Keyed("versus", "max_above needs versus (the phase compared with), and versus max_above")
         if not (self.min or self.max or self.max_above or self.max_ratio):
             raise _Keyed("max", "an expectation bounds at least one figure")
         if self.pool is not None and not any("max_step" in b for b in (self.min, self.max, self.max_above)):
             raise _Keyed("pool", "pool applies to max_step only: bound max_step too")
         kind, _, name = self.scope.partition(" ")
-        if self.scope != "totals" and (kind not in ("class", "tenant") or not name):
-            raise _Keyed("scope", "totals, `class NAME` or `tenant NAME`")
+        if self.scope != "totals" and (kind not in ("class", "tenant", "route") or not name):
+            raise _Keyed("scope", "totals, `class NAME`, `tenant NAME` or `route NAME`")
         return self
+
+
+class Compare(_Strict):
+    """Run the same arrivals once per value of one feature: ``backpressure: [true, false]``
+    (the feature sources', ``orchid_tools.simulate_features``) or ``prefix_affinity: [true,
+    false]`` (false: every route's ``prefix_affinity`` removed, least-wait routing). The
+    report is the first value's; every run's is under ``runs`` (``prefix_affinity=false``)
+    for ``expect:``."""
+
+    backpressure: list[bool] | None = Field(default=None, min_length=2, max_length=2)
+    prefix_affinity: list[bool] | None = Field(default=None, min_length=2, max_length=2)
+
+    @model_validator(mode="after")
+    def _one(self) -> Compare:
+        given = [k for k in ("backpressure", "prefix_affinity") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise _Keyed("backpressure", "compare one feature: backpressure or prefix_affinity")
+        values = getattr(self, given[0])
+        if len(set(values)) != len(values):
+            raise _Keyed(given[0], "two different values: [true, false]")
+        return self
+
+    @property
+    def feature(self) -> str:
+        return "backpressure" if self.backpressure is not None else "prefix_affinity"
+
+    def values(self) -> list[bool]:
+        values = self.backpressure if self.backpressure is not None else self.prefix_affinity
+        assert values is not None
+        return values
+
+    def label(self, value: bool) -> str:
+        return run_label(value) if self.feature == "backpressure" else f"{self.feature}={str(value).lower()}"
+
+    def labels(self) -> list[str]:
+        return [self.label(v) for v in self.values()]
 
 
 class Scenario(_Strict):
@@ -569,7 +720,7 @@ class Scenario(_Strict):
                         f"expect[{e}].{key}",
                         f"unknown run {named!r} (runs: {', '.join(runs) or 'none: set compare'})",
                     )
-        if self.compare is not None and not self.feature_sources:
+        if self.compare is not None and self.compare.feature == "backpressure" and not self.feature_sources:
             raise _Keyed("compare", "compare: backpressure needs feature_sources")
         return self
 
@@ -847,6 +998,7 @@ def _fleet_models(
             input_name=route.shape.tokens_input if route else "INPUT_IDS",
             load_s=spec.load_s,
             loaded=spec.loaded,
+            prefix_cache=spec.prefix_cache.spec() if spec.prefix_cache is not None else None,
         )
     return out
 
@@ -885,9 +1037,27 @@ def _class_facts(
             f"{key}.class", f"unknown class {request_class!r} (known: {_known(config.classes)})"
         )
     output_tokens = spec.output_tokens or route.shape.default_max_output_tokens
+    input_tokens = spec.input_tokens or 0
+    chat = spec.chat
+    if chat is not None:  # priced at its turns' mean shape (a price is linear in tokens)
+        input_tokens = round(chat.mean_input_tokens())
+        output_tokens = round(chat.mean_output_tokens())
+        if chat.turns[1] > 1 and chat.think_time_s[1] <= 0:
+            raise source.error(f"{key}.chat.think_time_s", "turns after the first need a think time > 0")
+        longest = (
+            chat.system_prompt_tokens
+            + chat.turns[1] * chat.user_tokens[1]
+            + (chat.turns[1] - 1) * chat.answer_tokens[1]
+        )
+        if route.shape.max_input_tokens and longest > route.shape.max_input_tokens:
+            raise source.error(
+                f"{key}.chat.turns",
+                f"a last turn may send {longest} tokens, over model {spec.model!r}'s max_input_tokens "
+                f"{route.shape.max_input_tokens}",
+            )
     profile = routes.profiles[route.profile]
     primary_ms = (
-        profile.accelerator_ms(spec.input_tokens, output_tokens)
+        profile.accelerator_ms(input_tokens, output_tokens)
         * spec.items
         * _profile_scale(scenario, route.backend_model)
     )
@@ -896,7 +1066,7 @@ def _class_facts(
     if fallback is not None:
         capped = min(output_tokens, fallback.shape.max_output_tokens)
         fallback_ms = (
-            routes.profiles[fallback.profile].accelerator_ms(spec.input_tokens, capped)
+            routes.profiles[fallback.profile].accelerator_ms(input_tokens, capped)
             * spec.items
             * _profile_scale(scenario, fallback.backend_model)
         )
@@ -927,7 +1097,7 @@ def _class_facts(
         request_class=request_class,
         model=spec.model,
         fallback=route.fallback,
-        input_tokens=spec.input_tokens,
+        input_tokens=input_tokens,
         output_tokens=output_tokens,
         deadline_ms=deadline_ms,
         sets_deadline=spec.deadline_ms is not None,
@@ -976,6 +1146,10 @@ class Arrival:
     at_s: float
     klass: int  # index into the class list
     phase: int
+    # A chat turn: its prompt (INT32 little-endian bytes) and its answer's tokens (the class's
+    # template carries neither); b"" for every other class.
+    prompt: bytes = b""
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -1007,6 +1181,9 @@ def schedule(prepared: Prepared, seed: int) -> list[Arrival]:
     for index, (name, spec) in enumerate(scenario.arrivals.items()):
         facts = prepared.classes[name]
         rng = np.random.default_rng([seed, index])
+        if spec.chat is not None:
+            arrivals.extend(_chat_arrivals(spec.chat, facts.rate_per_s, scenario, windows, seed, index, rng))
+            continue
         for p, (phase, window) in enumerate(zip(scenario.phases, windows, strict=True)):
             rate = facts.rate_per_s * phase.arrivals.get(name, phase.multiplier)
             if rate <= 0:
@@ -1025,15 +1202,88 @@ def schedule(prepared: Prepared, seed: int) -> list[Arrival]:
     return arrivals
 
 
+def system_prompt(chat: ChatArrivals, seed: int, index: int) -> npt.NDArray[np.int32]:
+    """A chat class's system prompt: from ``system_prompt_seed`` alone when given (classes that
+    give the same seed send the same prompt), else from the scenario's seed and the class."""
+    rng = np.random.default_rng(
+        [chat.system_prompt_seed] if chat.system_prompt_seed is not None else [seed, 3000 + index]
+    )
+    tokens: npt.NDArray[np.int32] = rng.integers(1, TOKEN_VOCAB, chat.system_prompt_tokens).astype(np.int32)
+    return tokens
+
+
+def _chat_arrivals(
+    chat: ChatArrivals,
+    rate_per_s: float,
+    scenario: Scenario,
+    windows: Sequence[PhaseWindow],
+    seed: int,
+    index: int,
+    rng: np.random.Generator,
+) -> list[Arrival]:
+    """A chat class's turns: conversations start as a Poisson process (``rate_per_s`` turns/s
+    over the mean turns per conversation, times each phase's multiplier); each conversation's
+    lengths and tokens come from its own draws (``default_rng([seed, 4000 + class, k])``), so
+    its turns do not depend on the other conversations. A turn past the last phase is not sent."""
+    system = system_prompt(chat, seed, index)
+    end_s = windows[-1].end_s if windows else 0.0
+    starts: list[float] = []
+    name = list(scenario.arrivals)[index]
+    for phase, window in zip(scenario.phases, windows, strict=True):
+        rate = rate_per_s / chat.mean_turns() * phase.arrivals.get(name, phase.multiplier)
+        if rate <= 0:
+            continue
+        t = window.start_s
+        while True:
+            t += float(rng.exponential(1.0 / rate))
+            if t >= window.end_s:
+                break
+            starts.append(t)
+    out: list[Arrival] = []
+    for k, start in enumerate(starts):
+        draw = np.random.default_rng([seed, 4000 + index, k])
+        turns = int(draw.integers(chat.turns[0], chat.turns[1] + 1))
+        history = system.tobytes()
+        at = start
+        for turn in range(turns):
+            if turn:
+                at += float(draw.uniform(chat.think_time_s[0], chat.think_time_s[1]))
+            user = draw.integers(
+                1, TOKEN_VOCAB, int(draw.integers(chat.user_tokens[0], chat.user_tokens[1] + 1))
+            )
+            answer_n = int(draw.integers(chat.answer_tokens[0], chat.answer_tokens[1] + 1))
+            answer = draw.integers(1, TOKEN_VOCAB, answer_n)
+            prompt = history + user.astype("<i4").tobytes()
+            if at >= end_s:
+                break
+            phase_index = next(p for p, w in enumerate(windows) if w.start_s <= at < w.end_s)
+            out.append(Arrival(at, index, phase_index, prompt, answer_n))
+            history = prompt + answer.astype("<i4").tobytes()
+    return out
+
+
+def chat_turn_bytes(arrival: Arrival, route: RouteConfig) -> bytes:
+    """A chat turn's part of its request (after its class's template): its token tensor and its
+    answer's length (protobuf merges the concatenated messages)."""
+    request = service_pb2.ModelInferRequest()
+    tensor = request.inputs.add(name=route.shape.tokens_input, datatype="INT32")
+    tensor.shape.extend([1, len(arrival.prompt) // 4])
+    request.raw_input_contents.append(arrival.prompt)
+    request.parameters["orchid.max_output_tokens"].int64_param = arrival.output_tokens
+    raw: bytes = request.SerializeToString()
+    return raw
+
+
 def request_template(facts: ClassFacts, spec: ArrivalClass, route: RouteConfig) -> bytes:
     """A ``ModelInferRequest`` as tritonclient would serialize it (without its id): the
     token tensor, and the ``orchid.*`` hints the class sets."""
     request = service_pb2.ModelInferRequest(model_name=facts.model)
-    tensor = request.inputs.add(name=route.shape.tokens_input, datatype="INT32")
-    # A streaming (decoupled) model batches nothing: one sequence, a rank-1 token tensor.
-    tensor.shape.extend([spec.input_tokens] if facts.streaming else [spec.items, spec.input_tokens])
-    tokens = np.arange(spec.input_tokens * spec.items, dtype=np.int32) % TOKEN_VOCAB
-    request.raw_input_contents.append(tokens.astype(np.int32).tobytes())
+    if spec.input_tokens is not None:  # a chat's turns carry their own (chat_turn_bytes)
+        tensor = request.inputs.add(name=route.shape.tokens_input, datatype="INT32")
+        # A streaming (decoupled) model batches nothing: one sequence, a rank-1 token tensor.
+        tensor.shape.extend([spec.input_tokens] if facts.streaming else [spec.items, spec.input_tokens])
+        tokens = np.arange(spec.input_tokens * spec.items, dtype=np.int32) % TOKEN_VOCAB
+        request.raw_input_contents.append(tokens.astype(np.int32).tobytes())
     if spec.request_class is not None:
         request.parameters["orchid.class"].string_param = spec.request_class
     if spec.output_tokens is not None:
@@ -1105,9 +1355,52 @@ async def _stream_call(
     return final
 
 
+@dataclass
+class PrefixLog:
+    """What the prefix caches did for each arrival on its caller's path: the cached tokens its
+    backend reported, the tokens its own tenant's earlier prompts to that backend could have
+    served (unscoped: a report above it is a hit another tenant's entries gave, a
+    cross-tenant hit), and affinity's placement (spilled, predicted extra wait)."""
+
+    tenants: list[str]  # per arrival class
+    arrivals: list[Arrival]
+    cached: dict[int, int] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    own: dict[int, int] = field(default_factory=dict)
+    placed: dict[int, tuple[bool, float, int]] = field(default_factory=dict)  # spilled, extra ms, expected
+    scopes: dict[str, set[str]] = field(default_factory=dict)  # scope sent -> the tenants that sent it
+    seen: dict[tuple[str, str], set[bytes]] = field(default_factory=dict)  # (backend, tenant) -> blocks
+    backends: list[dict[str, Any]] = field(default_factory=list)  # per phase end: prefix_stats
+    counters: dict[str, Any] = field(default_factory=dict)  # the gateway's per-route counters at the end
+
+    def sent(
+        self, backend: str, index: int, request: service_pb2.ModelInferRequest, spec: PrefixCacheSpec
+    ) -> None:
+        tenant = self.tenants[self.arrivals[index].klass]
+        param = request.parameters.get(SCOPE_PARAMETER)
+        scope = param.string_param if param is not None else ""
+        self.scopes.setdefault(scope, set()).add(tenant)
+        prompt = prompt_bytes(request, request.inputs[0].name if request.inputs else "")
+        keys = block_keys("", prompt, spec.block_tokens)
+        held = self.seen.setdefault((backend, tenant), set())
+        matched = 0
+        for key in keys:
+            if key not in held:
+                break
+            matched += 1
+        n = len(prompt) // 4
+        self.own[index] = max(self.own.get(index, 0), cached_tokens(matched, spec.block_tokens, n))
+        self.prompt_tokens[index] = n
+        held.update(keys)
+
+    def answered(self, index: int, response: service_pb2.ModelInferResponse) -> None:
+        if CACHED_TOKENS_PARAMETER in response.parameters:
+            self.cached[index] = int(response.parameters[CACHED_TOKENS_PARAMETER].int64_param)
+
+
 class _SimBackend(MemoryBackend):
     """A ``MemoryBackend`` that notes which requests reached it (a failure after that is the
-    backend's, not a refusal)."""
+    backend's, not a refusal) and, for a prefix-cache model, what its cache served."""
 
     def __init__(
         self,
@@ -1115,12 +1408,17 @@ class _SimBackend(MemoryBackend):
         submitted: set[str],
         callers: dict[asyncio.Task[Any], int],
         served: list[str],
+        prefix: PrefixLog | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._submitted = submitted
         self._callers = callers
         self._served = served
+        self._prefix = prefix
+        models = args[1] if len(args) > 1 else kwargs.get("models", {})
+        listed = list(models.values()) if isinstance(models, Mapping) else list(models)
+        self.caches = {m.name: m.prefix_cache for m in listed if m.prefix_cache is not None}
 
     async def infer(
         self, request: service_pb2.ModelInferRequest, *, timeout_s: float, logical: str
@@ -1131,7 +1429,13 @@ class _SimBackend(MemoryBackend):
         index = self._callers.get(asyncio.current_task())  # type: ignore[arg-type]
         if index is not None:
             self._served[index] = request.model_name
-        return await super().infer(request, timeout_s=timeout_s, logical=logical)
+        cache = self.caches.get(request.model_name) if self._prefix is not None else None
+        if cache is None or index is None or self._prefix is None:
+            return await super().infer(request, timeout_s=timeout_s, logical=logical)
+        self._prefix.sent(self.name, index, request, cache)
+        response = await super().infer(request, timeout_s=timeout_s, logical=logical)
+        self._prefix.answered(index, response)
+        return response
 
 
 class _LadderRecorder(GatewayListener):
@@ -1172,6 +1476,8 @@ class RunRecord:
     # With a topology: per phase, at its end, each such backend's lost devices and its pools'
     # available units (the gateway's view: UnitDeviceSet).
     units: list[dict[str, Any]] = field(default_factory=list)
+    # With a backend model that keeps a prefix cache: what the caches did (PrefixLog).
+    prefix: PrefixLog | None = None
 
 
 def run_once(
@@ -1213,6 +1519,8 @@ async def _run(
     )
     submitted: set[str] = set()
     callers: dict[asyncio.Task[Any], int] = {}
+    if prefix_backends(prepared):
+        record.prefix = PrefixLog([prepared.classes[n].tenant for n in names], arrivals)
 
     def executed(execution: Execution) -> None:
         index = int(execution.request_id) if execution.request_id.isdigit() else -1
@@ -1243,6 +1551,7 @@ async def _run(
             callers=callers,
             served=record.served,
             units=units,
+            prefix=record.prefix,
         )
         if topology is not None and topology.lost_devices():
             client.set_devices_lost(topology.lost_devices())
@@ -1277,6 +1586,8 @@ async def _run(
             caller=caller,
             log=record.features,
         )
+    if record.prefix is not None:
+        _watch_prefix(gateway, record.prefix, callers, backends, phase_windows(scenario), t0)
     background = [
         loop.create_task(update_ladders_forever(gateway), name="ladders"),
         loop.create_task(sample_statistics_forever(gateway), name="stats"),
@@ -1356,6 +1667,7 @@ async def _run(
     templates: list[bytes] = []
     metadata: list[tuple[tuple[str, str | bytes], ...]] = []
     facts = [prepared.classes[n] for n in names]
+    routes_of = [prepared.routes.models[f.model] for f in facts]
     for name, f in zip(names, facts, strict=True):
         templates.append(request_template(f, scenario.arrivals[name], prepared.routes.models[f.model]))
         metadata.append((("authorization", f"Bearer {minted_key(f.tenant)}"),))
@@ -1392,6 +1704,8 @@ async def _run(
         # length-delimited, as ModelInferRequest(id=...).SerializeToString() writes it.
         ident = str(index).encode()
         raw = b"\x1a" + bytes((len(ident),)) + ident + templates[arrival.klass]
+        if arrival.prompt:
+            raw += chat_turn_bytes(arrival, routes_of[arrival.klass])
         draw = entity_draws.get(arrival.klass)
         if draw is not None and draw[0] is not None:
             raw += entity_bytes(draw[0], draw[1], draw[2])
@@ -1471,6 +1785,11 @@ async def _run(
             entry.update(gateway.rollouts.report(rollout_spec.name))
         record.rollouts.append(entry)
     await gateway.rollouts.close()
+    if record.prefix is not None:
+        record.prefix.backends.append(_prefix_stats(backends))  # the last phase: at the run's end
+        record.prefix.counters = {
+            route: dataclasses.asdict(c) for route, c in sorted(gateway.pools.prefix.counters.items())
+        }
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)
@@ -1478,6 +1797,54 @@ async def _run(
         await client.close()
     record.ladder = dict(recorder.samples)
     return record
+
+
+def prefix_backends(prepared: Prepared) -> dict[str, dict[str, PrefixCacheSpec]]:
+    """Per backend of the fleet, its models that keep a prefix cache (none: no prefix report)."""
+    out: dict[str, dict[str, PrefixCacheSpec]] = {}
+    for backend, models in prepared.models.items():
+        caches = {name: m.prefix_cache for name, m in models.items() if m.prefix_cache is not None}
+        if caches:
+            out[backend] = caches
+    return out
+
+
+def _prefix_stats(backends: Mapping[str, _SimBackend]) -> dict[str, Any]:
+    """Each prefix cache's counters now, by ``backend/model``."""
+    out: dict[str, Any] = {}
+    for name, backend in sorted(backends.items()):
+        for model in sorted(backend.caches):
+            out[f"{name}/{model}"] = backend.prefix_stats(model)
+    return out
+
+
+def _watch_prefix(
+    gateway: Gateway,
+    log: PrefixLog,
+    callers: Mapping[asyncio.Task[Any], int],
+    backends: Mapping[str, _SimBackend],
+    windows: Sequence[PhaseWindow],
+    t0: float,
+) -> None:
+    """Note affinity's placement of each arrival as the gateway observes its answer (its
+    ``PrefixAffinity.observe``, on the caller's task), and the backends' cache counters a
+    microsecond before each phase's end (the last phase's at the run's end)."""
+    affinity = gateway.pools.prefix
+    observe = affinity.observe
+
+    def observed(match: PrefixMatch, *args: Any, **kwargs: Any) -> int:
+        task = asyncio.current_task()
+        index = callers.get(task) if task is not None else None
+        if index is not None:
+            log.placed[index] = (match.spilled, match.extra_wait_ms, match.index_tokens)
+        return observe(match, *args, **kwargs)
+
+    setattr(affinity, "observe", observed)  # noqa: B010 (an instance's method, wrapped)
+    loop = asyncio.get_running_loop()
+    for window in windows[:-1]:
+        loop.call_at(
+            t0 + window.end_s - UNITS_SAMPLE_EARLY_S, lambda: log.backends.append(_prefix_stats(backends))
+        )
 
 
 def _arm_fault(
@@ -1802,9 +2169,123 @@ def report(prepared: Prepared, record: RunRecord, *, seed: int) -> dict[str, Any
         "phases": phases_out,
         "timeline": _timeline(prepared, record, windows),
     }
+    if record.prefix is not None:
+        for phase_out, prefix in zip(phases_out, _prefix_phases(prepared, record, windows), strict=True):
+            phase_out["prefix"] = prefix
+        document["prefix"] = _prefix_run(prepared, record)
     document["expectations"] = check_expectations(scenario, document)
     document["expectations_held"] = all(e["held"] for e in document["expectations"])
     return document
+
+
+def _prefix_figures(
+    record: RunRecord, indices: Sequence[int], device_ms: Mapping[int, float], ms_per_token: Sequence[float]
+) -> dict[str, Any]:
+    """The prefix-cache figures of these arrivals (one phase's, of one route or all)."""
+    log = record.prefix
+    assert log is not None
+    offered = len(indices)
+    answered = [i for i in indices if record.outcome[i] in ("on_time", "late")]
+    on_time = sum(record.outcome[i] == "on_time" for i in indices)
+    reported = [i for i in answered if i in log.cached]
+    hits = [i for i in reported if log.cached[i] > 0]
+    cached = sum(log.cached[i] for i in reported)
+    prompt = sum(log.prompt_tokens.get(i, 0) for i in reported)
+    saved = sum(log.cached[i] * ms_per_token[record.arrivals[i].klass] for i in reported)
+    placed = [log.placed[i] for i in answered if i in log.placed]
+    spent = sum(device_ms.get(i, 0.0) for i in indices)
+    return {
+        "offered": offered,
+        "answered": len(answered),
+        "on_time": on_time,
+        "on_time_pct": _pct(on_time, offered),
+        "prefix_requests": len(reported),
+        "prefix_hits": len(hits),
+        "prefix_hit_pct": _pct(len(hits), len(reported)),
+        "prefix_cached_tokens": cached,
+        "prefix_prompt_tokens": prompt,
+        "prefix_cached_token_pct": _pct(cached, prompt),
+        "prefix_saved_device_ms": _r(saved),
+        "prefix_device_ms": _r(spent),
+        "prefix_device_ms_per_answered": _r(spent / len(answered)) if answered else None,
+        "prefix_expected_hits": sum(1 for p in placed if p[2] > 0),
+        "prefix_spills": sum(1 for p in placed if p[0]),
+        "prefix_extra_wait_ms_max": _r(max((p[1] for p in placed), default=0.0)),
+        "prefix_cross_tenant_hits": sum(1 for i in hits if log.cached[i] > log.own.get(i, 0)),
+    }
+
+
+def _prefix_phases(
+    prepared: Prepared, record: RunRecord, windows: Sequence[PhaseWindow]
+) -> list[dict[str, Any]]:
+    """Per phase: the prefix-cache figures of the arrivals to each route whose backend model
+    keeps a cache (``routes``) and of all of them (``totals``), and each cache's counters over
+    the phase (``backends``: lookups, hits, hit_blocks, miss_blocks, inserted, evictions; the
+    blocks it held at the phase's end)."""
+    log = record.prefix
+    assert log is not None
+    cached_models = {m for caches in prefix_backends(prepared).values() for m in caches}
+    names = list(prepared.scenario.arrivals)
+    facts = [prepared.classes[n] for n in names]
+    routes = prepared.routes.models
+    on_cache = [routes[f.model].backend_model in cached_models for f in facts]
+    ms_per_token = [  # what one cached prompt token saves: the route's profile price
+        prepared.routes.profiles[routes[f.model].profile].prefill_ms_per_token
+        * _profile_scale(prepared.scenario, routes[f.model].backend_model)
+        for f in facts
+    ]
+    device_ms: dict[int, float] = defaultdict(float)
+    for index, execution in record.executions:
+        if 0 <= index < len(record.arrivals) and execution.model == record.served[index]:
+            device_ms[index] += execution.device_ms
+    out: list[dict[str, Any]] = []
+    for p, _window in enumerate(windows):
+        chosen = [i for i, a in enumerate(record.arrivals) if a.phase == p and on_cache[a.klass]]
+        by_route: dict[str, list[int]] = defaultdict(list)
+        for i in chosen:
+            by_route[facts[record.arrivals[i].klass].model].append(i)
+        before = log.backends[p - 1] if p > 0 and p - 1 < len(log.backends) else {}
+        after = log.backends[p] if p < len(log.backends) else {}
+        backends: dict[str, Any] = {}
+        for key, stats in after.items():
+            base = before.get(key, {})
+            backends[key] = {
+                name: value if name == "held_blocks" else value - base.get(name, 0)
+                for name, value in stats.items()
+            }
+        out.append(
+            {
+                "routes": {
+                    route: _prefix_figures(record, indices, device_ms, ms_per_token)
+                    for route, indices in sorted(by_route.items())
+                },
+                "totals": _prefix_figures(record, chosen, device_ms, ms_per_token),
+                "backends": backends,
+            }
+        )
+    return out
+
+
+def _prefix_run(prepared: Prepared, record: RunRecord) -> dict[str, Any]:
+    """The run's prefix-cache summary: each cache's counters at the end, the gateway's
+    per-route counters (``PrefixAffinity.counters``), and the scopes more than one tenant sent
+    (must be none: a scope holds its tenant)."""
+    log = record.prefix
+    assert log is not None
+    return {
+        "caches": {
+            f"{backend}/{model}": {"block_tokens": spec.block_tokens, "capacity_blocks": spec.capacity_blocks}
+            for backend, caches in sorted(prefix_backends(prepared).items())
+            for model, spec in sorted(caches.items())
+        },
+        "backends": log.backends[-1] if log.backends else {},
+        "gateway_counters": {
+            route: {k: _r(v) if isinstance(v, float) else v for k, v in counters.items()}
+            for route, counters in log.counters.items()
+        },
+        "scopes_sent": len(log.scopes),
+        "scopes_shared_by_tenants": sorted(scope for scope, who in log.scopes.items() if len(who) > 1),
+    }
 
 
 def _feature_sources(prepared: Prepared) -> dict[str, Any]:
@@ -1880,11 +2361,15 @@ def _figure(phase: Mapping[str, Any], expectation: Expectation, name: str) -> fl
         steps = [v["max_step"] for k, v in pools.items() if expectation.pool in (None, k)]
         return float(max(steps, default=0))
     kind, _, who = expectation.scope.partition(" ")
-    block = (
-        phase["totals"]
-        if kind == "totals"
-        else phase[{"class": "classes", "tenant": "tenants"}[kind]].get(who)
-    )
+    if kind == "route" or (name.startswith("prefix_") and kind == "totals"):
+        prefix = phase.get("prefix", {})
+        block = prefix.get("totals") if kind == "totals" else prefix.get("routes", {}).get(who)
+    else:
+        block = (
+            phase["totals"]
+            if kind == "totals"
+            else phase[{"class": "classes", "tenant": "tenants"}[kind]].get(who)
+        )
     if block is None:
         return None
     value = block.get(name)
@@ -1923,9 +2408,20 @@ def check_expectations(
         scope = expectation.scope + (f" {expectation.pool}" if expectation.pool else "")
         bounds: list[tuple[str, str, float]] = [("min", n, v) for n, v in expectation.min.items()]
         bounds += [("max", n, v) for n, v in expectation.max.items()]
+        above_base: dict[str, float | None] = {}
         for name, margin in expectation.max_above.items():
-            assert expectation.versus is not None
-            base = _figure(phases[expectation.versus], expectation, name)
+            if expectation.versus is not None:
+                base = _figure(phases[expectation.versus], expectation, name)
+            else:  # the same phase in versus_run
+                other = (runs or {}).get(expectation.versus_run or "")
+                base = (
+                    None
+                    if other is None
+                    else _figure(
+                        {p["name"]: p for p in other["phases"]}[expectation.phase], expectation, name
+                    )
+                )
+                above_base[name] = base
             bounds.append(("max", name, math.nan if base is None else base + margin))
         ratio_base: dict[str, float | None] = {}
         for name, ratio in expectation.max_ratio.items():
@@ -1962,6 +2458,10 @@ def check_expectations(
                 entry["versus_run"] = expectation.versus_run
                 entry["ratio"] = expectation.max_ratio[name]
                 entry["versus_value"] = ratio_base[name]
+            elif name in above_base:
+                entry["versus_run"] = expectation.versus_run
+                entry["margin"] = expectation.max_above[name]
+                entry["versus_value"] = above_base[name]
             if expectation.because:
                 entry["because"] = expectation.because.strip()
             out.append(entry)
@@ -2194,6 +2694,8 @@ def render_text(document: Mapping[str, Any]) -> str:
             )
     if "feature_sources" in document:
         lines += _render_features(document, pw)
+    if "prefix" in document:
+        lines += _render_prefix(document, pw)
     unit_rows: dict[str, list[str]] = {}
     for phase in document["phases"]:
         for backend in phase.get("units", {}).values():
@@ -2224,6 +2726,9 @@ def render_text(document: Mapping[str, Any]) -> str:
             if "ratio" in e:
                 versus = "n/a" if e["versus_value"] is None else f"{e['versus_value']:g}"
                 limit += f" ({e['ratio']:g} x {versus} in {e['versus_run']})"
+            elif "versus_run" in e:
+                versus = "n/a" if e["versus_value"] is None else f"{e['versus_value']:g}"
+                limit += f" ({versus} in {e['versus_run']} + {e['margin']:g})"
             value = "n/a" if e["value"] is None else f"{e['value']:g}"
             run = f" [{e['run']}]" if "run" in e else ""
             lines.append(
@@ -2283,6 +2788,78 @@ def _render_features(document: Mapping[str, Any], pw: int) -> list[str]:
                 f" {_fmt(t['rejected_early_pct'], '%'):>9} {_fmt(t['expired_device_ms']):>14}"
                 f" {_fmt(t['expired_device_ms_per_s']):>12}"
             )
+    return lines
+
+
+PREFIX_COLUMNS = (
+    ("prefix_requests", "requests", "{:,}"),
+    ("prefix_hit_pct", "hit %", "{:.2f}"),
+    ("prefix_cached_token_pct", "cached tok %", "{:.2f}"),
+    ("prefix_cached_tokens", "cached tokens", "{:,}"),
+    ("prefix_saved_device_ms", "saved dev-ms", "{:,.0f}"),
+    ("prefix_spills", "spills", "{:,}"),
+    ("prefix_device_ms_per_answered", "dev-ms/answer", "{:.2f}"),
+    ("on_time_pct", "on time %", "{:.2f}"),
+    ("prefix_extra_wait_ms_max", "max extra ms", "{:.2f}"),
+    ("prefix_cross_tenant_hits", "x-tenant", "{:,}"),
+)
+
+
+def _render_prefix(document: Mapping[str, Any], pw: int) -> list[str]:
+    """Per phase and route, the prefix caches' figures (each run's with ``compare:``, and the
+    first run's over the second's); each cache's lookups, hits and evictions per phase."""
+    runs = document.get("runs") or {"": document}
+    labels = list(runs)
+    caches = ", ".join(
+        f"{k} ({c['block_tokens']} tokens x {c['capacity_blocks']:,} blocks)"
+        for k, c in document["prefix"]["caches"].items()
+    )
+    lines = ["", f"Prefix caches: {caches}"]
+    width = max(12, *(len(label) for label in labels))
+    head = "".join(f" {title:>{max(9, len(title))}}" for _k, title, _f in PREFIX_COLUMNS)
+    lines.append(f"{'phase':<{pw}} {'route':<10} {'run':<{width}}{head}")
+
+    def cells(block: Mapping[str, Any]) -> str:
+        out = ""
+        for key, title, form in PREFIX_COLUMNS:
+            value = block.get(key)
+            text = "n/a" if value is None else form.format(value)
+            out += f" {text:>{max(9, len(title))}}"
+        return out
+
+    for p, phase in enumerate(document["phases"]):
+        for route in phase["prefix"]["routes"]:
+            blocks = [run["phases"][p]["prefix"]["routes"].get(route, {}) for run in runs.values()]
+            for label, block in zip(labels, blocks, strict=True):
+                lines.append(f"{phase['name']:<{pw}} {route:<10} {label or '-':<{width}}{cells(block)}")
+            if len(blocks) == 2:
+                ratio = ""
+                for key, title, _form in PREFIX_COLUMNS:
+                    a, b = blocks[0].get(key), blocks[1].get(key)
+                    text = (
+                        f"{a / b:.3f}"
+                        if isinstance(a, int | float) and isinstance(b, int | float) and b
+                        else "-"
+                    )
+                    ratio += f" {text:>{max(9, len(title))}}"
+                lines.append(f"{phase['name']:<{pw}} {route:<10} {'ratio':<{width}}{ratio}")
+    lines.append("")
+    lines.append(
+        f"{'phase':<{pw}} {'cache':<18} {'run':<{width}} {'lookups':>8} {'hits':>8}"
+        f" {'hit blocks':>10} {'miss blocks':>11} {'evictions':>9}"
+    )
+    for p, phase in enumerate(document["phases"]):
+        for label, run in runs.items():
+            for cache, c in run["phases"][p]["prefix"]["backends"].items():
+                lines.append(
+                    f"{phase['name']:<{pw}} {cache:<18} {label or '-':<{width}}"
+                    f" {c['lookups']:>8,} {c['hits']:>8,}"
+                    f" {c['hit_blocks']:>10,} {c['miss_blocks']:>11,} {c['evictions']:>9,}"
+                )
+    shared = document["prefix"]["scopes_shared_by_tenants"]
+    lines.append(
+        f"Scopes sent: {document['prefix']['scopes_sent']}; shared by tenants: {', '.join(shared) or 'none'}"
+    )
     return lines
 
 
@@ -2458,19 +3035,19 @@ def _report_runs(
     scenario = prepared.scenario
     if scenario.compare is None:
         return report(prepared, run_once(prepared, arrivals, policies_dir=policies_dir, seed=seed), seed=seed)
+    compare = scenario.compare
     runs: dict[str, dict[str, Any]] = {}
-    for value in scenario.compare.backpressure:
-        config = prepared.config.model_copy(
-            update={"feature_sources": with_backpressure(prepared.config.feature_sources, value)}
-        )
-        variant = dataclasses.replace(prepared, config=config)
-        runs[run_label(value)] = report(
+    for value in compare.values():
+        variant = _variant(prepared, compare.feature, value)
+        runs[compare.label(value)] = report(
             variant, run_once(variant, arrivals, policies_dir=policies_dir, seed=seed), seed=seed
         )
-    first = runs[run_label(scenario.compare.backpressure[0])]
+    first = runs[compare.labels()[0]]
     document = dict(first)
     document["runs"] = {
-        label: {k: v for k, v in run.items() if k in ("phases", "feature_sources", "expectations_held")}
+        label: {
+            k: v for k, v in run.items() if k in ("phases", "feature_sources", "prefix", "expectations_held")
+        }
         for label, run in runs.items()
     }
     document["expectations"] = check_expectations(scenario, first, runs)
@@ -2478,6 +3055,21 @@ def _report_runs(
     for run in document["runs"].values():  # each run's own expectations are the document's
         run.pop("expectations_held", None)
     return document
+
+
+def _variant(prepared: Prepared, feature: str, value: bool) -> Prepared:
+    """The scenario with ``feature`` set to ``value``: the feature sources' backpressure, or
+    (``prefix_affinity`` false) every route without its ``prefix_affinity``: least-wait routing."""
+    if feature == "backpressure":
+        config = prepared.config.model_copy(
+            update={"feature_sources": with_backpressure(prepared.config.feature_sources, value)}
+        )
+        return dataclasses.replace(prepared, config=config)
+    if value:
+        return prepared
+    routes = prepared.routes
+    models = {name: r.model_copy(update={"prefix_affinity": None}) for name, r in routes.models.items()}
+    return dataclasses.replace(prepared, routes=routes.model_copy(update={"models": models}))
 
 
 def render_json(document: Mapping[str, Any]) -> str:

@@ -74,6 +74,22 @@ Theory of operation (the emulator's rules, per model):
   holds no device time here (the devices' transfer and initialisation are not
   modeled, only the wait).
 
+* **Prefix cache** (a model given ``prefix_cache``, a
+  ``gateway.core.prefix.PrefixCacheSpec``; the emulator's ``prefix_block_tokens`` and
+  ``prefix_cache_blocks``). Per model, one LRU of block keys bounded by
+  ``capacity_blocks`` (``gateway.core.prefix.PrefixIndex``). When a request's batch
+  starts (as a server's prefill reads its cache), its prompt (the first row of its
+  tokens input, little-endian INT32) is cut into chained block keys under its scope (the
+  request parameter ``prefix_scope``, a string; "" when absent): the leading blocks held
+  are its cached tokens (``gateway.core.prefix.cached_tokens``: capped at its input less
+  one), then all its full blocks are inserted or touched, the deeper ones older (evicted
+  first), as the emulator's lookup does. Its batch's prefill is charged on the uncached
+  tokens: ``fixed_ms + prefill_ms_per_token x rows x max(input - cached)``; decode is
+  unchanged. Each response (every streamed one too) carries the cached tokens as the
+  response parameter ``prefix_cached_tokens`` (int64). ``prefix_stats`` gives the
+  model's lookups, hits, hit_blocks, miss_blocks, inserted and evictions; a cold restart
+  empties the cache and them. A model without ``prefix_cache`` runs exactly as before.
+
 Outputs are the emulator's: ``OUTPUT_IDS`` (INT32, ``[rows, output tokens]``;
 ``[output tokens]`` for unbatched models), deterministic tokens derived from the
 sum of the input ids. Statistics are Triton's cumulative per-model counters
@@ -100,6 +116,15 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from gateway import clock
 from gateway.backends.base import BackendStream, InputSpec, ModelSpec
 from gateway.core.errors import DeadlineExpired, GatewayError, Internal, InvalidArgument, Unavailable
+from gateway.core.prefix import (
+    CACHED_TOKENS_PARAMETER,
+    SCOPE_PARAMETER,
+    TOKEN_BYTES,
+    PrefixCacheSpec,
+    PrefixIndex,
+    block_keys,
+    cached_tokens,
+)
 from gateway.core.profile import DemandProfile
 
 VOCAB = 32_000  # the emulator's output token range
@@ -123,6 +148,7 @@ class MemoryModel:
     output_name: str = "OUTPUT_IDS"
     load_s: float = 0.0  # load + warm-up before it is ready (a cold start, a repository load)
     loaded: bool = True  # False: in the repository, not loaded (explicit model control)
+    prefix_cache: PrefixCacheSpec | None = None  # a prefix cache (see the module docstring)
 
     def spec(self) -> ModelSpec:
         dims = (-1, -1) if self.max_batch_size > 0 else (-1,)
@@ -134,6 +160,7 @@ class MemoryModel:
             max_batch_size=self.max_batch_size,
             decoupled=self.decoupled,
             instances=self.instances,
+            prefix_cache=self.prefix_cache,
         )
 
 
@@ -174,11 +201,14 @@ class _Work:
     deadline: asyncio.TimerHandle | None = None
     tokens_sent: int = 0
     devices: tuple[int, ...] | None = None  # the unit its request names (parameter ``devices``)
+    cached: int = 0  # prompt tokens its model's prefix cache served (looked up when its batch starts)
 
     @property
     def solo_ms(self) -> float:
         """Its batch-of-one price, the weight of its share of a batch's device time."""
-        return self.model.profile.accelerator_ms(self.input_tokens, self.output_tokens) * self.rows
+        return (
+            self.model.profile.accelerator_ms(self.input_tokens - self.cached, self.output_tokens) * self.rows
+        )
 
 
 @dataclass(eq=False, slots=True)
@@ -192,6 +222,51 @@ class _Batch:
     end: float = 0.0
     timer: asyncio.TimerHandle | None = None
     token_timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _PrefixCache:
+    """One model's prefix cache on one backend: its blocks (an LRU) and its counters."""
+
+    spec: PrefixCacheSpec
+    index: PrefixIndex
+    lookups: int = 0  # prompts looked up
+    hits: int = 0  # of them, with at least one cached block
+    hit_blocks: int = 0  # leading blocks found cached
+    miss_blocks: int = 0  # full blocks looked up but not cached
+    inserted: int = 0  # blocks newly inserted
+
+    @classmethod
+    def of(cls, spec: PrefixCacheSpec) -> _PrefixCache:
+        return cls(spec, PrefixIndex(spec.capacity_blocks))
+
+    def lookup(self, scope: str, prompt: bytes) -> int:
+        """Look one prompt up, then hold all of its full blocks (the deeper older): its
+        cached tokens."""
+        block = self.spec.block_tokens
+        keys = block_keys(scope, prompt, block)
+        index = self.index
+        matched = index.match(keys)
+        before = len(index) + index.evictions
+        index.record(keys[::-1])  # the shallowest most recent: the deeper go first
+        self.inserted += len(index) + index.evictions - before
+        self.lookups += 1
+        if matched:
+            self.hits += 1
+        self.hit_blocks += matched
+        self.miss_blocks += len(keys) - matched
+        return cached_tokens(matched, block, len(prompt) // TOKEN_BYTES)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "hit_blocks": self.hit_blocks,
+            "miss_blocks": self.miss_blocks,
+            "inserted": self.inserted,
+            "evictions": self.index.evictions,
+            "held_blocks": len(self.index),
+        }
 
 
 class _Devices:
@@ -227,6 +302,7 @@ class _Model:
     loading: asyncio.TimerHandle | None = None
     loaded_waiters: list[asyncio.Future[None]] = field(default_factory=list)
     model_spec: ModelSpec | None = None  # spec.spec(), built once (both are frozen)
+    prefix: _PrefixCache | None = None  # its prefix cache (spec.prefix_cache)
 
     @property
     def ready(self) -> bool:
@@ -270,7 +346,11 @@ class MemoryBackend:
         for model in listed:
             pool = shared if shared is not None else _Devices(model.instances)
             self._models[model.name] = _Model(
-                model, pool, model.instances, state="READY" if model.loaded else "UNAVAILABLE"
+                model,
+                pool,
+                model.instances,
+                state="READY" if model.loaded else "UNAVAILABLE",
+                prefix=_PrefixCache.of(model.prefix_cache) if model.prefix_cache is not None else None,
             )
         self._pools: list[_Devices] = list({id(m.devices): m.devices for m in self._models.values()}.values())
         self._shared = shared
@@ -320,6 +400,8 @@ class MemoryBackend:
                 if cold:
                     model.success_count = model.success_ns = model.queue_ns = model.compute_ns = 0
                     model.failures = model.inferences = model.executions = 0
+                    if model.prefix is not None:  # a restarted server's cache starts empty
+                        model.prefix = _PrefixCache.of(model.prefix.spec)
                 if cold or model.state == "LOADING":
                     self._begin_load(model)  # a load the loss interrupted starts again too
             return
@@ -454,6 +536,13 @@ class MemoryBackend:
     async def repository_index(self) -> list[tuple[str, str, str]]:
         """(name, version, state) of every model in the repository."""
         return [(name, m.spec.version, m.state) for name, m in sorted(self._models.items())]
+
+    def prefix_stats(self, model: str) -> dict[str, int] | None:
+        """``model``'s prefix-cache counters since start (or a cold restart): lookups, hits,
+        hit_blocks, miss_blocks, inserted, evictions and the blocks held now; None for a
+        model without a prefix cache."""
+        state = self._model(model, model)
+        return state.prefix.stats() if state.prefix is not None else None
 
     async def probe(self) -> bool:
         return self._healthy
@@ -763,7 +852,14 @@ class MemoryBackend:
         live = [w for w in batch.members if not w.cancelled]
         scale = self._scale(model, live or batch.members)
         rows = sum(w.rows for w in batch.members)
-        longest = max(w.input_tokens for w in batch.members)
+        cache = model.prefix
+        if cache is None:
+            longest = max(w.input_tokens for w in batch.members)
+        else:  # each member's prompt is looked up in turn (a member may hit one before it)
+            input_name = model.spec.input_name
+            for work in batch.members:
+                work.cached = cache.lookup(_scope(work.request), _prompt(work.request, input_name))
+            longest = max(w.input_tokens - w.cached for w in batch.members)
         batch.started = now
         batch.prefill_end = (
             now
@@ -866,6 +962,8 @@ class MemoryBackend:
         response = service_pb2.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=work.request.id
         )
+        if spec.prefix_cache is not None:
+            response.parameters[CACHED_TOKENS_PARAMETER].int64_param = work.cached
         if spec.decoupled:
             work.deliver(work, response, None)  # the empty final response
             return
@@ -966,6 +1064,30 @@ def _input_sum(request: service_pb2.ModelInferRequest, input_name: str) -> int:
     return total
 
 
+def _scope(request: service_pb2.ModelInferRequest) -> str:
+    """The request's ``prefix_scope`` parameter ("" when absent or not a string)."""
+    param = request.parameters.get(SCOPE_PARAMETER)
+    if param is None or param.WhichOneof("parameter_choice") != "string_param":
+        return ""
+    return str(param.string_param)
+
+
+def _prompt(request: service_pb2.ModelInferRequest, input_name: str) -> bytes:
+    """The first row of the tokens input ``input_name`` as little-endian INT32 bytes."""
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name != input_name:
+            continue
+        if index < len(request.raw_input_contents):
+            raw = request.raw_input_contents[index]
+        else:
+            raw = np.asarray(tensor.contents.int_contents, dtype="<i4").tobytes()
+        shape = tuple(tensor.shape)
+        if len(shape) >= 2:
+            raw = raw[: int(shape[-1]) * TOKEN_BYTES]
+        return bytes(raw)
+    return b""
+
+
 def _output_tokens(
     request: service_pb2.ModelInferRequest, input_name: str, count: int
 ) -> npt.NDArray[np.int32]:
@@ -1040,6 +1162,8 @@ class _MemoryStream:
         response.outputs.add(name=spec.output_name, datatype="INT32", shape=[1])
         response.raw_output_contents.append(tokens[-1:].tobytes())
         response.parameters["triton_final_response"].bool_param = False
+        if spec.prefix_cache is not None:
+            response.parameters[CACHED_TOKENS_PARAMETER].int64_param = work.cached
         self._out.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
 
     def _deliver(
