@@ -53,6 +53,7 @@ from gateway.features import AGE_BUCKETS_S, Features
 from gateway.pipeline import Gateway
 from gateway.policy.decision_log import DecisionLog
 from gateway.policy.snapshot import PolicyResult
+from gateway.prefix_affinity import PrefixAffinity
 
 log = logging.getLogger("orchid.telemetry")
 
@@ -417,6 +418,7 @@ class GatewayCollector:
             yield GaugeMetricFamily(name, doc, labels=list(labels))
         yield CounterMetricFamily(CO_BATCHED, CO_BATCHED_HELP, labels=["pool"])
         yield from _feature_families(None)
+        yield from _prefix_families(None)
 
     def collect(self) -> Iterator[Metric]:
         families = {
@@ -461,6 +463,54 @@ class GatewayCollector:
         yield from families.values()
         yield co_batched
         yield from _feature_families(gateway.features if gateway is not None else None)
+        yield from _prefix_families(gateway.pools.prefix if gateway is not None else None)
+
+
+# Per route (the logical model), from gateway.prefix_affinity's counters at scrape time.
+PREFIX_COUNTERS = {
+    "orchid_prefix_requests": ("Answered requests to a model with a prefix cache", "requests"),
+    "orchid_prefix_expected_hits": (
+        "Of them, requests placed where the gateway's prefix index expected a cache hit",
+        "expected_hits",
+    ),
+    "orchid_prefix_hits": ("Of them, answers whose backend reported a prefix-cache hit", "reported_hits"),
+    "orchid_prefix_prompt_tokens": ("Their prompt tokens", "prompt_tokens"),
+    "orchid_prefix_cached_tokens": (
+        "The prompt tokens their backends reported served from the prefix cache",
+        "cached_tokens",
+    ),
+    "orchid_prefix_saved_accelerator_ms": (
+        "Prefill accelerator-ms the reported cache hits saved (the route profile's price per token)",
+        "saved_accelerator_ms",
+    ),
+    "orchid_prefix_spills": (
+        "Requests placed off the backend with the best expected hit because its predicted wait was "
+        "beyond the route's prefix_affinity.max_extra_wait_ms",
+        "spills",
+    ),
+}
+
+
+def _prefix_families(prefix: PrefixAffinity | None) -> Iterator[Metric]:
+    """Each prefix-cache route's requests, hits, cached tokens, saved accelerator-ms and spills
+    (``gateway.prefix_affinity``), and the largest extra predicted wait affinity chose."""
+    families = {
+        name: (CounterMetricFamily(name, doc, labels=["model"]), field)
+        for name, (doc, field) in PREFIX_COUNTERS.items()
+    }
+    extra = GaugeMetricFamily(
+        "orchid_prefix_extra_wait_ms_max",
+        "The largest predicted wait above the least-loaded backend's that prefix affinity chose",
+        labels=["model"],
+    )
+    if prefix is not None:
+        for route, counters in sorted(prefix.counters.items()):
+            for family, field in families.values():
+                family.add_metric([route], float(getattr(counters, field)))
+            extra.add_metric([route], counters.extra_wait_ms_max)
+    for family, _ in families.values():
+        yield family
+    yield extra
 
 
 def _feature_families(features: Features | None) -> Iterator[Metric]:

@@ -181,6 +181,12 @@ def test_the_next_turn_returns_to_the_cache_that_holds_its_prefix(
     assert all(n > 0 for n in lookups), lookups
     figures = counters(gateway)
     assert figures.reported_hits >= 8 and figures.cached_tokens >= 8 * 512
+    # Operators read the same figures on /metrics.
+    assert gateway.server.telemetry is not None
+    registry = gateway.server.telemetry.metrics.registry
+    assert registry.get_sample_value("orchid_prefix_hits_total", {"model": "chat"}) == figures.reported_hits
+    saved = registry.get_sample_value("orchid_prefix_saved_accelerator_ms_total", {"model": "chat"})
+    assert saved is not None and saved >= 8 * 512 * 0.1 * FACTOR  # 0.1 ms per prompt token, scaled
 
 
 def test_another_tenant_gets_no_hit_and_no_timing_signal(gateway: ThreadedGateway) -> None:
