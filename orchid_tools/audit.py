@@ -68,6 +68,7 @@ from gateway.config import (
 )
 from gateway.core.errors import ConfigError
 from gateway.core.evidence import EvidenceStatus, EvidenceVerdict, RouteEvidence
+from gateway.core.prefix import scope_for
 from gateway.core.record import Budget, Demand, Identity, Mode, RequestRecord, Shape
 from gateway.core.risk import resolve_risk_class
 from gateway.evidence import EvidenceStore
@@ -170,6 +171,7 @@ class ModelReach:
     streaming: bool
     hops: tuple[Hop, ...]
     fallback: FallbackPath | None
+    prefix_affinity: float | None = None  # the route's max_extra_wait_ms (None: no affinity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +346,16 @@ class TopologyAudit:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixScopeAudit:
+    """A route whose requests go by prefix affinity: the cache scope each tenant reaching it
+    gets in each of its cells (``gateway.core.prefix.scope_for``; sent as ``prefix_scope``)."""
+
+    route: str
+    max_extra_wait_ms: float
+    scopes: dict[str, tuple[str, ...]]  # tenant -> its scopes, one per cell
+
+
+@dataclass(frozen=True, slots=True)
 class Audit:
     config: str
     tenants_file: str
@@ -361,6 +373,7 @@ class Audit:
     evidence_at: str  # the wall-clock time the evidence was judged at (ISO 8601, UTC)
     evidence: tuple[RouteEvidenceAudit, ...]
     topology: tuple[TopologyAudit, ...] = ()  # backends with a topology (none: no section)
+    prefix: tuple[PrefixScopeAudit, ...] = ()  # routes with prefix affinity (none: no section)
 
     def count(self, severity: Severity) -> int:
         return sum(1 for f in self.findings if f.severity is severity)
@@ -1111,7 +1124,13 @@ def audit_served(served: Served, *, now: float | None = None) -> Audit:
                 )
             model_reaches.append(
                 ModelReach(
-                    model, own_backend_model, route.version, route.streaming, tuple(hops), fallback_path
+                    model,
+                    own_backend_model,
+                    route.version,
+                    route.streaming,
+                    tuple(hops),
+                    fallback_path,
+                    route.prefix_affinity.max_extra_wait_ms if route.prefix_affinity is not None else None,
                 )
             )
             if not any(h.routed for h in hops):
@@ -1223,7 +1242,24 @@ def audit_served(served: Served, *, now: float | None = None) -> Audit:
         evidence_at=_iso(evidence_at),
         evidence=evidence,
         topology=topology,
+        prefix=prefix_audit(tenant_audits),
     )
+
+
+def prefix_audit(tenants: Sequence[TenantAudit]) -> tuple[PrefixScopeAudit, ...]:
+    """Every route a tenant reaches with prefix affinity, and the scopes its cache entries are
+    kept under: tenant, cell and model version are always part of the scope, so no entry is
+    shared across tenants (a dedicated tenant's are under its own model too)."""
+    routes: dict[str, tuple[float, dict[str, tuple[str, ...]]]] = {}
+    for tenant in tenants:
+        for reach in tenant.reach:
+            if reach.prefix_affinity is None:
+                continue
+            _, scopes = routes.setdefault(reach.model, (reach.prefix_affinity, {}))
+            scopes[tenant.name] = tuple(
+                scope_for(tenant.name, cell, reach.backend_model, reach.version) for cell in tenant.cells
+            )
+    return tuple(PrefixScopeAudit(route, bound, scopes) for route, (bound, scopes) in sorted(routes.items()))
 
 
 def topology_audit(served: Served, findings: _Findings | None = None) -> tuple[TopologyAudit, ...]:
@@ -1520,6 +1556,12 @@ def to_json(audit: Audit) -> dict[str, Any]:
     data = dataclasses.asdict(audit)
     if not audit.topology:  # a config without a topology: the audit's JSON as before
         del data["topology"]
+    if not audit.prefix:  # no route with prefix affinity: no section
+        del data["prefix"]
+    for tenant in data["tenants"]:
+        for reach in tenant["reach"]:
+            if reach["prefix_affinity"] is None:
+                del reach["prefix_affinity"]
     data["summary"] = {
         "severe": audit.count(Severity.SEVERE),
         "warn": audit.count(Severity.WARN),
@@ -1635,6 +1677,19 @@ def _render_topology(topologies: Sequence[TopologyAudit]) -> list[str]:
     return lines
 
 
+def _render_prefix(routes: Sequence[PrefixScopeAudit]) -> list[str]:
+    """Per route with prefix affinity: each tenant's cache scopes (docs/security.md "Prefix
+    caches": a scope is never shared, so an identical prompt is no cross-tenant timing oracle)."""
+    if not routes:
+        return []
+    lines = ["", "Prefix caches (scope = tenant | cell | backend model @ version; never shared)"]
+    for route in routes:
+        lines.append(f"  {route.route} (affinity within {route.max_extra_wait_ms:g} ms of the least wait)")
+        for tenant, scopes in route.scopes.items():
+            lines += _wrap(f"    {tenant:<10} ", ", ".join(scopes), 15)
+    return lines
+
+
 def render_text(audit: Audit) -> str:
     lines = [
         "orchid-gateway isolation audit",
@@ -1722,6 +1777,7 @@ def render_text(audit: Audit) -> str:
         lines += _wrap("    backend cell      ", tenant.probes.backend_cell, 22)
 
     lines += _render_topology(audit.topology)
+    lines += _render_prefix(audit.prefix)
 
     names = [t.name for t in audit.tenants]
     lines += ["", "Co-batching matrix (can two tenants' requests meet on one Triton model instance?)"]

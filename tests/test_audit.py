@@ -56,6 +56,11 @@ def test_example_reachability() -> None:
         ("full-v18-stream", "full-v18-stream", "1", ["local"]),
         ("ranker", "ranker-v3", "1", ["local"]),
         ("full-v18-tp2", "full-v18-tp2", "1", ["local"]),
+        ("chat", "chat-v1", "1", ["local"]),
+    ]
+    # chat goes by prefix affinity: orchid's cache entries are kept under its own scope.
+    assert [(p.route, p.max_extra_wait_ms, p.scopes) for p in audit.prefix] == [
+        ("chat", 20.0, {"orchid": ("orchid|eu-restricted|chat-v1@1",)})
     ]
     assert all(h.routed and h.cell == "eu-restricted" for r in orchid.reach for h in r.hops)
     fallback = orchid.reach[0].fallback
