@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tritonclient.grpc import service_pb2
@@ -97,6 +98,9 @@ class PrefixAffinity:
         self.indexes: dict[str, PrefixIndex] = {}
         self.rates = HitRate()
         self.counters: dict[str, RouteCounters] = {}
+        # Called with each observed match and its reported tokens, on the answered request's
+        # task (the simulator attributes placements to its arrivals with it); None: nobody.
+        self.on_observed: Callable[[PrefixMatch, int], None] | None = None
 
     def index(self, pool: str, spec: PrefixCacheSpec) -> PrefixIndex:
         index = self.indexes.get(pool)
@@ -181,4 +185,6 @@ class PrefixAffinity:
         if match.spilled:
             counters.spills += 1
         counters.extra_wait_ms_max = max(counters.extra_wait_ms_max, match.extra_wait_ms)
+        if self.on_observed is not None:
+            self.on_observed(match, reported)
         return reported

@@ -247,6 +247,7 @@ class StatusBoard(GatewayListener):
             "decisions": list(self.decisions),
             "backends": self._backends_view(gateway),
             "streams": self._streams_view(),
+            "prefix": self._prefix_view(gateway),
             "rollouts": [  # each rollout's latest run (gateway.rollouts): phase and why
                 {
                     "name": name,
@@ -305,6 +306,23 @@ class StatusBoard(GatewayListener):
                 }
             )
         return pools
+
+    @staticmethod
+    def _prefix_view(gateway: Gateway) -> list[JSON]:
+        """Per route with a prefix cache (``gateway.prefix_affinity``): answers, the share the
+        backend reported a hit for, cached prompt tokens' share, saved accelerator-ms, spills."""
+        return [
+            {
+                "model": route,
+                "requests": c.requests,
+                "hit_share": _num(c.hit_rate, 4),
+                "cached_token_share": _num(c.cached_tokens / c.prompt_tokens, 4) if c.prompt_tokens else None,
+                "saved_accelerator_ms": _num(c.saved_accelerator_ms, 1),
+                "spills": c.spills,
+                "extra_wait_ms_max": _num(c.extra_wait_ms_max, 1),
+            }
+            for route, c in sorted(gateway.pools.prefix.counters.items())
+        ]
 
     def _streams_view(self) -> list[JSON]:
         """Per streaming model: its recent streams' first result (p50, p95), gaps (p95) and the

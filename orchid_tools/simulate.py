@@ -1829,17 +1829,14 @@ def _watch_prefix(
     """Note affinity's placement of each arrival as the gateway observes its answer (its
     ``PrefixAffinity.observe``, on the caller's task), and the backends' cache counters a
     microsecond before each phase's end (the last phase's at the run's end)."""
-    affinity = gateway.pools.prefix
-    observe = affinity.observe
 
-    def observed(match: PrefixMatch, *args: Any, **kwargs: Any) -> int:
+    def observed(match: PrefixMatch, reported: int) -> None:
         task = asyncio.current_task()
         index = callers.get(task) if task is not None else None
         if index is not None:
             log.placed[index] = (match.spilled, match.extra_wait_ms, match.index_tokens)
-        return observe(match, *args, **kwargs)
 
-    setattr(affinity, "observe", observed)  # noqa: B010 (an instance's method, wrapped)
+    gateway.pools.prefix.on_observed = observed
     loop = asyncio.get_running_loop()
     for window in windows[:-1]:
         loop.call_at(

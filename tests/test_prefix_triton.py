@@ -12,6 +12,7 @@ its ``PREFIX_CACHED_TOKENS`` output and counts lookups in its SQLite statistics)
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -28,16 +29,18 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from gateway.backends.local import LocalTriton
-from gateway.config import BackendConfig
+from gateway.config import BackendConfig, TelemetryConfig
 from tests.conftest import (
     LUMEN_KEY,
     MODEL_REPOSITORY,
+    OPS_KEY,
     ORCHID_KEY,
     ROOT,
     ThreadedGateway,
     bearer,
     gateway_config,
 )
+from tests.test_status_page import get as status_get
 
 KESTREL_KEY = "orchid-demo-key-kestrel"
 FACTOR = 0.4  # the emulator's sleeps: a 1,008-token prompt's prefill is 40 ms, cached or not
@@ -96,7 +99,14 @@ def gateway(
         )
         for name, server in zip(("a", "b"), tritons, strict=True)
     )
-    running = ThreadedGateway(gateway_config(tritons[0].address, backends=backends, tenants_file=path))
+    running = ThreadedGateway(
+        gateway_config(
+            tritons[0].address,
+            backends=backends,
+            tenants_file=path,
+            telemetry=TelemetryConfig(metrics_listen="127.0.0.1:0"),
+        )
+    )
     running.start()
     try:
         yield running
@@ -187,6 +197,11 @@ def test_the_next_turn_returns_to_the_cache_that_holds_its_prefix(
     assert registry.get_sample_value("orchid_prefix_hits_total", {"model": "chat"}) == figures.reported_hits
     saved = registry.get_sample_value("orchid_prefix_saved_accelerator_ms_total", {"model": "chat"})
     assert saved is not None and saved >= 8 * 512 * 0.1 * FACTOR  # 0.1 ms per prompt token, scaled
+    # ... and on the status page.
+    status, _, body = status_get(gateway, "/status.json", ("Authorization", f"Bearer {OPS_KEY}"))
+    assert status == 200
+    (row,) = [r for r in json.loads(body)["prefix"] if r["model"] == "chat"]
+    assert row["requests"] == figures.requests and row["hit_share"] == round(figures.hit_rate, 4)
 
 
 def test_another_tenant_gets_no_hit_and_no_timing_signal(gateway: ThreadedGateway) -> None:

@@ -18,7 +18,6 @@ def scaled(tmp_path: Path, **changes: object) -> Path:
     """chat-prefix.yaml, 20 s, two tenants sharing one system prompt, without expectations."""
     scenario = yaml.safe_load(EXAMPLE.read_text())
     scenario["gateway"] = str(EXAMPLE.parent.parent / "gateway.yaml")
-    scenario["routes_dir"] = str(EXAMPLE.parent / "chat-prefix-routes")
     scenario["phases"] = [{"name": "chat", "duration_s": 20}]
     del scenario["arrivals"]["cedar"]
     scenario.pop("expect")

@@ -113,6 +113,8 @@
     rows($("streams").tBodies[0], data.streams || [], (s) => [s.model, s.streams,
       `${ms(s.first_result_p50_ms)} / ${ms(s.first_result_p95_ms)}`, ms(s.gap_p95_ms),
       pct(s.first_result_met_share), pct(s.gap_met_share)]);
+    rows($("prefix").tBodies[0], data.prefix || [], (c) => [c.model, c.requests, pct(c.hit_share),
+      pct(c.cached_token_share), ms(c.saved_accelerator_ms), c.spills, ms(c.extra_wait_ms_max)]);
     rows($("decisions").tBodies[0], data.decisions.slice(0, SHOWN_DECISIONS), (d) => [clock(d.at), d.tenant, d.class, d.model,
       el("td", { class: d.verdict === "reject" ? "bad" : d.verdict === "fallback" ? "warn" : "ok" }, d.verdict),
       d.rule || "–", d.route_reason, d.ladder_step]);

@@ -248,7 +248,7 @@ class _PrefixCache:
         index = self.index
         matched = index.match(keys)
         before = len(index) + index.evictions
-        index.record(keys[::-1])  # the shallowest most recent: the deeper go first
+        index.record(keys)  # the shallowest most recent: the deeper go first (PrefixIndex.record)
         self.inserted += len(index) + index.evictions - before
         self.lookups += 1
         if matched:

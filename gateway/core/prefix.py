@@ -131,9 +131,11 @@ class PrefixIndex:
         return n
 
     def record(self, keys: Sequence[bytes]) -> None:
-        """``keys`` were sent to the pool: its cache now holds them, most recently used."""
+        """``keys`` were sent to the pool: its cache now holds them, most recently used, the
+        first block the most recent of all (a deeper block is useless without the ones before
+        it, so it is evicted first, as the backends' caches do)."""
         held = self._keys
-        for key in keys:
+        for key in reversed(keys):
             if key in held:
                 held.move_to_end(key)
             else:
