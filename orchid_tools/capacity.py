@@ -116,6 +116,13 @@ class RequestClass(_Strict):
     output_tokens: int = Field(ge=0, description="maximum output tokens")
     model: str = Field(min_length=1, description="model that serves the class")
     fallback: str | None = Field(default=None, min_length=1, description="warm smaller model under overload")
+    # For a route whose model keeps a prefix cache (the Prefix cache section, with --gateway):
+    unique_input_tokens: int | None = Field(
+        default=None, ge=0, description="prompt tokens per request not already cached (default: input_tokens)"
+    )
+    think_time_s: float | None = Field(
+        default=None, ge=0, description="a conversation's seconds from one turn to the next"
+    )
 
 
 class OverloadSpec(_Strict):
@@ -275,6 +282,11 @@ class Workload(_Strict):
         for name, cls in self.classes.items():
             if cls.model not in self.models:
                 raise _KeyedProblem(f"classes.{name}.model", f"unknown model {cls.model!r} (known: {known})")
+            if cls.unique_input_tokens is not None and cls.unique_input_tokens > cls.input_tokens:
+                raise _KeyedProblem(
+                    f"classes.{name}.unique_input_tokens",
+                    f"at most input_tokens ({cls.input_tokens}), got {cls.unique_input_tokens}",
+                )
             if cls.fallback is not None and cls.fallback not in self.models:
                 raise _KeyedProblem(
                     f"classes.{name}.fallback", f"unknown model {cls.fallback!r} (known: {known})"
@@ -1754,11 +1766,16 @@ def topology_section(
     return Section(TOPOLOGY_TITLE, tuple(figures)) if figures else None
 
 
-def _insert_topology(worksheet: Worksheet, section: Section) -> Worksheet:
-    """After Scheduling and batching (else after Memory), where the seed's worksheet puts it."""
+def _insert_topology(
+    worksheet: Worksheet,
+    section: Section,
+    after: Sequence[str] = ("Scheduling and batching", "Memory (one replica per device)"),
+) -> Worksheet:
+    """After Scheduling and batching (else after Memory), where the seed's worksheet puts it
+    (or after the first of ``after`` present; else last)."""
     titles = [s.title for s in worksheet.sections]
     index = len(titles)
-    for title in ("Scheduling and batching", "Memory (one replica per device)"):
+    for title in after:
         if title in titles:
             index = titles.index(title) + 1
             break
@@ -1769,9 +1786,10 @@ def _insert_topology(worksheet: Worksheet, section: Section) -> Worksheet:
 
 def with_gateway(worksheet: Worksheet, workload: Workload | None, gateway: Path) -> Worksheet:
     """``worksheet`` with the gateway config's sections: Parallel topology (after Scheduling
-    and batching) and Upstream/downstream (last)."""
+    and batching), Prefix cache (after it) and Upstream/downstream (last)."""
     from gateway.config import load_gateway_config, load_routes, route_error
     from orchid_tools.capacity_features import route_rates, upstream_section
+    from orchid_tools.capacity_prefix import prefix_section
 
     config = load_gateway_config(gateway)
     routes = load_routes(config.routes_dir)
@@ -1786,6 +1804,11 @@ def with_gateway(worksheet: Worksheet, workload: Workload | None, gateway: Path)
     topology = topology_section(config, routes, workload)
     if topology is not None:
         worksheet = _insert_topology(worksheet, topology)
+    prefix = prefix_section(config, routes, workload)
+    if prefix is not None:
+        worksheet = _insert_topology(
+            worksheet, prefix, (TOPOLOGY_TITLE, "Scheduling and batching", "Memory (one replica per device)")
+        )
     classes = workload.classes if workload is not None else {}
     rates = route_rates({name: (c.model, c.rate_per_s) for name, c in classes.items()})
     upstream = upstream_section(config, routes, rates)
@@ -1803,7 +1826,10 @@ def render_text(worksheet: Worksheet) -> str:
     lines = [f"Capacity worksheet: {worksheet.source}" if worksheet.source else "Capacity worksheet"]
     if not figures:
         return (
-            "\n".join([*lines, "", "no section: the gateway config declares no topology or features"]) + "\n"
+            "\n".join(
+                [*lines, "", "no section: the gateway config declares no topology, prefix cache or features"]
+            )
+            + "\n"
         )
     label_width = max(len(f.label) for f in figures)
     value_width = max(len(f.display) for f in figures)
@@ -1833,8 +1859,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gateway",
         type=Path,
         metavar="CONFIG",
-        help="a gateway config: add the Parallel topology section (backends with a topology) and the "
-        "Upstream/downstream section (feature sources and routes)",
+        help="a gateway config: add the Parallel topology section (backends with a topology), the Prefix "
+        "cache section (routes whose model declares one) and the Upstream/downstream section (feature "
+        "sources and routes)",
     )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import shutil
 import threading
 import time
@@ -28,6 +27,7 @@ import pytest
 from gateway.backends.local import LocalTriton
 from gateway.config import BackendConfig, GatewayConfig, load_gateway_config
 from gateway.server import GatewayServer
+from orchid_tools.capacity_prefix import model_parameters
 from tests.feast_server import feast_server  # noqa: F401  (one session Feast server for every module)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,8 +153,7 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
 def emulator_parameters(model: str) -> dict[str, str]:
     """An example model's ``config.pbtxt`` parameters: what the capacity emulator itself runs
     on (its cost model and device memory), read independently of the gateway's routes."""
-    text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
-    return dict(re.findall(r'key: "([^"]+)", value: \{ string_value: "([^"]*)" \}', text))
+    return model_parameters(MODEL_REPOSITORY, model)
 
 
 @contextlib.contextmanager
