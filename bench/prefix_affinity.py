@@ -78,7 +78,7 @@ from tritonclient.grpc import service_pb2
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.backends.local import LocalTriton, free_port  # noqa: E402
+from gateway.backends.local import LocalTriton, TritonStartError, free_port  # noqa: E402
 from gateway.core.prefix import block_keys, cached_tokens  # noqa: E402
 from orchid_tools.harness import (  # noqa: E402
     EXAMPLES,
@@ -374,6 +374,27 @@ def warm(server: LocalTriton) -> None:
         client.close()
 
 
+def start_triton(work: Path, name: str, f: float, attempts: int = 3) -> LocalTriton:
+    """A fresh Triton on a chat-v1 repository; a failed start is retried (the emulator's
+    instances open the server's SQLite cache at once, and on a loaded machine a load can fail;
+    the log says so)."""
+    repo = repository(work / f"repo-{name}")
+    for attempt in range(1, attempts + 1):
+        server = LocalTriton(repo, work / f"triton-{name}-{attempt}", time_factor=f)
+        try:
+            server.start()
+            return server
+        except TritonStartError as error:
+            server.stop()
+            lines = [
+                line.strip(" |") for line in str(error).splitlines() if "rror" in line or "locked" in line
+            ]
+            print(f"triton-{name}: start {attempt} of {attempts} failed: {lines[:3]}", flush=True)
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
 def tenants_file(into: Path) -> Path:
     """The example tenants, lumen allowed ``chat`` and a third chat tenant, wren (lumen's terms)."""
     tenants = yaml.safe_load((EXAMPLES / "tenants.yaml").read_text())
@@ -429,8 +450,7 @@ def one_run(
     servers: list[LocalTriton] = []
     try:
         for name in ("a", "b"):
-            server = LocalTriton(repository(work / f"repo-{name}"), work / f"triton-{name}", time_factor=f)
-            server.start()
+            server = start_triton(work, name, f)
             servers.append(server)
             warm(server)
         before = [(triton_stats(s.address), cache_stats(s)) for s in servers]
