@@ -1307,14 +1307,19 @@ class BackendTopology:
         return domain_losses(self.topology, {m.model: m.units for m in self.models})
 
 
-def _models_on(name: str, repository: Path | None, routes: RouteTable) -> dict[str, list[str]]:
+def _models_on(
+    name: str, repository: Path | None, routes: RouteTable, loaded: tuple[str, ...] = ()
+) -> dict[str, list[str]]:
     """backend model -> the routes that run it on backend ``name`` (a route with no
-    ``backends`` runs on every backend; the embedded Triton serves what its repository has)."""
+    ``backends`` runs on every backend; the embedded Triton serves what its repository has,
+    or only ``loaded``: its ``load_models`` under ``model_control: explicit``)."""
     placed: dict[str, list[str]] = {}
     for route_name, route in routes.models.items():
         if route.backends and name not in route.backends:
             continue
         if repository is not None and repository.is_dir() and not (repository / route.backend_model).is_dir():
+            continue
+        if loaded and route.backend_model not in loaded:
             continue
         placed.setdefault(route.backend_model, []).append(route_name)
     return placed
@@ -1354,11 +1359,13 @@ def backend_topologies(config: GatewayConfig, routes: RouteTable) -> tuple[Backe
                 local.model_repository,
             )
         )
+    explicit = local.load_models if local is not None and local.model_control == "explicit" else ()
     for name, source, declared, devices, memory_gib, reserve_gib, time_scale, repository in entries:
         if declared is None:
             continue
         models = []
-        for model, route_names in _models_on(name, repository, routes).items():
+        loaded = explicit if source == "local_triton" else ()
+        for model, route_names in _models_on(name, repository, routes, loaded).items():
             profile_name = routes.models[route_names[0]].profile
             models.append(
                 PlacedModel(

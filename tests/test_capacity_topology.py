@@ -27,7 +27,8 @@ PLAIN = ROOT / "examples" / "orchid" / "gateway.yaml"
 GIB = 1024**3
 
 # The local backend (examples/orchid/topology/gateway.yaml): 4 devices of 80 GiB, 6 GiB reserve;
-# every route has no `backends`, so every route's backend model is on it (its repository has them).
+# every route has no `backends`, so every route's backend model it loads is on it (its
+# load_models: the repository's chat-v1 is not loaded there).
 # Resident on each device (weights_bytes; no workspace declared), each model's share / its width:
 #   full-v18 28e9 / 1 + compact-v11 7e9 / 1 + full-v18-tp2 28e9 / 2 + full-v18-stream 28e9 / 1
 #   (profile full-v18) + ranker-v3 0.5e9 / 1 = 77.5e9 B

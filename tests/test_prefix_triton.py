@@ -128,7 +128,12 @@ def prompt(rng: np.random.Generator, tokens: int = PROMPT_TOKENS) -> np.ndarray:
 
 
 def ask(
-    gateway: ThreadedGateway, ids: np.ndarray, *, key: str = ORCHID_KEY, output_tokens: int = 4
+    gateway: ThreadedGateway,
+    ids: np.ndarray,
+    *,
+    key: str = ORCHID_KEY,
+    output_tokens: int = 4,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[int, float]:
     """One chat request: (the cached prompt tokens its backend reported, its latency in s)."""
     client = grpcclient.InferenceServerClient(gateway.address)
@@ -139,7 +144,7 @@ def ask(
         result = client.infer(
             "chat",
             [tensor],
-            parameters={"orchid.max_output_tokens": output_tokens},
+            parameters={"orchid.max_output_tokens": output_tokens, **(extra or {})},
             headers=bearer(key),
             client_timeout=30,
         )
@@ -270,3 +275,15 @@ def test_affinity_spills_when_the_preferred_backend_is_loaded(
     lookups = [stats(server).get("lookups", 0) - n for server, n in zip(tritons, before_lookups, strict=True)]
     assert all(n > 0 for n in lookups), f"both backends should have served the burst: {lookups}"
     assert max(cached) == 512
+
+
+def test_a_forged_scope_is_replaced_by_the_callers_own(gateway: ThreadedGateway) -> None:
+    """orchid names lumen's scope in the backend's own parameter: the gateway replaces it, so
+    lumen's cached prompt is not orchid's to read, and orchid's entry lands in its own scope."""
+    rng = np.random.default_rng(23)
+    ids = prompt(rng, 256)
+    assert ask(gateway, ids, key=LUMEN_KEY)[0] == 0
+    assert ask(gateway, ids, key=LUMEN_KEY)[0] == 255
+    forged = {"prefix_scope": "lumen|eu-restricted|chat-v1@1"}
+    assert ask(gateway, ids, extra=forged)[0] == 0
+    assert ask(gateway, ids)[0] == 255  # the forged request's blocks went into orchid's scope
