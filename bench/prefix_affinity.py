@@ -387,12 +387,9 @@ def start_triton(work: Path, name: str, f: float, attempts: int = 3) -> LocalTri
         except TritonStartError as error:
             server.stop()
             log = server.log_path.read_text(errors="replace") if server.log_path.exists() else str(error)
-            lines = [
-                line.strip(" |")
-                for line in log.splitlines()
-                if ("Error" in line or "locked" in line) and "creating server" not in line
-            ]
-            print(f"triton-{name}: start {attempt} of {attempts} failed: {lines[:3]}", flush=True)
+            found = re.search(r"(\w+Error: [^\\\n\"]*).*?(\w+\.py\(\d+\))", log, re.DOTALL)
+            why = f"{found.group(1)} at {found.group(2)}" if found else str(error).splitlines()[-1]
+            print(f"triton-{name}: start {attempt} of {attempts} failed ({why})", flush=True)
             if attempt == attempts:
                 raise
     raise AssertionError("unreachable")
