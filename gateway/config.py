@@ -121,7 +121,7 @@ class TopologyConfig(_Strict):
             topology = self.topology(devices)
             lost = self.lost_devices()
             for d in lost:
-                topology._check_device(d, "lost")
+                topology.check_device(d, "lost")
             for model in self.models:
                 units = self.units_of(devices, model)
                 if not available(units, lost):

@@ -1118,7 +1118,7 @@ class DispatchQueue:
             stream=stream,
         )
         self._enqueue(waiter, weight, class_weight)
-        self._wake_next(now)  # a slot may be free with only ineligible waiters ahead
+        self.wake_next(now)  # a slot may be free with only ineligible waiters ahead
         return waiter
 
     def stream_may_start(self, tenant: str, weight: float, live_bytes: int) -> bool:
@@ -1166,7 +1166,7 @@ class DispatchQueue:
         slot if it had been granted in the meantime, which the driver must release."""
         slot = waiter.slot
         self._forget(waiter)
-        self._wake_next(now)  # a waiter held behind this one may fit now
+        self.wake_next(now)  # a waiter held behind this one may fit now
         return slot
 
     # ------------------------------------------------------------------ flows
@@ -1399,11 +1399,11 @@ class DispatchQueue:
         # its lane; without this, shorts with nearer latest starts would take every device a
         # long request frees, and queued long work would start later than predicted).
         if len(devices.queues) == 1:
-            self._wake_next(now, prefer_long=slot.long)
+            self.wake_next(now, prefer_long=slot.long)
             return
         # A device freed: the pool whose next waiter must start soonest goes first.
-        for queue in sorted(devices.queues, key=DispatchQueue._head_latest_start):
-            queue._wake_next(now, prefer_long=slot.long)
+        for queue in sorted(devices.queues, key=DispatchQueue.head_latest_start):
+            queue.wake_next(now, prefer_long=slot.long)
 
     def _make_slot(
         self, cost_ms: float, now: float, start: float, *, long: bool, live_bytes: int = 0
@@ -1411,7 +1411,9 @@ class DispatchQueue:
         """A new slot (a driver may hand out its own subclass)."""
         return Slot(self, cost_ms, now, start, long=long, live_bytes=live_bytes)
 
-    def _head_latest_start(self) -> float:
+    def head_latest_start(self) -> float:
+        """The latest start of the waiter this queue would grant next (inf: none waits); a
+        device set wakes its queues most urgent first by it."""
         waiter = self._next_waiter() if self.queued else None
         return waiter.latest_start if waiter is not None else math.inf
 
@@ -1419,7 +1421,7 @@ class DispatchQueue:
         free = self.slots - len(self._inflight)
         return free if request_class == CONTROL_CLASS else free - self.reserved_control
 
-    def _wake_next(self, now: float, *, prefer_long: bool = False) -> None:
+    def wake_next(self, now: float, *, prefer_long: bool = False) -> None:
         devices = self.device_set
         # One long request per wake-up: two sent to the backend in the same instant would be
         # co-batched by its batcher (one padded batch, about twice the time, both late); the

@@ -142,19 +142,20 @@ class Topology:
             seen: dict[int, str] = {}
             for name, devices in names.items():
                 for d in devices:
-                    self._check_device(d, f"domain {kind} {name}")
+                    self.check_device(d, f"domain {kind} {name}")
                     if d in seen:
                         raise TopologyError(f"device {d} is in two {kind} domains: {seen[d]} and {name}")
                     seen[d] = name
         seen_link: dict[int, str] = {}
         for name, devices in self.links.items():
             for d in devices:
-                self._check_device(d, f"link group {name}")
+                self.check_device(d, f"link group {name}")
                 if d in seen_link:
                     raise TopologyError(f"device {d} is in two link groups: {seen_link[d]} and {name}")
                 seen_link[d] = name
 
-    def _check_device(self, device: int, where: str) -> None:
+    def check_device(self, device: int, where: str) -> None:
+        """TopologyError naming ``where`` unless ``device`` is one of the topology's."""
         if not 0 <= device < self.devices:
             raise TopologyError(f"{where}: device {device} is out of range (0..{self.devices - 1})")
 
@@ -191,7 +192,7 @@ def plan_units(topology: Topology, layout: Layout, model: str) -> tuple[Unit, ..
                     f"(tensor_parallel {layout.tensor_parallel} x {layout.stages} stages)"
                 )
             for d in devices:
-                topology._check_device(d, f"{model} unit {index}")
+                topology.check_device(d, f"{model} unit {index}")
                 if d in used:
                     raise TopologyError(f"{model}: device {d} is in units {used[d]} and {index}")
                 used[d] = index

@@ -99,7 +99,7 @@ class UnitDeviceSet(DeviceSet):
         for queue in self.units:
             self._recount(queue)
         for queue in self.queues:  # a unit back may start waiting work
-            queue._wake_next(now)
+            queue.wake_next(now)
 
     def _recount(self, queue: DispatchQueue) -> None:
         left = len(self.available_units(queue))
@@ -180,7 +180,7 @@ class UnitDeviceSet(DeviceSet):
         urgent: tuple[float, DispatchQueue] | None = None
         for queue in self.units:
             if queue.queued:
-                head = queue._head_latest_start()
+                head = queue.head_latest_start()
                 if head < math.inf and (urgent is None or head < urgent[0]):
                     urgent = (head, queue)
         if urgent is None or self.free_units(urgent[1]):
