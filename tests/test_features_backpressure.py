@@ -14,14 +14,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from gateway.backends.local import LocalTriton
 from gateway.config import FeatureSourceConfig
 from orchid_tools.featurestore import FeastServer
 from orchid_tools.slowproxy import SlowProxy
-from tests.conftest import ThreadedGateway, gateway_config
+from tests.conftest import ORCHID_KEY, ThreadedGateway, gateway_config
 from tests.test_features import ask
 
 PROBE_S = 0.3
@@ -70,8 +74,33 @@ def outcome(gateway: ThreadedGateway, user: int) -> InferenceServerException | N
     return None
 
 
+def inference_count(triton: LocalTriton) -> int:
+    """Triton's inference count of ranker-v3 (the ranker route's model)."""
+    client = grpcclient.InferenceServerClient(triton.address)
+    try:
+        stats = client.get_inference_statistics("ranker-v3", as_json=True)
+    finally:
+        client.close()
+    return int(stats["model_stats"][0].get("inference_count", 0))
+
+
+def raw_refusal(gateway: ThreadedGateway) -> dict[str, str]:
+    """One ranker request over plain gRPC, refused: its trailing metadata."""
+    request = service_pb2.ModelInferRequest(model_name="ranker")
+    tensor = request.inputs.add(name="INPUT_IDS", datatype="INT32", shape=[1, 16])
+    del tensor  # its bytes go in raw_input_contents
+    request.raw_input_contents.append(np.arange(16, dtype=np.int32).tobytes())
+    request.parameters["user_id"].int64_param = 3
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as failure:
+            stub.ModelInfer(request, metadata=(("authorization", f"Bearer {ORCHID_KEY}"),), timeout=10)
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value.details()
+    return {k: str(v) for k, v in (failure.value.trailing_metadata() or ())}
+
+
 def test_a_late_source_is_refused_early_read_only_by_probes_and_served_again_once_it_recovers(
-    behind_proxy: ThreadedGateway, slow: SlowProxy
+    behind_proxy: ThreadedGateway, slow: SlowProxy, triton: LocalTriton
 ) -> None:
     gateway = behind_proxy
     normal = [outcome(gateway, 1 + i % 5) for i in range(10)]
@@ -88,8 +117,10 @@ def test_a_late_source_is_refused_early_read_only_by_probes_and_served_again_onc
     assert refused.status() == "StatusCode.UNAVAILABLE"
     assert "over its 40 ms budget" in str(refused.message()) or "failed" in str(refused.message())
 
-    # Refused at once and with a retry-after; only one read per probe interval reaches the source.
+    # Refused at once and with a retry-after; only one read per probe interval reaches the source,
+    # and nothing reaches Triton (no device time is spent on a request the source cannot serve).
     reads, started = slow.requests, time.monotonic()
+    inferences = inference_count(triton)
     early = 0
     for i in range(30):
         error = outcome(gateway, 1 + i % 5)
@@ -98,6 +129,10 @@ def test_a_late_source_is_refused_early_read_only_by_probes_and_served_again_onc
     elapsed = time.monotonic() - started
     assert early >= 25
     assert slow.requests - reads <= 1 + elapsed / PROBE_S + 1, "requests read a late source"
+    trailers = raw_refusal(gateway)  # the trailers tritonclient does not show
+    assert trailers.get("orchid-rule") == "features.upstream_backpressure", trailers
+    assert 0 < int(trailers["retry-after-ms"]) <= PROBE_S * 1000 + 1, trailers
+    assert inference_count(triton) == inferences, "a refused request reached Triton"
 
     slow.delay_ms = 0.0  # recovered: two good probes in a row clear it, and every request reads again
     served_in_a_row, tries = 0, 0
