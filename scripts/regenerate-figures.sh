@@ -29,6 +29,7 @@ add rehearsal "$PY bench/rehearsal.py"
 add rehearsal-bad-candidates "$PY bench/rehearsal.py --bad-candidates"
 add replicas "$PY bench/replicas.py"
 add troughs "$PY bench/troughs.py --seconds 30 --batch-items 400"
+add features-backpressure "$PY bench/features_backpressure.py"
 add prefix-affinity "$PY bench/prefix_affinity.py"
 for scenario in examples/orchid/simulate/*.yaml; do
   name="$(basename "$scenario" .yaml)"
