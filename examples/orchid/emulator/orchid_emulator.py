@@ -567,13 +567,33 @@ class PrefixCache:
         self.db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA busy_timeout = 60000")
         if directory:
-            self.db.execute("PRAGMA journal_mode = WAL")
+            self._wal()
         with self._transaction():
             for statement in _PREFIX_SCHEMA:
                 self.db.execute(statement)
             self.db.executemany(
                 "INSERT OR IGNORE INTO stats (name, value) VALUES (?, 0)", [(n,) for n in PREFIX_STATS]
             )
+
+    def _wal(self) -> None:
+        """Put the shared file in WAL mode. The instances open it at the same moment when a
+        server starts, and SQLite answers a journal-mode change that meets another connection's
+        lock with "database is locked" at once, without its busy handler: so retry (once one
+        instance has set it, the mode is the file's and the others see "wal")."""
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                mode = self.db.execute("PRAGMA journal_mode = WAL").fetchone()
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+                continue
+            if mode is not None and str(mode[0]).lower() == "wal":
+                return
+            if time.monotonic() > deadline:
+                raise sqlite3.OperationalError(f"could not put {self.path} in WAL mode (mode {mode!r})")
+            time.sleep(0.01)
 
     @classmethod
     def from_model_config(cls, config: dict, model: str) -> PrefixCache | None:
