@@ -307,27 +307,19 @@ class PoolRegistry:
         affinity = route.prefix_affinity
         profile = self.routes.profiles.get(route.profile)
         per_token = profile.prefill_ms_per_token if profile is not None else 0.0
-        if affinity is None or len(pools) == 1 or not query.keys:
-            match = self.prefix.match(
-                query,
-                least[2].name,
-                spec,
-                route=logical,
-                tenant=tenant,
-                prefill_ms_per_token=per_token * least[0].time_scale,
-            )
-            return least, match
-        options = [
-            Option(
-                wait_ms=pool[2].predicted_wait_ms(now),
-                saving_ms=query.tokens(self.prefix.index(pool[2].name, spec).match(query.keys))
-                * per_token
-                * pool[0].time_scale,
-            )
-            for pool in pools
-        ]
-        choice = choose(options, pools.index(least), affinity.max_extra_wait_ms)
-        chosen = pools[choice.index]
+        chosen, spilled, extra_wait_ms = least, False, 0.0
+        if affinity is not None and len(pools) > 1 and query.keys:
+            options = [
+                Option(
+                    wait_ms=pool[2].predicted_wait_ms(now),
+                    saving_ms=query.tokens(self.prefix.index(pool[2].name, spec).match(query.keys))
+                    * per_token
+                    * pool[0].time_scale,
+                )
+                for pool in pools
+            ]
+            choice = choose(options, pools.index(least), affinity.max_extra_wait_ms)
+            chosen, spilled, extra_wait_ms = pools[choice.index], choice.spilled, choice.extra_wait_ms
         match = self.prefix.match(
             query,
             chosen[2].name,
@@ -335,8 +327,8 @@ class PoolRegistry:
             route=logical,
             tenant=tenant,
             prefill_ms_per_token=per_token * chosen[0].time_scale,
-            spilled=choice.spilled,
-            extra_wait_ms=choice.extra_wait_ms,
+            spilled=spilled,
+            extra_wait_ms=extra_wait_ms,
         )
         return chosen, match
 

@@ -16,8 +16,6 @@ beyond what the pure core returns.
 
 from __future__ import annotations
 
-import array
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +33,7 @@ from gateway.core.prefix import (
     block_keys,
     scope_for,
 )
+from gateway.shape import prompt_bytes
 
 
 @dataclass(slots=True)
@@ -53,25 +52,6 @@ class RouteCounters:
     @property
     def hit_rate(self) -> float:
         return self.reported_hits / self.requests if self.requests else 0.0
-
-
-def prompt_bytes(request: service_pb2.ModelInferRequest, input_name: str) -> bytes:
-    """The first sequence of ``input_name`` as little-endian INT32 bytes (b"" when absent)."""
-    for i, tensor in enumerate(request.inputs):
-        if tensor.name != input_name:
-            continue
-        if i < len(request.raw_input_contents):
-            raw = request.raw_input_contents[i]
-        else:
-            values = array.array("i", tensor.contents.int_contents)
-            if sys.byteorder != "little":
-                values.byteswap()
-            raw = values.tobytes()
-        shape = tuple(tensor.shape)
-        if len(shape) >= 2 and shape[0] > 1:  # [rows, n]: the first row is the prompt
-            raw = raw[: shape[-1] * TOKEN_BYTES]
-        return bytes(raw)
-    return b""
 
 
 def reported_tokens(response: service_pb2.ModelInferResponse) -> int:

@@ -416,3 +416,21 @@ def fallback_refusal(
 
 def payload_bytes(request: service_pb2.ModelInferRequest) -> int:
     return sum(len(r) for r in request.raw_input_contents)
+
+
+def prompt_bytes(request: service_pb2.ModelInferRequest, input_name: str) -> bytes:
+    """The first sequence of the tokens input ``input_name`` as little-endian INT32 bytes (b""
+    when absent): the prompt a prefix cache keys (``gateway.core.prefix.block_keys``), read the
+    same way by the gateway's affinity and by ``MemoryBackend``'s cache."""
+    for i, tensor in enumerate(request.inputs):
+        if tensor.name != input_name:
+            continue
+        if i < len(request.raw_input_contents):
+            raw = request.raw_input_contents[i]
+        else:
+            raw = np.asarray(tensor.contents.int_contents, dtype="<i4").tobytes()
+        shape = tuple(tensor.shape)
+        if len(shape) >= 2 and shape[0] > 1:  # [rows, n]: the first row is the prompt
+            raw = raw[: shape[-1] * 4]  # INT32 tokens
+        return bytes(raw)
+    return b""

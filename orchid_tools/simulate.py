@@ -106,7 +106,6 @@ from gateway.evidence import population
 from gateway.exchange import BackendHandle, CallContext, GatewayListener
 from gateway.messages import flag_response
 from gateway.pipeline import Gateway
-from gateway.prefix_affinity import prompt_bytes
 from gateway.rollouts import parse_rollout
 from gateway.server import (
     assemble_gateway,
@@ -116,6 +115,7 @@ from gateway.server import (
     update_ladders_forever,
 )
 from gateway.settings import DemandProfileValue
+from gateway.shape import prompt_bytes
 from gateway.yaml_source import KeyPath, YamlDocument, YamlError, key_path, parse_yaml, read_yaml
 from orchid_tools.simulate_features import (
     Entities,

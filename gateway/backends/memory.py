@@ -126,6 +126,7 @@ from gateway.core.prefix import (
     cached_tokens,
 )
 from gateway.core.profile import DemandProfile
+from gateway.shape import prompt_bytes
 
 VOCAB = 32_000  # the emulator's output token range
 NS_PER_S = 1_000_000_000
@@ -858,7 +859,7 @@ class MemoryBackend:
         else:  # each member's prompt is looked up in turn (a member may hit one before it)
             input_name = model.spec.input_name
             for work in batch.members:
-                work.cached = cache.lookup(_scope(work.request), _prompt(work.request, input_name))
+                work.cached = cache.lookup(_scope(work.request), prompt_bytes(work.request, input_name))
             longest = max(w.input_tokens - w.cached for w in batch.members)
         batch.started = now
         batch.prefill_end = (
@@ -1070,22 +1071,6 @@ def _scope(request: service_pb2.ModelInferRequest) -> str:
     if param is None or param.WhichOneof("parameter_choice") != "string_param":
         return ""
     return str(param.string_param)
-
-
-def _prompt(request: service_pb2.ModelInferRequest, input_name: str) -> bytes:
-    """The first row of the tokens input ``input_name`` as little-endian INT32 bytes."""
-    for index, tensor in enumerate(request.inputs):
-        if tensor.name != input_name:
-            continue
-        if index < len(request.raw_input_contents):
-            raw = request.raw_input_contents[index]
-        else:
-            raw = np.asarray(tensor.contents.int_contents, dtype="<i4").tobytes()
-        shape = tuple(tensor.shape)
-        if len(shape) >= 2:
-            raw = raw[: int(shape[-1]) * TOKEN_BYTES]
-        return bytes(raw)
-    return b""
 
 
 def _output_tokens(
