@@ -20,6 +20,7 @@ commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- gateway orchid_t
 declare -a NAMES=() COMMANDS=()
 add() { NAMES+=("$1"); COMMANDS+=("$2"); }
 add overhead "$PY bench/overhead.py"
+add overhead-1-in-flight "$PY bench/overhead.py -c 1 -n 2000 --targets direct,passthrough,gateway"
 add request-path "$PY bench/request_path.py"
 add policy-eval "$PY bench/policy_eval.py"
 add surge-1.25x "$PY bench/surge.py"
