@@ -9,7 +9,16 @@ What it measures
 
     * ``affinity``: the routes as shipped (``chat``: ``prefix_affinity: {max_extra_wait_ms: 20}``);
     * ``least-wait``: a copy of the routes with ``prefix_affinity`` removed from ``chat``, every
-      other setting identical (the least-loaded backend by predicted wait).
+      other setting identical (the least-loaded backend by predicted wait);
+    * ``affinity-2-replicas``: ``affinity``'s routes on two ``orchid-gateway serve`` replicas of
+      one fleet (``state: {backend: redis}`` on a ``redis-server`` the bench starts on a free
+      port, one ``key_prefix`` per target), each request sent to the replicas in turn
+      (round-robin per request in send order, as an L4 balancer without session stickiness
+      would), so a conversation's next turn reaches the other replica about one time in two.
+      Each replica keeps its own prefix index (docs/prefix-affinity.md section 5): this
+      measures what that costs against one replica;
+    * ``affinity-2-replicas-sticky``: the same fleet, each conversation pinned to one replica
+      by a hash of its id.
 
     Reported per target: requests, answers, refusals by status and rule, answers on time (OK
     within the deadline, which is the client's gRPC deadline), p50/p95 latency of answers; from
@@ -22,8 +31,9 @@ What it measures
     per answered request, each backend's share of executions and requests and its mean queue
     time; the emulator's cache statistics per backend (lookups, hits, evictions; SQLite); the
     gateway's ``/metrics`` (``orchid_prefix_*``: spills, largest predicted extra wait, which must
-    stay within the route's bound). Then the ratios affinity / least-wait and whether the
-    issue's targets held.
+    stay within the route's bound; with two replicas the counters summed over both, the
+    largest extra wait the larger of the two). Then the ratios affinity / least-wait and
+    each replica target / affinity, whether the issue's targets held, and the replicas' cost.
 
 Workload (``--seed``; identical for both targets)
     Tenants orchid, lumen and wren (a tenants copy lets lumen call ``chat`` and adds wren), each
@@ -45,7 +55,8 @@ Scaling
     x f (``orchid_tools.harness.scaled_classes``). Tenant quotas are not scaled.
 
 How
-    ``python bench/prefix_affinity.py`` (~2.5 min on 2 cores). Exit status 1 only for a broken
+    ``python bench/prefix_affinity.py`` (~5 min on 2 cores; ``--targets affinity,least-wait``
+    ~2.5 min). Exit status 1 only for a broken
     run (a target with no answers, a Triton or gateway that did not start), never for a missed
     target.
 """
@@ -59,6 +70,7 @@ import re
 import shutil
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +92,7 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.backends.local import LocalTriton, TritonStartError, free_port  # noqa: E402
 from gateway.core.prefix import block_keys, cached_tokens  # noqa: E402
+from orchid_tools.fleet_demo import start_redis  # noqa: E402
 from orchid_tools.harness import (  # noqa: E402
     EXAMPLES,
     GatewayProcess,
@@ -100,7 +113,14 @@ WREN_KEY = "orchid-bench-key-wren"
 KEYS = {"orchid": "orchid-demo-key-orchid", "lumen": "orchid-demo-key-lumen", "wren": WREN_KEY}
 SHARED_PROMPT = ("orchid", "lumen")  # these two send the same system prompt
 DEVICES_PER_BACKEND = 2  # chat-v1's instance count
-TARGETS = ("affinity", "least-wait")
+TARGETS = ("affinity", "least-wait", "affinity-2-replicas", "affinity-2-replicas-sticky")
+REPLICAS = {"affinity-2-replicas": (2, "round-robin"), "affinity-2-replicas-sticky": (2, "sticky")}
+SHORT = {  # column headings
+    "affinity": "affinity",
+    "least-wait": "least-wait",
+    "affinity-2-replicas": "2 replicas rr",
+    "affinity-2-replicas-sticky": "2 repl. sticky",
+}
 Tokens = npt.NDArray[np.int32]
 
 
@@ -206,6 +226,7 @@ class Answer:
     ended: float
     outcome: str  # "OK" or "<status> <rule>"
     cached: int = 0
+    replica: int = 0  # the gateway replica it was sent to
 
 
 @dataclass
@@ -225,6 +246,7 @@ class Run:
     backends: list[Backend] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
+    replicas: int = 1  # gateway replicas of one fleet
     steady_busy: float = float("nan")  # devices' busy share once conversations overlap, to the last start
 
     @property
@@ -266,24 +288,44 @@ def outputs(body: bytes) -> tuple[Tokens, int]:
     return tokens, cached
 
 
+def pinned(conversation: Conversation, replicas: int) -> int:
+    """The replica a sticky balancer pins ``conversation`` to: a hash of its id."""
+    digest = hashlib.sha256(f"conversation-{conversation.ident}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % replicas
+
+
 async def drive(
-    address: str,
+    addresses: tuple[str, ...],
     systems: dict[str, Tokens],
     conversations: list[Conversation],
     deadline_s: float,
     run: Run,
     steady: tuple[float, float] = (0.0, 0.0),
     tritons: tuple[str, ...] = (),
+    balance: str = "round-robin",
 ) -> None:
-    """Every conversation, each turn after the previous answer and its think time; and the
-    devices' busy share between ``steady``'s times (s after the start; Triton's statistics)."""
-    channel = grpc.aio.insecure_channel(
-        address,
-        options=[("grpc.max_send_message_length", 1 << 24), ("grpc.max_receive_message_length", 1 << 24)],
-    )
-    call = channel.unary_unary(INFER)
+    """Every conversation, each turn after the previous answer and its think time, to the
+    gateway replicas at ``addresses`` (``balance``: ``round-robin``, each request to the next
+    replica in send order; ``sticky``, each conversation to the replica ``pinned`` picks); and
+    the devices' busy share between ``steady``'s times (s after the start; Triton's statistics)."""
+    channels = [
+        grpc.aio.insecure_channel(
+            address,
+            options=[("grpc.max_send_message_length", 1 << 24), ("grpc.max_receive_message_length", 1 << 24)],
+        )
+        for address in addresses
+    ]
+    calls = [channel.unary_unary(INFER) for channel in channels]
+    sent_count = 0
     loop = asyncio.get_running_loop()
     t0 = loop.time() + 0.2
+
+    def replica_for(conversation: Conversation) -> int:
+        nonlocal sent_count
+        if balance == "sticky":
+            return pinned(conversation, len(calls))
+        sent_count += 1
+        return (sent_count - 1) % len(calls)
 
     async def converse(conversation: Conversation) -> None:
         await asyncio.sleep(max(0.0, t0 + conversation.start_s - loop.time()))  # its start
@@ -294,10 +336,11 @@ async def drive(
                 await asyncio.sleep(turn.think_s)  # the user thinks (the workload, not a wait)
             prompt = np.concatenate([history, turn.user])
             sent = loop.time()
-            answer = Answer(conversation.tenant, conversation.ident, k, prompt, sent, sent, "OK")
+            replica = replica_for(conversation)
+            answer = Answer(conversation.tenant, conversation.ident, k, prompt, sent, sent, "OK", 0, replica)
             reply = turn.stand_in
             try:
-                body = await call(
+                body = await calls[replica](
                     request_bytes(prompt, turn.max_output), metadata=metadata, timeout=deadline_s
                 )
                 reply, answer.cached = outputs(body)
@@ -323,7 +366,8 @@ async def drive(
     try:
         await asyncio.gather(*(converse(c) for c in conversations), sample())
     finally:
-        await channel.close()
+        for channel in channels:
+            await channel.close()
     run.wall_s = time.monotonic() - started
 
 
@@ -436,6 +480,18 @@ def scrape(metrics_listen: str) -> dict[str, float]:
     return found
 
 
+def fleet_metrics(replicas: list[dict[str, float]]) -> dict[str, float]:
+    """The replicas' samples as one gateway's: counters summed, ``*_max`` the largest."""
+    combined: dict[str, float] = {}
+    for metrics in replicas:
+        for name, value in metrics.items():
+            if name.endswith("_max"):
+                combined[name] = max(combined.get(name, value), value)
+            else:
+                combined[name] = combined.get(name, 0.0) + value
+    return combined
+
+
 def one_run(
     label: str,
     args: argparse.Namespace,
@@ -448,6 +504,7 @@ def one_run(
     work = workdir / label
     f = args.time_factor
     servers: list[LocalTriton] = []
+    stop: list[subprocess.Popen[bytes]] = []
     try:
         for name in ("a", "b"):
             server = start_triton(work, name, f)
@@ -464,26 +521,54 @@ def one_run(
             )
             for name, server in zip(("a", "b"), servers, strict=True)
         ]
-        metrics_listen = f"127.0.0.1:{free_port()}"
-        config = example_config(
-            backends,
-            without=("jobs",),
-            classes=scaled_classes(f),
-            tenants_file=str(tenants_file(work)),
-            routes_dir=str(routes_dir(work / "routes", label == "affinity")),
-            telemetry={**example_settings().get("telemetry", {}), "metrics_listen": metrics_listen},
-            limits={**example_settings().get("limits", {}), "drain_timeout_s": 2},
-        )
-        gateway = GatewayProcess(config, work, name="gateway")
-        gateway.start()
+        count, balance = REPLICAS.get(label, (1, "round-robin"))
+        state: dict[str, object] = {}
+        if count > 1:  # one fleet: the replicas share quotas, slots and load through Redis
+            redis, url = start_redis(work)
+            stop.append(redis)
+            state = {"state": {"backend": "redis", "url": url, "key_prefix": f"bench-{label}:"}}
+        tenants = str(tenants_file(work))
+        routes = str(routes_dir(work / "routes", label != "least-wait"))
+        gateways: list[GatewayProcess] = []
+        listens: list[str] = []
         try:
+            for r in range(count):
+                metrics_listen = f"127.0.0.1:{free_port()}"
+                config = example_config(
+                    backends,
+                    without=("jobs",),
+                    classes=scaled_classes(f),
+                    tenants_file=tenants,
+                    routes_dir=routes,
+                    telemetry={**example_settings().get("telemetry", {}), "metrics_listen": metrics_listen},
+                    limits={**example_settings().get("limits", {}), "drain_timeout_s": 2},
+                    **state,
+                )
+                # Its own directory per replica (each writes its config and log there).
+                gateway = GatewayProcess(config, work / f"gateway-{r}" if count > 1 else work, name="gateway")
+                gateways.append(gateway)
+                gateway.start()
+                listens.append(metrics_listen)
             steady = (min(args.ramp_s, args.seconds / 2), args.seconds)
             addresses = tuple(s.address for s in servers)
-            asyncio.run(drive(gateway.listen, systems, conversations, deadline_s, run, steady, addresses))
+            run.replicas = count
+            asyncio.run(
+                drive(
+                    tuple(g.listen for g in gateways),
+                    systems,
+                    conversations,
+                    deadline_s,
+                    run,
+                    steady,
+                    addresses,
+                    balance,
+                )
+            )
             time.sleep(0.3)  # the last answers' statistics settle
-            run.metrics = scrape(metrics_listen)
+            run.metrics = fleet_metrics([scrape(listen) for listen in listens])
         finally:
-            gateway.stop()
+            for gateway in gateways:
+                gateway.stop()
         for name, server, ((e0, r0, q0, d0), c0) in zip(("a", "b"), servers, before, strict=True):
             e1, r1, q1, d1 = triton_stats(server.address)
             c1 = cache_stats(server)
@@ -493,6 +578,9 @@ def one_run(
     finally:
         for server in servers:
             server.stop()
+        for process in stop:  # the fleet's Redis
+            process.terminate()
+            process.wait(timeout=10)
     return run
 
 
@@ -577,52 +665,101 @@ def ratio(a: float, b: float) -> str:
     return f"x{a / b:.3f}" if b else "-"
 
 
+RATIOS = (  # (numerator, denominator, heading) where both ran
+    ("affinity", "least-wait", "aff/lw"),
+    ("affinity-2-replicas", "affinity", "rr/aff"),
+    ("affinity-2-replicas-sticky", "affinity", "sticky/aff"),
+)
+
+
+def switched(run: Run) -> tuple[float, float, float]:
+    """Of the answered later turns: the share sent to another replica than the turn before,
+    and the share finding their whole conversation on the same replica and on another."""
+    block_tokens = 16
+    by_turn = {(a.conversation, a.turn): a for a in run.answers}
+    same: list[bool] = []
+    other: list[bool] = []
+    for a in run.answered:
+        if a.turn == 0:
+            continue
+        before = by_turn[(a.conversation, a.turn - 1)]
+        whole = a.cached >= cached_tokens(len(before.prompt) // block_tokens, block_tokens, len(a.prompt))
+        (other if before.replica != a.replica else same).append(whole)
+    later = len(same) + len(other)
+    share = len(other) / later if later else 0.0
+    return (
+        share,
+        sum(same) / len(same) if same else float("nan"),
+        sum(other) / len(other) if other else float("nan"),
+    )
+
+
 def report(runs: list[Run], args: argparse.Namespace, deadline_ms: float, rate: float) -> bool:
     block_tokens = 16
     figs = [figures(r, block_tokens) for r in runs]
+    by_label = {r.label: i for i, r in enumerate(runs)}
+    pairs = [(by_label[n], by_label[d], h) for n, d, h in RATIOS if n in by_label and d in by_label]
     bound = bound_ms()
     print(
         f"\nprefix affinity vs least-wait: chat-v1 on 2 Tritons x {DEVICES_PER_BACKEND} devices, time factor "
         f"{args.time_factor:g}; {len(KEYS)} tenants ({' and '.join(SHARED_PROMPT)} share a system prompt), "
         f"{rate * 60:.1f} conversations/min for {args.seconds:g} s (load {args.load:.0%} priced as "
-        f"least-wait), deadline {deadline_ms:g} ms, seed {args.seed}\n"
+        f"least-wait), deadline {deadline_ms:g} ms, seed {args.seed}"
     )
+    for r in runs:
+        if r.replicas > 1:
+            how = "round-robin per request" if REPLICAS[r.label][1] == "round-robin" else "per conversation"
+            print(
+                f"  {SHORT[r.label]}: {r.label}, {r.replicas} gateway replicas on one Redis, {how};"
+                " its gateway rows sum the replicas' /metrics (max extra wait: the larger)"
+            )
+    print()
     width = 16
-    print(f"{'':44}" + "".join(f"{r.label:>{width}}" for r in runs) + f"{'ratio':>{width}}")
+    print(
+        f"{'':44}"
+        + "".join(f"{SHORT[r.label]:>{width}}" for r in runs)
+        + "".join(f"{h:>{width}}" for _, _, h in pairs)
+    )
 
-    def row(name: str, cells: list[str], rat: str = "") -> None:
-        print(f"{name:44}" + "".join(f"{c:>{width}}" for c in cells) + f"{rat:>{width}}")
+    def row(name: str, cells: list[str], values: list[float] | None = None) -> None:
+        ratios = [ratio(values[n], values[d]) if values else "" for n, d, _ in pairs]
+        print(
+            f"{name:44}" + "".join(f"{c:>{width}}" for c in cells) + "".join(f"{x:>{width}}" for x in ratios)
+        )
 
-    a, b = figs
     row("requests", [f"{x.requests}" for x in figs])
     row("answered", [f"{x.answered}" for x in figs])
     row("refused / failed", [f"{x.requests - x.answered}" for x in figs])
     row(
         "on time (answered within the deadline)",
         [f"{x.on_time:.2%}" for x in figs],
-        ratio(a.on_time, b.on_time),
+        [x.on_time for x in figs],
     )
-    row("latency p50, ms", [f"{x.p50_ms:.1f}" for x in figs], ratio(a.p50_ms, b.p50_ms))
-    row("latency p95, ms", [f"{x.p95_ms:.1f}" for x in figs], ratio(a.p95_ms, b.p95_ms))
+    row("latency p50, ms", [f"{x.p50_ms:.1f}" for x in figs], [x.p50_ms for x in figs])
+    row("latency p95, ms", [f"{x.p95_ms:.1f}" for x in figs], [x.p95_ms for x in figs])
     row(
         "hit rate (answers with cached tokens)",
         [f"{x.hit_rate:.2%}" for x in figs],
-        ratio(a.hit_rate, b.hit_rate),
+        [x.hit_rate for x in figs],
     )
     row(
         "prompt tokens served from cache",
         [f"{x.cached_share:.2%}" for x in figs],
-        ratio(a.cached_share, b.cached_share),
+        [x.cached_share for x in figs],
     )
     row(
         "later turns finding their whole conversation",
         [f"{x.whole_conversation:.2%}" for x in figs],
-        ratio(a.whole_conversation, b.whole_conversation),
+        [x.whole_conversation for x in figs],
     )
+    moved = [switched(r) for r in runs]
+    row("later turns sent to another replica", [f"{m[0]:.2%}" for m in moved])
+    row("  whole conversation found, same replica", [f"{m[1]:.2%}" for m in moved])
+    row("  whole conversation found, another replica", [f"{m[2]:.2%}" if m[0] else "-" for m in moved])
     row(
         "device-ms per answered request (Triton)",
         [f"{x.device_ms_per_answer:.1f}" for x in figs],
-        ratio(a.device_ms_per_answer, b.device_ms_per_answer),
+        [x.device_ms_per_answer for x in figs],
     )
     row("device-ms in all (Triton, both servers)", [f"{r.device_ms:.0f}" for r in runs])
     row(
@@ -663,55 +800,97 @@ def report(runs: list[Run], args: argparse.Namespace, deadline_ms: float, rate: 
         [f"{r.metrics.get('orchid_prefix_requests_total', 0):.0f}" for r in runs],
     )
     row(
+        "gateway: expected hits (metrics)",
+        [f"{r.metrics.get('orchid_prefix_expected_hits_total', 0):.0f}" for r in runs],
+    )
+    row(
         "gateway: prefix hits (metrics)",
         [f"{r.metrics.get('orchid_prefix_hits_total', 0):.0f}" for r in runs],
     )
     row(
         "gateway: saved accelerator-ms (metrics)",
         [f"{r.metrics.get('orchid_prefix_saved_accelerator_ms_total', 0):.0f}" for r in runs],
+        [r.metrics.get("orchid_prefix_saved_accelerator_ms_total", 0.0) for r in runs],
     )
-    row("gateway: spills (metrics)", [f"{r.metrics.get('orchid_prefix_spills_total', 0):.0f}" for r in runs])
     row(
-        f"gateway: max extra wait, ms (bound {bound:g})",
+        "gateway: spills (metrics)",
+        [f"{r.metrics.get('orchid_prefix_spills_total', 0):.0f}" for r in runs],
+        [r.metrics.get("orchid_prefix_spills_total", 0.0) for r in runs],
+    )
+    row(
+        f"gateway: max extra wait, ms (bound {bound:g}; max)",
         [f"{r.metrics.get('orchid_prefix_extra_wait_ms_max', 0):.2f}" for r in runs],
     )
     for r, x in zip(runs, figs, strict=True):
         print(f"\n{r.label}: every outcome {dict(x.outcomes.most_common())}; wall {r.wall_s:.1f} s")
 
-    extra = runs[0].metrics.get("orchid_prefix_extra_wait_ms_max", float("nan"))
-    targets = [
-        (
-            "prefix-cache hit rate improves (prompt tokens served from cache over prompt tokens,"
-            " the serving engines' measure, e.g. vLLM's prefix_cache_hit_rate)",
-            a.cached_share > b.cached_share,
-            f"{ratio(a.cached_share, b.cached_share)} ({a.cached_share:.2%} vs {b.cached_share:.2%})",
-        ),
-        (
-            "(information) answers with any cached token: a turn hits its tenant's system prompt"
-            " on either backend once both have seen it, so this share cannot separate the two",
-            True,
-            f"{ratio(a.hit_rate, b.hit_rate)} ({a.hit_rate:.2%} vs {b.hit_rate:.2%})",
-        ),
-        (
-            "device-ms per answered request improves",
-            a.device_ms_per_answer < b.device_ms_per_answer,
-            ratio(a.device_ms_per_answer, b.device_ms_per_answer),
-        ),
-        ("on-time share equal or better", a.on_time >= b.on_time, f"{a.on_time:.2%} vs {b.on_time:.2%}"),
-        (
-            f"no backend's load beyond the bound (max extra wait <= {bound:g} ms)",
-            extra <= bound,
-            f"{extra:.2f} ms, {runs[0].metrics.get('orchid_prefix_spills_total', 0):.0f} spills",
-        ),
-        (
-            "no cross-tenant hit",
-            all(x.cross_tenant == 0 for x in figs),
-            f"{a.cross_tenant} / {b.cross_tenant}",
-        ),
-    ]
-    print("\nissue 32's targets (affinity against least-wait, this run):")
-    for name, held, detail in targets:
-        print(f"  {'HELD  ' if held else 'MISSED'} {name}: {detail}")
+    if "affinity" in by_label and "least-wait" in by_label:
+        ia = by_label["affinity"]
+        a, b = figs[ia], figs[by_label["least-wait"]]
+        extra = runs[ia].metrics.get("orchid_prefix_extra_wait_ms_max", float("nan"))
+        targets = [
+            (
+                "prefix-cache hit rate improves (prompt tokens served from cache over prompt tokens,"
+                " the serving engines' measure, e.g. vLLM's prefix_cache_hit_rate)",
+                a.cached_share > b.cached_share,
+                f"{ratio(a.cached_share, b.cached_share)} ({a.cached_share:.2%} vs {b.cached_share:.2%})",
+            ),
+            (
+                "(information) answers with any cached token: a turn hits its tenant's system prompt"
+                " on either backend once both have seen it, so this share cannot separate the two",
+                True,
+                f"{ratio(a.hit_rate, b.hit_rate)} ({a.hit_rate:.2%} vs {b.hit_rate:.2%})",
+            ),
+            (
+                "device-ms per answered request improves",
+                a.device_ms_per_answer < b.device_ms_per_answer,
+                ratio(a.device_ms_per_answer, b.device_ms_per_answer),
+            ),
+            ("on-time share equal or better", a.on_time >= b.on_time, f"{a.on_time:.2%} vs {b.on_time:.2%}"),
+            (
+                f"no backend's load beyond the bound (max extra wait <= {bound:g} ms)",
+                extra <= bound,
+                f"{extra:.2f} ms, {runs[ia].metrics.get('orchid_prefix_spills_total', 0):.0f} spills",
+            ),
+            (
+                "no cross-tenant hit",
+                all(x.cross_tenant == 0 for x in figs),
+                " / ".join(str(x.cross_tenant) for x in figs),
+            ),
+        ]
+        print("\nissue 32's targets (affinity against least-wait, this run):")
+        for name, held, detail in targets:
+            print(f"  {'HELD  ' if held else 'MISSED'} {name}: {detail}")
+
+    replicated = [i for i, r in enumerate(runs) if r.replicas > 1]
+    if replicated and "affinity" in by_label:
+        a = figs[by_label["affinity"]]
+        lw = figs[by_label["least-wait"]] if "least-wait" in by_label else None
+        print("\nseveral replicas (issue 32: each replica keeps its own index; what that costs against one):")
+        for i in replicated:
+            x, r = figs[i], runs[i]
+            print(
+                f"  {r.label}: prompt tokens from cache {x.cached_share:.2%} vs {a.cached_share:.2%}"
+                f" ({ratio(x.cached_share, a.cached_share)}); whole conversation {x.whole_conversation:.2%}"
+                f" vs {a.whole_conversation:.2%}; device-ms per answer {x.device_ms_per_answer:.1f} vs"
+                f" {a.device_ms_per_answer:.1f} ({ratio(x.device_ms_per_answer, a.device_ms_per_answer)});"
+                f" on time {x.on_time:.2%} vs {a.on_time:.2%};"
+                f" spills {r.metrics.get('orchid_prefix_spills_total', 0):.0f}"
+                f" vs {runs[by_label['affinity']].metrics.get('orchid_prefix_spills_total', 0):.0f};"
+                f" later turns on another replica {moved[i][0]:.2%}"
+            )
+            if lw is not None and a.cached_share != lw.cached_share:
+                kept_cache = (x.cached_share - lw.cached_share) / (a.cached_share - lw.cached_share)
+                kept_ms = (
+                    (lw.device_ms_per_answer - x.device_ms_per_answer)
+                    / (lw.device_ms_per_answer - a.device_ms_per_answer)
+                    if lw.device_ms_per_answer != a.device_ms_per_answer
+                    else float("nan")
+                )
+                print(
+                    f"    of affinity's gain over least-wait it keeps {kept_cache:.0%} (tokens from cache)"
+                    f" and {kept_ms:.0%} (device-ms per answer)"
+                )
     return all(x.answered > 0 for x in figs)
 
 
@@ -743,12 +922,13 @@ def main(argv: list[str] | None = None) -> int:
     turns = sum(len(c.turns) for c in conversations)
     print(f"workload: {len(conversations)} conversations, {turns} turns, seed {args.seed}", flush=True)
     labels = [t for t in args.targets.split(",") if t]
+    unknown = [label for label in labels if label not in TARGETS]
+    if unknown or not labels:
+        raise SystemExit(f"unknown target(s) {unknown}: choose from {', '.join(TARGETS)}")
     tmp = tempfile.mkdtemp(prefix="orchid-prefix-affinity-")
     runs: list[Run] = []
     try:
         for label in labels:
-            if label not in TARGETS:
-                raise SystemExit(f"unknown target {label!r}: {', '.join(TARGETS)}")
             started = time.monotonic()
             runs.append(one_run(label, args, systems, conversations, deadline_ms / 1000.0, Path(tmp)))
             print(f"{label}: done in {time.monotonic() - started:.0f} s", flush=True)
@@ -757,11 +937,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"work directory kept: {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    if len(runs) != 2:
+    if not all(r.answered for r in runs):
         for r in runs:
-            x = figures(r, 16)
-            print(f"{r.label}: {x}")
-        return 0 if all(r.answered for r in runs) else 1
+            print(f"{r.label}: {len(r.answered)} of {r.requests} answered")
+        return 1
     return 0 if report(runs, args, deadline_ms, rate) else 1
 
 
