@@ -240,6 +240,7 @@ def test_admin_rpcs_refused_for_tenants(client: grpcclient.InferenceServerClient
         "full-v18-stream",
         "ranker",
         "full-v18-tp2",
+        "chat",
     }
 
 
