@@ -187,7 +187,9 @@ def test_a_mixed_load_never_shares_or_splits_a_unit(
     for entry in ran:  # every execution held what the gateway reserved, whole pairs for TP-2
         held = tuple(entry["devices"])
         if entry["model"] == TP2:
-            assert held in {(0, 1), (2, 3)}
+            # One request holds one pair. Triton's batcher may run two TP-2 requests the gateway
+            # bound to the two pairs at once as one execution, which then holds both whole pairs.
+            assert held in {(0, 1), (2, 3)} or (held == (0, 1, 2, 3) and entry["requests"] > 1), entry
         assert held in reserved or (entry["requests"] > 1 and set(held) <= {d for u in reserved for d in u})
 
 
