@@ -3,7 +3,7 @@
 The seed's "record memory by lifetime", for the prefix caches a model server keeps (issue 32):
 for every route whose backend model declares one (its Triton config's parameters
 ``prefix_block_tokens`` and ``prefix_cache_blocks``, as the gateway reads them at run time in
-``gateway.backends.triton.prefix_cache_of``), per backend serving it:
+``gateway.core.prefix.declared_cache``), per backend serving it:
 
 * the memory the cache holds when full: ``capacity_blocks x block_tokens x
   live_cache_bytes_per_token`` (the route profile's bytes of sequence state per token), and what
@@ -23,12 +23,11 @@ model configs (``model_parameters``); remote ``backends`` are named as unseen an
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.core.memory import DeviceMemory, live_tokens, resident_bytes
-from gateway.core.prefix import PrefixCacheSpec
+from gateway.core.prefix import declared_cache
 from gateway.core.profile import GIB
 from orchid_tools.capacity import Figure, Section, backend_topologies
 
@@ -51,17 +50,6 @@ def model_parameters(repository: Path, model: str) -> dict[str, str]:
     if not path.is_file():
         return {}
     return dict(_PARAMETER.findall(path.read_text()))
-
-
-def prefix_cache_from(parameters: Mapping[str, str]) -> PrefixCacheSpec | None:
-    """The prefix cache ``parameters`` declare, by ``prefix_cache_of``'s rules: both
-    ``prefix_block_tokens`` and ``prefix_cache_blocks``, positive integers; else None."""
-    if "prefix_block_tokens" not in parameters or "prefix_cache_blocks" not in parameters:
-        return None
-    try:
-        return PrefixCacheSpec(int(parameters["prefix_block_tokens"]), int(parameters["prefix_cache_blocks"]))
-    except ValueError:
-        return None
 
 
 def _n(value: float, decimals: int = 3) -> str:
@@ -151,7 +139,7 @@ def prefix_section(
     for name, route in sorted(routes.models.items()):
         if route.backends and LOCAL_BACKEND not in route.backends:
             continue
-        spec = prefix_cache_from(model_parameters(repository, route.backend_model))
+        spec = declared_cache(model_parameters(repository, route.backend_model))
         if spec is None:
             continue
         serving = [b for b in all_backends if not route.backends or b in route.backends]

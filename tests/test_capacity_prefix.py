@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from gateway.config import load_gateway_config, load_routes
+from gateway.core.prefix import declared_cache
 from orchid_tools.capacity import compute_worksheet, load_workload, with_gateway, workload_from_data
-from orchid_tools.capacity_prefix import model_parameters, prefix_cache_from, prefix_section
+from orchid_tools.capacity_prefix import model_parameters, prefix_section
 from orchid_tools.cli import main
 from tests.conftest import MODEL_REPOSITORY, ROOT
 
@@ -55,11 +56,11 @@ def _figures(config_path: Path, workload: Any = None) -> dict[str, Any]:
 
 def test_the_reader_finds_chat_v1s_cache() -> None:
     parameters = model_parameters(MODEL_REPOSITORY, "chat-v1")
-    spec = prefix_cache_from(parameters)
+    spec = declared_cache(parameters)
     assert spec is not None and (spec.block_tokens, spec.capacity_blocks) == (16, 4096)
-    assert prefix_cache_from(model_parameters(MODEL_REPOSITORY, "full-v18")) is None
-    assert prefix_cache_from({"prefix_block_tokens": "16"}) is None  # one half: none (prefix_cache_of)
-    assert prefix_cache_from({"prefix_block_tokens": "16", "prefix_cache_blocks": "0"}) is None
+    assert declared_cache(model_parameters(MODEL_REPOSITORY, "full-v18")) is None
+    assert declared_cache({"prefix_block_tokens": "16"}) is None  # one half: none
+    assert declared_cache({"prefix_block_tokens": "16", "prefix_cache_blocks": "0"}) is None
     assert model_parameters(MODEL_REPOSITORY, "no-such-model") == {}
 
 

@@ -28,7 +28,7 @@ from gateway.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from gateway.core.prefix import PrefixCacheSpec
+from gateway.core.prefix import declared_cache
 
 log = logging.getLogger(__name__)
 
@@ -273,22 +273,5 @@ def spec_from(metadata: service_pb2.ModelMetadataResponse, config: model_config_
         max_batch_size=int(config.max_batch_size),
         decoupled=bool(config.model_transaction_policy.decoupled),
         instances=max(1, sum(int(group.count) for group in config.instance_group)),
-        prefix_cache=prefix_cache_of(config),
+        prefix_cache=declared_cache({k: v.string_value for k, v in config.parameters.items()}),
     )
-
-
-def prefix_cache_of(config: model_config_pb2.ModelConfig) -> PrefixCacheSpec | None:
-    """The prefix cache a model config declares (parameters ``prefix_block_tokens`` and
-    ``prefix_cache_blocks``, as the capacity emulator reads them), or None. A model that
-    declares one half, or a value that is not a positive integer, has none (the emulator
-    refuses to load such a config, so Triton never serves it)."""
-    params = config.parameters
-    if "prefix_block_tokens" not in params or "prefix_cache_blocks" not in params:
-        return None
-    try:
-        return PrefixCacheSpec(
-            int(params["prefix_block_tokens"].string_value),
-            int(params["prefix_cache_blocks"].string_value),
-        )
-    except ValueError:
-        return None

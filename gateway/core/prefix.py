@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # The request parameter that carries the scope to the backend (gateway-owned).
@@ -54,6 +54,20 @@ class PrefixCacheSpec:
                 f"a prefix cache needs block_tokens >= 1 and capacity_blocks >= 1, got "
                 f"{self.block_tokens} and {self.capacity_blocks}"
             )
+
+
+def declared_cache(parameters: Mapping[str, str]) -> PrefixCacheSpec | None:
+    """The prefix cache a model's config parameters declare (``prefix_block_tokens`` and
+    ``prefix_cache_blocks``, as the capacity emulator reads them), or None. One half alone, or
+    a value that is not a positive integer, declares none (the emulator refuses to load such
+    a config, so Triton never serves it). The gateway reads Triton's model config with it; the
+    capacity worksheet reads the repository's ``config.pbtxt``."""
+    if "prefix_block_tokens" not in parameters or "prefix_cache_blocks" not in parameters:
+        return None
+    try:
+        return PrefixCacheSpec(int(parameters["prefix_block_tokens"]), int(parameters["prefix_cache_blocks"]))
+    except ValueError:
+        return None
 
 
 def scope_for(tenant: str, cell: str, model: str, version: str) -> str:
