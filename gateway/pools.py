@@ -303,15 +303,18 @@ class PoolRegistry:
             version=route.version,
         )
         now = clock.now()
-        least = pools[0] if len(pools) == 1 else self._least(pools, now)
         affinity = route.prefix_affinity
         profile = self.routes.profiles.get(route.profile)
         per_token = profile.prefill_ms_per_token if profile is not None else 0.0
-        chosen, spilled, extra_wait_ms = least, False, 0.0
-        if affinity is not None and len(pools) > 1 and query.keys:
+        if affinity is None or len(pools) == 1 or not query.keys:
+            chosen = pools[0] if len(pools) == 1 else self._least(pools, now)
+            spilled, extra_wait_ms = False, 0.0
+        else:  # each pool's predicted wait once: the load ranking and the bound both read it
+            waits = {pool[2].name: pool[2].predicted_wait_ms(now) for pool in pools}
+            least = self._least(pools, now, waits)
             options = [
                 Option(
-                    wait_ms=pool[2].predicted_wait_ms(now),
+                    wait_ms=waits[pool[2].name],
                     saving_ms=query.tokens(self.prefix.index(pool[2].name, spec).match(query.keys))
                     * per_token
                     * pool[0].time_scale,
@@ -353,14 +356,16 @@ class PoolRegistry:
             )
         return pools
 
-    def _least(self, pools: list[Pool], now: float) -> Pool:
-        """The load ranking's pick (``core.placement``) among several pools."""
+    def _least(self, pools: list[Pool], now: float, waits: dict[str, float] | None = None) -> Pool:
+        """The load ranking's pick (``core.placement``) among several pools (``waits``: their
+        predicted waits by queue name, when the caller has them already)."""
 
         def head(pool: Pool) -> tuple[float, float]:
             queue = pool[2]
             load = self.loads.get(queue.name)
             offered = load.offered_rate.ms_per_s(now) if load is not None else 0.0
-            return placement_head(queue.predicted_wait_ms(now), offered, queue.devices)
+            wait = waits[queue.name] if waits is not None else queue.predicted_wait_ms(now)
+            return placement_head(wait, offered, queue.devices)
 
         def device_work(pool: Pool) -> float:
             queue = pool[2]

@@ -108,7 +108,7 @@ class PrefixAffinity:
         raw = prompt_bytes(request, input_name)
         scope = scope_for(tenant, cell, model, version)
         return PrefixQuery(
-            scope, block_keys(scope, raw, spec.block_tokens), len(raw) // TOKEN_BYTES, spec.block_tokens
+            block_keys(scope, raw, spec.block_tokens), len(raw) // TOKEN_BYTES, spec.block_tokens
         )
 
     def match(

@@ -30,7 +30,7 @@ from gateway.backends.triton import ModelSpec
 from gateway.config import RequestClassConfig, ShapeSpec
 from gateway.core.admission import FallbackLimits, fallback_misfit
 from gateway.core.errors import InvalidArgument
-from gateway.core.prefix import SCOPE_PARAMETER
+from gateway.core.prefix import SCOPE_PARAMETER, TOKEN_BYTES
 from gateway.core.record import LONG_BUCKET, SHORT_BUCKET, Shape
 from gateway.core.streaming import StreamObjectives, stream_objectives
 
@@ -431,6 +431,6 @@ def prompt_bytes(request: service_pb2.ModelInferRequest, input_name: str) -> byt
             raw = np.asarray(tensor.contents.int_contents, dtype="<i4").tobytes()
         shape = tuple(tensor.shape)
         if len(shape) >= 2 and shape[0] > 1:  # [rows, n]: the first row is the prompt
-            raw = raw[: shape[-1] * 4]  # INT32 tokens
+            raw = raw[: shape[-1] * TOKEN_BYTES]
         return bytes(raw)
     return b""

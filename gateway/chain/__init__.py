@@ -356,7 +356,7 @@ class RequestChain:
             and diverted.budget_ms is not None
             and chosen.placement.route.backend_model == diverted.route.backend_model
             else None,
-            prefix=_prefix_on(chosen.placement),
+            prefix=chosen.placement.prefix,
         )
         if resolved.features is None:
             return admitted
@@ -476,12 +476,6 @@ class RequestChain:
         response.model_name = admitted.record.identity.model
         attach_provenance(response, settled)
         return response
-
-
-def _prefix_on(placement: Placement) -> prefix.PrefixMatch | None:
-    """The prompt's prefix match where the request runs (None: it runs elsewhere)."""
-    match = placement.prefix
-    return match if match is not None and match.pool == placement.queue.name else None
 
 
 def feature_scope(resolved: Resolved) -> str:

@@ -82,10 +82,10 @@ class Price:
 
 
 def _cached_tokens(placement: Placement, shape: Shape) -> int:
-    """The prompt tokens the placement's prefix cache is expected to serve: only for the pool
-    and the prompt it was matched on (a rollout's candidate or a fallback pool has its own
-    cache; a shape the request does not run with is not the prompt)."""
+    """The prompt tokens the placement's prefix cache is expected to serve (only the primary
+    placement has a match; a request of several items is priced without: the match is its
+    first row's)."""
     prefix = placement.prefix
-    if prefix is None or prefix.pool != placement.queue.name or shape.items != 1:
+    if prefix is None or shape.items != 1:
         return 0
     return min(prefix.priced_tokens, max(0, shape.input_tokens - 1))

@@ -97,9 +97,8 @@ def cached_tokens(matched_blocks: int, block_tokens: int, input_tokens: int) -> 
 
 @dataclass(frozen=True, slots=True)
 class PrefixQuery:
-    """A request's prompt as affinity sees it: its scope and its blocks' keys."""
+    """A request's prompt as affinity sees it: its blocks' keys (chained from its scope)."""
 
-    scope: str
     keys: tuple[bytes, ...]
     input_tokens: int
     block_tokens: int
@@ -110,7 +109,9 @@ class PrefixQuery:
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """Where a request was placed, as its prefix cache sees it."""
+    """Where a request was placed, as its prefix cache sees it. Only the request's primary
+    placement carries one (a rollout's candidate or a fallback pool is a placement of its own,
+    without it), so a placement's match is always of its own pool."""
 
     query: PrefixQuery
     pool: str  # the chosen pool (its queue's name)
