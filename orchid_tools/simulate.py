@@ -91,8 +91,8 @@ from gateway.config import (
 from gateway.core.errors import ConfigError, DeadlineExpired, GatewayError, Unavailable, error_for_status
 from gateway.core.evidence import Evidence, EvidenceKey
 from gateway.core.prefix import (
-    CACHED_TOKENS_PARAMETER,
     SCOPE_PARAMETER,
+    TOKEN_BYTES,
     PrefixCacheSpec,
     PrefixMatch,
     block_keys,
@@ -106,6 +106,7 @@ from gateway.evidence import population
 from gateway.exchange import BackendHandle, CallContext, GatewayListener
 from gateway.messages import flag_response
 from gateway.pipeline import Gateway
+from gateway.prefix_affinity import reported_tokens
 from gateway.rollouts import parse_rollout
 from gateway.server import (
     assemble_gateway,
@@ -1388,14 +1389,13 @@ class PrefixLog:
             if key not in held:
                 break
             matched += 1
-        n = len(prompt) // 4
+        n = len(prompt) // TOKEN_BYTES
         self.own[index] = max(self.own.get(index, 0), cached_tokens(matched, spec.block_tokens, n))
         self.prompt_tokens[index] = n
         held.update(keys)
 
     def answered(self, index: int, response: service_pb2.ModelInferResponse) -> None:
-        if CACHED_TOKENS_PARAMETER in response.parameters:
-            self.cached[index] = int(response.parameters[CACHED_TOKENS_PARAMETER].int64_param)
+        self.cached[index] = reported_tokens(response)
 
 
 class _SimBackend(MemoryBackend):
