@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import msgspec
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.base import Backend
@@ -40,8 +41,7 @@ def new_request_id() -> str:
     return f"{int.from_bytes(os.urandom(16)) & _UUID4_RANDOM | _UUID4_FIXED:032x}"
 
 
-@dataclass(frozen=True, slots=True)
-class StageTimes:
+class StageTimes(msgspec.Struct, frozen=True, gc=False):
     """Monotonic timestamps of one request's stages (telemetry builds spans from them)."""
 
     received_at: float
@@ -64,8 +64,7 @@ class BackendHandle:
     topology: TopologyConfig | None = None  # parallel layouts and failure domains (dispatch rule 10)
 
 
-@dataclass(frozen=True, slots=True)
-class CallContext:
+class CallContext(msgspec.Struct, frozen=True, gc=False):
     """What the protocol edge knows about a call."""
 
     metadata: tuple[tuple[str, str | bytes], ...]
@@ -74,8 +73,7 @@ class CallContext:
     peer_subjects: tuple[str, ...] = ()  # verified client-certificate common names (mTLS)
 
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
+class Admitted(msgspec.Struct, frozen=True):
     """A request that passed admission, bound to a pool, ready to dispatch."""
 
     record: RequestRecord
@@ -98,8 +96,7 @@ class Admitted:
     prefix: PrefixMatch | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Settled:
+class Settled(msgspec.Struct, frozen=True):
     record: RequestRecord
     decision: Decision
     outcome: Outcome

@@ -21,8 +21,8 @@ How tokens and items are read is data (``ShapeSpec`` in ``routes/``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 from tritonclient.grpc import service_pb2
 
@@ -88,8 +88,7 @@ CONTENTS_FIELD = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class RequestHints:
+class RequestHints(msgspec.Struct, frozen=True, gc=False):
     """The optional ``orchid.*`` request parameters (ARCHITECTURE §5)."""
 
     request_class: str | None = None

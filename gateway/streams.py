@@ -26,12 +26,12 @@ go on. A stream the caller cancels sends nothing more: what it sent said false.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 from tritonclient.grpc import service_pb2
 
 from gateway import clock
@@ -155,7 +155,7 @@ class StreamSession:
         # stream opened; the stream's own deadline (if any) still bounds it.
         arrived = clock.now()
         remaining = self.call.time_remaining_s
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             self.call,
             time_remaining_s=None if remaining is None else remaining - (arrived - self.call.received_at),
             received_at=arrived,

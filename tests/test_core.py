@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import replace
 
 import numpy as np
 import pytest
+from msgspec.structs import replace
 from tritonclient.grpc import service_pb2
 
 from gateway.backends.triton import InputSpec, ModelSpec

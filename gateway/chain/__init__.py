@@ -22,9 +22,9 @@ state of its own beyond its stages.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
+import msgspec
 from tritonclient.grpc import service_pb2
 
 from gateway import clock
@@ -165,7 +165,7 @@ class RequestChain:
                 now=clock.now(),
                 as_of=as_of,
             )
-            resolved = dataclasses.replace(resolved, features=contract, upstream_reserve_ms=reserve)
+            resolved = msgspec.structs.replace(resolved, features=contract, upstream_reserve_ms=reserve)
         placement = await self.place.primary(resolved)
         shape = shape_of(resolved, placement)
         now = clock.now()
@@ -182,7 +182,7 @@ class RequestChain:
         rolled = await self.place.rollout(resolved, placement, shape, price_on)
         if rolled is not None:
             placement, diverted = rolled
-            identity = dataclasses.replace(identity, model_version=diverted.label)
+            identity = msgspec.structs.replace(identity, model_version=diverted.label)
         route = placement.route
         logical = resolved.logical
         class_name = identity.request_class
@@ -269,9 +269,9 @@ class RequestChain:
             fallback_refused=fallback_refused,
         )
         if diverted is not None and diverted.reason and decision.verdict is Verdict.ADMIT:
-            decision = dataclasses.replace(decision, route_reason=diverted.reason)
+            decision = msgspec.structs.replace(decision, route_reason=diverted.reason)
         elif not canary and late is None and decision.verdict is Verdict.ADMIT:
-            decision = dataclasses.replace(decision, route_reason=HEDGE_REASON)  # a canary re-answered
+            decision = msgspec.structs.replace(decision, route_reason=HEDGE_REASON)  # a canary re-answered
         self.listener.decided(primary.record, decision, primary.policy)
         self._count_evidence_denials(logical, route, verdicts, effects.fallback_for_eligible, reduce_output)
         if decision.verdict is Verdict.REJECT:
@@ -290,7 +290,7 @@ class RequestChain:
             chosen = self.price.run(
                 resolved,
                 chosen.placement,
-                dataclasses.replace(chosen.record.shape, max_output_tokens=limit),
+                msgspec.structs.replace(chosen.record.shape, max_output_tokens=limit),
                 ladder_step=fallback.load.step if on_fallback and fallback is not None else load.step,
                 now=now,
                 identity=chosen.record.identity,
@@ -384,7 +384,7 @@ class RequestChain:
             self.settle.abandon(admitted, started=None, now=clock.now())
             raise
         self.features.attach(admitted.backend_request, contract, values)
-        return dataclasses.replace(admitted, features=snapshot)
+        return msgspec.structs.replace(admitted, features=snapshot)
 
     def _fallback_pass(
         self,
@@ -409,7 +409,7 @@ class RequestChain:
             weight=tenant.config.weight,
             class_weight=request_class.weight,
         )
-        f_identity = dataclasses.replace(identity, model=name, model_version=pool.route.version)
+        f_identity = msgspec.structs.replace(identity, model=name, model_version=pool.route.version)
         priced = self.price.run(resolved, pool, shape, ladder_step=load.step, now=now, identity=f_identity)
         shed = resolved.mode in SHED_MODES and load.shed(flow)
         candidate = self.judge.judge(priced.record, self.judge.on_pool(context, load, shed=shed), snapshot)

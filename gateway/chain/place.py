@@ -15,7 +15,8 @@ policy or touch quota.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 from gateway.backends.base import ModelSpec
 from gateway.chain.resolve import Resolved
@@ -28,8 +29,7 @@ from gateway.rollouts import Diverted, RolloutController
 from gateway.scheduler import DispatchQueue
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
+class Placement(msgspec.Struct, frozen=True):
     """A route bound to one pool."""
 
     route: RouteConfig

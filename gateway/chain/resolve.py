@@ -13,8 +13,7 @@ pools, quota, policy or the backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 from tritonclient.grpc import service_pb2
 
 from gateway.auth import Tenant
@@ -29,8 +28,7 @@ from gateway.rollouts import RolloutController
 from gateway.shape import RequestHints, check_backend_controls, read_hints, stream_objectives_for
 
 
-@dataclass(frozen=True, slots=True)
-class Resolved:
+class Resolved(msgspec.Struct, frozen=True):
     """A request with its route, class, deadline and identity: what every later stage reads."""
 
     request: service_pb2.ModelInferRequest

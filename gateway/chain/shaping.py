@@ -11,7 +11,7 @@ It may read the request and the model spec; it may not touch pools, quota or pol
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 from gateway.chain.place import Placement
 from gateway.chain.resolve import Resolved
@@ -39,7 +39,7 @@ def fallback_shape(resolved: Resolved, shape: Shape, fallback: Placement, name: 
     asked ("" when it can): its output capped at the fallback's limit."""
     route: RouteConfig = fallback.route
     refused = fallback_refusal(resolved.request, fallback.spec, route.shape, shape, model=name)
-    capped = dataclasses.replace(
+    capped = msgspec.structs.replace(
         shape, max_output_tokens=min(shape.max_output_tokens, route.shape.max_output_tokens)
     )
     return capped, refused

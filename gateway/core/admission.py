@@ -35,7 +35,9 @@ Rules, in order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
+
+import msgspec
 
 from gateway.core.dispatch import LATE_RULE
 from gateway.core.overload import LadderEffects
@@ -48,16 +50,14 @@ BATCH_MODES = frozenset({"batch", "async"})
 FALLBACK = Approximation.FALLBACK
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(msgspec.Struct, frozen=True):
     """One way to serve the request: the record priced on that route, and what policy said."""
 
     record: RequestRecord
     policy: PolicyResult
 
 
-@dataclass(frozen=True, slots=True)
-class FallbackLimits:
+class FallbackLimits(msgspec.Struct, frozen=True, gc=False):
     """What the fallback's route takes (its ``shape`` caps)."""
 
     model: str
@@ -84,8 +84,7 @@ def fallback_misfit(shape: Shape, limits: FallbackLimits) -> str:
     return ""
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionContext:
+class AdmissionContext(msgspec.Struct, frozen=True):
     effects: LadderEffects
     retry_after_ms: int  # from the predicted drain of the pool
     batch_classes: frozenset[str] = frozenset({"batch"})
@@ -177,7 +176,7 @@ def decide(primary: Candidate, fallback: Candidate | None, context: AdmissionCon
         message = decision.message
         if decision.verdict is Verdict.REJECT and capacity_denied:
             message = f"{message}; the fallback cannot take it: {refused}"
-        return replace(decision, fallback_refused=refused, message=message)
+        return msgspec.structs.replace(decision, fallback_refused=refused, message=message)
     return _decide(primary, fallback, context)
 
 

@@ -24,8 +24,9 @@ both.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+
+import msgspec
 
 from gateway.core.dispatch import DispatchQueue
 from gateway.core.estimate import CorrectionKey, Estimator, predict
@@ -97,7 +98,7 @@ def price(
     wall_per_ms = 1.0  # wall ms per accelerator-ms
     if not layout.trivial:  # device-ms of the whole unit; its wall time is what a deadline sees
         scale = layout.profile_scale()
-        demand = dataclasses.replace(
+        demand = msgspec.structs.replace(
             demand,
             prefill_ms=demand.prefill_ms * scale,
             decode_ms=demand.decode_ms * scale,

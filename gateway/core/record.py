@@ -16,10 +16,10 @@ queue wait ahead of the request). The teaching request: 200 - 45 - 12 - 60 - 15
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+import msgspec
 
 
 class Mode(StrEnum):
@@ -41,8 +41,7 @@ class Approximation(StrEnum):
     REDUCED_OUTPUT = "reduced_output"
 
 
-@dataclass(frozen=True, slots=True)
-class Identity:
+class Identity(msgspec.Struct, frozen=True, gc=False):
     """Who asks for what. ``tenant`` comes from the credential, never from the request."""
 
     request_id: str
@@ -64,8 +63,7 @@ SHORT_BUCKET = "short"
 LONG_BUCKET = "long"
 
 
-@dataclass(frozen=True, slots=True)
-class Shape:
+class Shape(msgspec.Struct, frozen=True, gc=False):
     items: int
     input_tokens: int
     max_output_tokens: int
@@ -79,8 +77,7 @@ class Shape:
         return self.bucket == LONG_BUCKET
 
 
-@dataclass(frozen=True, slots=True)
-class Demand:
+class Demand(msgspec.Struct, frozen=True, gc=False):
     """Predicted demand of one execution on the chosen model version."""
 
     prefill_ms: float
@@ -95,8 +92,7 @@ class Demand:
         return self.prefill_ms + self.decode_ms
 
 
-@dataclass(frozen=True, slots=True)
-class Budget:
+class Budget(msgspec.Struct, frozen=True, gc=False):
     """The deadline and the reserves that spend it, in milliseconds."""
 
     deadline_ms: float  # D: end to end
@@ -167,8 +163,7 @@ class Budget:
         return self.deadline_ms - self.reserve_exec_ms - self.reserve_fail_ms
 
 
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
+class RequestRecord(msgspec.Struct, frozen=True, gc=False):
     identity: Identity
     shape: Shape
     demand: Demand
@@ -176,11 +171,10 @@ class RequestRecord:
     ladder_step: int = 0
 
     def replace(self, **changes: Any) -> RequestRecord:
-        return dataclasses.replace(self, **changes)
+        return msgspec.structs.replace(self, **changes)
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(msgspec.Struct, frozen=True, gc=False):
     """What admission decided for one record, and why."""
 
     verdict: Verdict
@@ -202,8 +196,7 @@ class Decision:
     fallback_refused: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(msgspec.Struct, frozen=True, gc=False):
     """What happened: observed work, corrected charge, latency, failure state."""
 
     admitted: bool
