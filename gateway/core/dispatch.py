@@ -484,6 +484,9 @@ class DeviceSet:
     def __init__(self, devices: int, short_lane: int = 0, memory: DeviceMemory | None = None) -> None:
         self.devices = max(1, devices)
         self.bound: dict[Slot, None] = _Bound()
+        # ``free_times``' last heap and the (bound work's version, now, devices) it is for.
+        self._free_at: tuple[int, float, int] | None = None
+        self._free_kept: list[float] = []
         self.queues: list[DispatchQueue] = []
         self.short_lane = short_lane  # devices long work never occupies (rule 7)
         # Further devices long work takes only when it could not start in time on its own
@@ -628,26 +631,38 @@ class DeviceSet:
         * 1000.0)`` as in ``_simulated_free_times``, written with comparisons (``x if x > 0.0
         else 0.0`` is ``max(0.0, x)``: the same float) to spare two calls per occupant."""
         if not replan and self.incremental and not (fleet and self.remote_ends):
-            occ = self._occupancy()
-            count = self.devices
-            if len(occ) <= count:
-                # Every occupant pops a device still free at ``now`` (the rest stay ``now``).
-                free = []
-                for start, run_ms in occ:
-                    done_s = now - start
-                    left_ms = run_ms - (done_s if done_s > 0.0 else 0.0) * 1000.0
-                    free.append(now + (left_ms if left_ms > 0.0 else 0.0) / 1000.0)
-                if len(occ) < count:
-                    free.extend([now] * (count - len(occ)))
-                heapq.heapify(free)
-                return free
-            free = [now] * count
+            # Kept per (version of the bound work, now, devices): a request's admission asks
+            # several pools' predictions at one ``now``. A copy goes out (callers push into it).
+            bound = self.bound
+            key = (bound.version, now, self.devices) if isinstance(bound, _Bound) else None
+            if key is not None and key == self._free_at:
+                return self._free_kept.copy()
+            free = self._kept_free_times(now)
+            self._free_at, self._free_kept = key, free
+            return free.copy()
+        return self._simulated_free_times(now, replan=replan, fleet=fleet)
+
+    def _kept_free_times(self, now: float) -> list[float]:
+        """``free_times`` from the kept occupancy (see there)."""
+        occ = self._occupancy()
+        count = self.devices
+        if len(occ) <= count:
+            # Every occupant pops a device still free at ``now`` (the rest stay ``now``).
+            free: list[float] = []
             for start, run_ms in occ:
                 done_s = now - start
                 left_ms = run_ms - (done_s if done_s > 0.0 else 0.0) * 1000.0
-                heapq.heapreplace(free, free[0] + (left_ms if left_ms > 0.0 else 0.0) / 1000.0)
+                free.append(now + (left_ms if left_ms > 0.0 else 0.0) / 1000.0)
+            if len(occ) < count:
+                free.extend([now] * (count - len(occ)))
+            heapq.heapify(free)
             return free
-        return self._simulated_free_times(now, replan=replan, fleet=fleet)
+        free = [now] * count
+        for start, run_ms in occ:
+            done_s = now - start
+            left_ms = run_ms - (done_s if done_s > 0.0 else 0.0) * 1000.0
+            heapq.heapreplace(free, free[0] + (left_ms if left_ms > 0.0 else 0.0) / 1000.0)
+        return free
 
     def _simulated_free_times(self, now: float, *, replan: bool = False, fleet: bool = False) -> list[float]:
         """``free_times`` re-simulated from the bound slots themselves (the reference)."""
@@ -667,9 +682,10 @@ class DeviceSet:
 
     def occupants(self) -> int:
         """How many devices' worth of work is bound: a batch bound together counts once."""
-        if self.incremental:
-            return len(self._occupancy())
-        return sum(1 for slot in self.bound if slot.occupant)
+        bound = self.bound
+        if self.incremental and isinstance(bound, _Bound):
+            return len(bound.occupancy())
+        return sum(1 for slot in bound if slot.occupant)
 
     def _occupancy(self) -> Collection[tuple[float, float]]:
         """Each occupant's (predicted start, run ms) in binding order: the list schedule's
@@ -1007,7 +1023,8 @@ class DispatchQueue:
         other replica's work on them (the usual case): the list schedule starts it ``now``,
         and it is not run (a topology's units are not devices: there it always runs).
         """
-        cost_ms, _ = self._per_unit(cost_ms, 0)
+        if self.layout is not TRIVIAL:
+            cost_ms = self.layout.occupancy_ms(cost_ms)  # ``_per_unit``'s
         device_set = self.device_set
         queued = False
         for queue in device_set.queues:
