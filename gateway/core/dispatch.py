@@ -164,7 +164,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -353,45 +353,116 @@ class _Device:
 
 class _Bound(dict["Slot", None]):
     """The work bound to a device set, in binding order: a dict whose every change takes a new
-    ``version`` (``DeviceSet._occupancy`` caches the list schedule's inputs by it). Changes to
-    the bound slots themselves (a replanned start, a batch joined or left) ``touch`` it."""
+    ``version`` (the schedule caches are keyed by it), and which keeps what the list schedule
+    and the binding rules read of the bound work incrementally (issue 31):
 
-    __slots__ = ("version",)
+    * ``occupancy()``: each occupant's (predicted start, run ms), in binding order: the list
+      schedule's inputs;
+    * ``latest()``: the latest predicted start of any bound slot (is work waiting in the
+      backend's queue?);
+    * ``longs()``: how many bound slots are long work (rule 7).
+
+    Binding a slot (a new key: the last in binding order, so it goes last) and releasing one
+    that is no batch's member update them in O(1). A change to the bound slots themselves (a
+    replanned start, a batch joined or left: ``touch``), the release of a batch member (its
+    batch's next member may become the occupant) or any other change to the dict drops what
+    it may have changed, and it is read again from the slots on the next use: always what a
+    re-read of the slots gives (tests/test_dispatch_incremental.py)."""
+
+    __slots__ = ("_latest", "_longs", "_occ", "version")
 
     def __init__(self) -> None:
         super().__init__()
         self.version = next(_VERSIONS)
+        self._occ: dict[Slot, tuple[float, float]] | None = {}
+        self._latest: float | None = -math.inf
+        self._longs: int | None = 0
+
+    def _forget_kept(self) -> None:
+        self._occ = self._latest = self._longs = None
 
     def touch(self) -> None:
         self.version = next(_VERSIONS)
+        self._occ = self._latest = None  # a start, a batch's run or its occupant changed
+
+    def occupancy(self) -> dict[Slot, tuple[float, float]]:
+        """Each occupant's (predicted start, run ms) in binding order (``Slot.occupant``)."""
+        occ = self._occ
+        if occ is None:
+            occ = self._occ = {slot: (slot.predicted_start, slot.run_ms) for slot in self if slot.occupant}
+        return occ
+
+    def latest(self) -> float:
+        """The latest predicted start of any bound slot (-inf: none bound)."""
+        latest = self._latest
+        if latest is None:
+            latest = self._latest = max((slot.predicted_start for slot in self), default=-math.inf)
+        return latest
+
+    def longs(self) -> int:
+        """How many bound slots are long work."""
+        longs = self._longs
+        if longs is None:
+            longs = self._longs = sum(1 for slot in self if slot.long)
+        return longs
 
     def __setitem__(self, key: Slot, value: None) -> None:
+        new = key not in self
         super().__setitem__(key, value)
         self.version = next(_VERSIONS)
+        if not new:
+            self.touch()  # the same slot again: its order is unchanged, re-read it
+            return
+        if self._longs is not None:
+            self._longs += key.long
+        if self._latest is not None and key.predicted_start > self._latest:
+            self._latest = key.predicted_start
+        # A new key is the last in binding order, so the last occupant. (A slot joining a batch
+        # is no occupant, and the join's replan ``touch``-ed its batch's head before.)
+        if self._occ is not None and key.occupant:
+            self._occ[key] = (key.predicted_start, key.run_ms)
+
+    def _removing(self, key: Slot) -> None:
+        if key not in self:
+            return
+        if self._longs is not None:
+            self._longs -= key.long
+        if self._latest is not None and key.predicted_start >= self._latest:
+            self._latest = None  # it may have been the latest: read again
+        if key.group is not None:
+            self._occ = None  # its batch's next member may hold the device now
+        elif self._occ is not None:
+            self._occ.pop(key, None)
 
     def __delitem__(self, key: Slot) -> None:
+        self._removing(key)
         super().__delitem__(key)
         self.version = next(_VERSIONS)
 
     def pop(self, key: Slot, *default: Any) -> Any:
+        self._removing(key)
         self.version = next(_VERSIONS)
         return super().pop(key, *default)
 
     def popitem(self) -> tuple[Slot, None]:
         self.version = next(_VERSIONS)
+        self._forget_kept()
         return super().popitem()
 
     def setdefault(self, key: Slot, default: None = None) -> None:
         self.version = next(_VERSIONS)
+        self._forget_kept()
         return super().setdefault(key, default)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         super().update(*args, **kwargs)
         self.version = next(_VERSIONS)
+        self._forget_kept()
 
     def clear(self) -> None:
         super().clear()
         self.version = next(_VERSIONS)
+        self._forget_kept()
 
     def __ior__(self, other: Any) -> _Bound:  # type: ignore[override,misc]
         self.update(other)
@@ -401,8 +472,9 @@ class _Bound(dict["Slot", None]):
 class DeviceSet:
     """The devices one or more pools run on, and the work bound to them (in binding order).
 
-    The list schedule's inputs (each occupant's predicted start and run, in binding order) are
-    kept per version of the bound work (``_occupancy``), so the schedule is re-run from plain
+    The list schedule's inputs (each occupant's predicted start and run, in binding order), the
+    latest predicted start and the count of long work are kept incrementally by the bound work
+    itself (``_Bound``: O(1) per binding and release), so the schedule is re-run from plain
     floats, and not at all for a set with a device free and nothing waiting
     (``DispatchQueue.predicted_wait_ms``). ``incremental = False`` re-simulates from the slots
     on every call (the reference the property tests compare against)."""
@@ -412,11 +484,9 @@ class DeviceSet:
     def __init__(self, devices: int, short_lane: int = 0, memory: DeviceMemory | None = None) -> None:
         self.devices = max(1, devices)
         self.bound: dict[Slot, None] = _Bound()
-        # ``_occupancy``'s cache: the bound work's version it was read at, each occupant's
-        # (predicted start, run ms) in binding order, the latest predicted start of any bound slot.
-        self._occ_version = 0
-        self._occ: list[tuple[float, float]] = []
-        self._occ_latest = -math.inf
+        # ``free_times``' last heap and the (bound work's version, now, devices) it is for.
+        self._free_at: tuple[int, float, int] | None = None
+        self._free_kept: list[float] = []
         self.queues: list[DispatchQueue] = []
         self.short_lane = short_lane  # devices long work never occupies (rule 7)
         # Further devices long work takes only when it could not start in time on its own
@@ -475,7 +545,11 @@ class DeviceSet:
     def long_bound(self, now: float | None = None) -> int:
         """Long work bound to the devices: this replica's, and with ``now`` the other replicas'
         still predicted to run (``remote_long_ends``)."""
-        local = sum(1 for slot in self.bound if slot.long)
+        bound = self.bound
+        if self.incremental and isinstance(bound, _Bound):
+            local = bound.longs()
+        else:
+            local = sum(1 for slot in bound if slot.long)
         if now is None or not self.remote_long_ends:
             return local
         return local + len(self._remote_long_ends_after(now))
@@ -553,24 +627,42 @@ class DeviceSet:
         Without ``replan`` or other replicas' work it runs from ``_occupancy`` (the same
         floats in the same order, so the same times); with no more occupants than devices each
         occupant has a device of its own, free ``now``, and the heap is their ends and ``now``
-        for the rest."""
+        for the rest. Each occupant's remaining run is ``max(0.0, run_ms - max(0.0, now - start)
+        * 1000.0)`` as in ``_simulated_free_times``, written with comparisons (``x if x > 0.0
+        else 0.0`` is ``max(0.0, x)``: the same float) to spare two calls per occupant."""
         if not replan and self.incremental and not (fleet and self.remote_ends):
-            occ = self._occupancy()
-            count = self.devices
-            if len(occ) <= count:
-                # Every occupant pops a device still free at ``now`` (the rest stay ``now``).
-                free = [
-                    now + max(0.0, run_ms - max(0.0, now - start) * 1000.0) / 1000.0 for start, run_ms in occ
-                ]
-                if len(occ) < count:
-                    free.extend([now] * (count - len(occ)))
-                heapq.heapify(free)
-                return free
-            free = [now] * count
-            for start, run_ms in occ:
-                heapq.heapreplace(free, free[0] + max(0.0, run_ms - max(0.0, now - start) * 1000.0) / 1000.0)
-            return free
+            # Kept per (version of the bound work, now, devices): a request's admission asks
+            # several pools' predictions at one ``now``. A copy goes out (callers push into it).
+            bound = self.bound
+            key = (bound.version, now, self.devices) if isinstance(bound, _Bound) else None
+            if key is not None and key == self._free_at:
+                return self._free_kept.copy()
+            free = self._kept_free_times(now)
+            self._free_at, self._free_kept = key, free
+            return free.copy()
         return self._simulated_free_times(now, replan=replan, fleet=fleet)
+
+    def _kept_free_times(self, now: float) -> list[float]:
+        """``free_times`` from the kept occupancy (see there)."""
+        occ = self._occupancy()
+        count = self.devices
+        if len(occ) <= count:
+            # Every occupant pops a device still free at ``now`` (the rest stay ``now``).
+            free: list[float] = []
+            for start, run_ms in occ:
+                done_s = now - start
+                left_ms = run_ms - (done_s if done_s > 0.0 else 0.0) * 1000.0
+                free.append(now + (left_ms if left_ms > 0.0 else 0.0) / 1000.0)
+            if len(occ) < count:
+                free.extend([now] * (count - len(occ)))
+            heapq.heapify(free)
+            return free
+        free = [now] * count
+        for start, run_ms in occ:
+            done_s = now - start
+            left_ms = run_ms - (done_s if done_s > 0.0 else 0.0) * 1000.0
+            heapq.heapreplace(free, free[0] + (left_ms if left_ms > 0.0 else 0.0) / 1000.0)
+        return free
 
     def _simulated_free_times(self, now: float, *, replan: bool = False, fleet: bool = False) -> list[float]:
         """``free_times`` re-simulated from the bound slots themselves (the reference)."""
@@ -590,27 +682,25 @@ class DeviceSet:
 
     def occupants(self) -> int:
         """How many devices' worth of work is bound: a batch bound together counts once."""
-        if self.incremental:
-            return len(self._occupancy())
-        return sum(1 for slot in self.bound if slot.occupant)
+        bound = self.bound
+        if self.incremental and isinstance(bound, _Bound):
+            return len(bound.occupancy())
+        return sum(1 for slot in bound if slot.occupant)
 
-    def _occupancy(self) -> list[tuple[float, float]]:
+    def _occupancy(self) -> Collection[tuple[float, float]]:
         """Each occupant's (predicted start, run ms) in binding order: the list schedule's
-        inputs, read again only when the bound work changed (``_Bound.version``)."""
-        version = getattr(self.bound, "version", 0)
-        if version != self._occ_version or not version:
-            bound = self.bound
-            self._occ = [(slot.predicted_start, slot.run_ms) for slot in bound if slot.occupant]
-            self._occ_latest = max((slot.predicted_start for slot in bound), default=-math.inf)
-            self._occ_version = version
-        return self._occ
+        inputs, kept by the bound work as it changes (``_Bound.occupancy``)."""
+        bound = self.bound
+        if isinstance(bound, _Bound):
+            return bound.occupancy().values()
+        return [(slot.predicted_start, slot.run_ms) for slot in bound if slot.occupant]
 
     def waiting_after(self, now: float) -> bool:
         """Is a bound slot predicted to start after ``now`` (waiting in the backend's queue)?"""
-        if self.incremental:
-            self._occupancy()
-            return self._occ_latest > now
-        return any(slot.predicted_start > now for slot in self.bound)
+        bound = self.bound
+        if self.incremental and isinstance(bound, _Bound):
+            return bound.latest() > now
+        return any(slot.predicted_start > now for slot in bound)
 
     def touch(self) -> None:
         """The bound slots changed in place (a start replanned, a batch joined or left)."""
@@ -859,6 +949,9 @@ class DispatchQueue:
         self.layout: Layout = TRIVIAL
         # Devices the ladder counts (``gateway.core.load``): every unit's, less lost units'.
         self.capacity_devices = self.devices
+        # ``inflight_remaining_ms``'s last answer and the (bound work's version, now) it is for.
+        self._remaining_at: tuple[int, float] | None = None
+        self._remaining_ms = 0.0
 
     def _per_unit(self, cost_ms: float, live_bytes: int) -> tuple[float, int]:
         """Accelerator-ms and live bytes of a whole unit as the unit's occupancy and each of
@@ -878,8 +971,25 @@ class DispatchQueue:
         return len(self._inflight)
 
     def inflight_remaining_ms(self, now: float) -> float:
-        """Predicted work still to execute in the pool's slots (bound to the backend)."""
-        return sum(max(0.0, s.cost_ms - max(0.0, now - s.predicted_start) * 1000.0) for s in self._inflight)
+        """Predicted work still to execute in the pool's slots (bound to the backend).
+
+        Kept per (version of the device set's bound work, ``now``): placement asks it of every
+        candidate pool's device set, several times per request at one ``now``. Every change to
+        the pool's slots (granted, released, replanned) is a change to the bound work, which
+        takes a new version. Each slot's ``max(0.0, cost_ms - max(0.0, now - start) * 1000.0)``
+        is written with comparisons (the same float) and summed in the same order."""
+        bound = self.device_set.bound
+        key = (bound.version, now) if isinstance(bound, _Bound) else None
+        if key is not None and key == self._remaining_at:
+            return self._remaining_ms
+        left: list[float] = []
+        for slot in self._inflight:
+            done_s = now - slot.predicted_start
+            left_ms = slot.cost_ms - (done_s if done_s > 0.0 else 0.0) * 1000.0
+            left.append(left_ms if left_ms > 0.0 else 0.0)
+        remaining: float = sum(left)
+        self._remaining_at, self._remaining_ms = key, remaining
+        return remaining
 
     def predicted_wait_ms(
         self,
@@ -913,7 +1023,8 @@ class DispatchQueue:
         other replica's work on them (the usual case): the list schedule starts it ``now``,
         and it is not run (a topology's units are not devices: there it always runs).
         """
-        cost_ms, _ = self._per_unit(cost_ms, 0)
+        if self.layout is not TRIVIAL:
+            cost_ms = self.layout.occupancy_ms(cost_ms)  # ``_per_unit``'s
         device_set = self.device_set
         queued = False
         for queue in device_set.queues:
@@ -1376,12 +1487,14 @@ class DispatchQueue:
             _replan(head, start)  # touches the bound work (the batch's cost changed too)
             self.co_batched += 1
         self._inflight.add(slot)
+        self._remaining_at = None
         self.device_set.assign(self, slot)
         self.device_set.bound[slot] = None
         return slot
 
     def _release(self, slot: Slot, now: float) -> None:
         self._inflight.discard(slot)
+        self._remaining_at = None
         if slot.stream:
             self.decode.end(slot.tenant, slot.live_bytes)
         devices = self.device_set

@@ -134,6 +134,11 @@ class PoolLoad:
     fleet_step: int = 0
     reductions: list[tuple[float, FlowKey, float]] | None = None  # saved by capping
     capacity_share: float = 1.0
+    # The request path asks every request's retry-after and drain of the same evidence, which
+    # changes only at a gather: kept with the (evidence, config) they were priced from.
+    _priced: tuple[LoadEvidence, LadderConfig, int, float] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.ladder = OverloadLadder(self.config)
@@ -301,8 +306,7 @@ class PoolLoad:
         drains and it is the configured maximum retry-after."""
         if self.evidence is None:
             return 0.0
-        drain = drain_ms(self.evidence)
-        return drain if math.isfinite(drain) else float(self.config.retry_after_max_ms)
+        return self._price()[1]
 
     def utilization(self) -> float:
         return self.evidence.utilization if self.evidence is not None else 0.0
@@ -310,4 +314,20 @@ class PoolLoad:
     def retry_after_ms(self) -> int:
         if self.evidence is None:
             return self.config.retry_after_min_ms
-        return int(retry_after_ms(self.evidence, self.config).ms)
+        return self._price()[0]
+
+    def _price(self) -> tuple[int, float]:
+        """(``retry_after_ms``, ``drain_ms``) of the current evidence, priced once per evidence
+        and config (both immutable: a gather or a new config replaces the object)."""
+        evidence, config = self.evidence, self.config
+        assert evidence is not None
+        priced = self._priced
+        if priced is None or priced[0] is not evidence or priced[1] is not config:
+            drain = drain_ms(evidence)
+            priced = self._priced = (
+                evidence,
+                config,
+                int(retry_after_ms(evidence, config).ms),
+                drain if math.isfinite(drain) else float(config.retry_after_max_ms),
+            )
+        return priced[2], priced[3]

@@ -101,8 +101,9 @@ line is degraded, then refused, and only the excess of the flows over their shar
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -239,9 +240,26 @@ class DemandWindow:
     samples whose time falls in it, tagged with its absolute bucket number so a
     stale slot is recognised and reset lazily. Memory is fixed by ``buckets``,
     not by the arrival rate. A sample older than the window is dropped.
+
+    A reading visits only the slots of its span's buckets (O(span), not O(buckets)), in
+    ascending slot order as a pass over the whole ring would, so its sums are the same
+    floats; the last reading is kept per (samples added, ``now``, span): a gather reads
+    the same span more than once.
     """
 
-    __slots__ = ("_counts", "_epochs", "_first", "_sums", "_sumsq", "_width_s", "buckets", "window_s")
+    __slots__ = (
+        "_added",
+        "_counts",
+        "_epochs",
+        "_first",
+        "_kept",
+        "_kept_at",
+        "_sums",
+        "_sumsq",
+        "_width_s",
+        "buckets",
+        "window_s",
+    )
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S, buckets: int = DEFAULT_BUCKETS) -> None:
         if not (math.isfinite(window_s) and window_s > 0.0):
@@ -256,6 +274,9 @@ class DemandWindow:
         self._counts = [0] * buckets
         self._epochs = [-1] * buckets  # absolute bucket number held by each slot; -1: never used
         self._first: int | None = None  # bucket of the first sample ever seen
+        self._added = 0  # samples added: the last reading (``_kept``) is for this many
+        self._kept_at: tuple[int, float, int] | None = None  # (samples added, now, span)
+        self._kept: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
 
     def _bucket(self, now: float) -> int:
         if not math.isfinite(now):
@@ -265,7 +286,10 @@ class DemandWindow:
     def add(self, now: float, accelerator_ms: float) -> None:
         if not (math.isfinite(accelerator_ms) and accelerator_ms >= 0.0):
             raise ValueError(f"accelerator_ms must be finite and at least 0 (got {accelerator_ms})")
-        bucket = self._bucket(now)
+        if not math.isfinite(now):  # ``_bucket``'s, inline: every admitted request adds six samples
+            raise ValueError(f"now must be finite (got {now})")
+        bucket = math.floor(now / self._width_s)
+        self._added += 1
         slot = bucket % self.buckets
         held = self._epochs[slot]
         if held > bucket:
@@ -287,23 +311,39 @@ class DemandWindow:
         for the part of it that has passed: a rate read early in a bucket is not diluted by
         the rest of it."""
         span = self.buckets if span_buckets is None else max(1, min(self.buckets, span_buckets))
+        key = (self._added, now, span)
+        if key == self._kept_at:
+            return self._kept
         bucket = self._bucket(now)
         oldest = bucket - span + 1
         total, squares, count = 0.0, 0.0, 0
-        for slot in range(self.buckets):
-            if oldest <= self._epochs[slot] <= bucket:
-                total += self._sums[slot]
-                squares += self._sumsq[slot]
-                count += self._counts[slot]
+        epochs, sums, sumsq, counts = self._epochs, self._sums, self._sumsq, self._counts
+        # The slots that can hold a bucket of the span, in ascending order: a slot holds bucket
+        # b only at b % buckets, so no other slot passes the test below.
+        first, last = oldest % self.buckets, bucket % self.buckets
+        if span == self.buckets:
+            slots: Iterable[int] = range(self.buckets)
+        elif first <= last:
+            slots = range(first, last + 1)
+        else:
+            slots = itertools.chain(range(last + 1), range(first, self.buckets))
+        for slot in slots:
+            if oldest <= epochs[slot] <= bucket:
+                total += sums[slot]
+                squares += sumsq[slot]
+                count += counts[slot]
         # A young window divides by its age, but never by less than half the span: one burst
         # in the first 100 ms of a gateway's life is not fifty times its rate.
         floor = max(1, math.ceil(span * YOUNG_WINDOW_FLOOR))
         age = span if self._first is None else bucket - self._first + 1
         if age <= floor:
-            return total, squares, count, floor * self._width_s
-        partial = min(self._width_s, max(0.0, now - bucket * self._width_s))
-        seconds = (min(span, age) - 1) * self._width_s + partial
-        return total, squares, count, max(seconds, 0.5 * self._width_s)
+            live = (total, squares, count, floor * self._width_s)
+        else:
+            partial = min(self._width_s, max(0.0, now - bucket * self._width_s))
+            seconds = (min(span, age) - 1) * self._width_s + partial
+            live = (total, squares, count, max(seconds, 0.5 * self._width_s))
+        self._kept_at, self._kept = key, live
+        return live
 
     def reading(self, now: float, span_s: float | None = None) -> DemandReading:
         """The offered rate over the last ``span_s`` seconds (the whole window by default), with
@@ -377,7 +417,7 @@ class DwellWindow:
         if not 0.0 < q <= 1.0:
             raise ValueError(f"q must be in (0, 1] (got {q})")
         since = now - self.window_s
-        recent = sorted(self._dwell_ms[i] for i in range(self._size) if since < self._at[i] <= now)
+        recent = sorted([dwell for at, dwell in self._samples() if since < at <= now])
         if not recent:
             return 0.0
         return recent[max(0, math.ceil(q * len(recent)) - 1)]
@@ -388,7 +428,13 @@ class DwellWindow:
     def count(self, now: float) -> int:
         """Samples inside the window."""
         since = now - self.window_s
-        return sum(1 for i in range(self._size) if since < self._at[i] <= now)
+        return sum(1 for at, _ in self._samples() if since < at <= now)
+
+    def _samples(self) -> Iterable[tuple[float, float]]:
+        """(time, dwell ms) of the samples held, in slot order."""
+        if self._size == self.capacity:
+            return zip(self._at, self._dwell_ms, strict=True)
+        return zip(self._at[: self._size], self._dwell_ms[: self._size], strict=True)
 
 
 # --------------------------------------------------------------------------- evidence
