@@ -345,10 +345,12 @@ class PoolRegistry:
             backend = handle.client
             if not backend.healthy:  # read live: a flip takes effect on the next request
                 continue
-            try:
-                spec = await backend.model_spec(route.backend_model, logical=logical)
-            except Unavailable:
-                continue
+            spec = backend.known_spec(route.backend_model)
+            if spec is None:  # not known without I/O (or not ready: model_spec raises)
+                try:
+                    spec = await backend.model_spec(route.backend_model, logical=logical)
+                except Unavailable:
+                    continue
             pools.append((handle, spec, self.queue_for(name, spec, plan.profile)))
         if not pools:
             raise Unavailable(
@@ -369,8 +371,7 @@ class PoolRegistry:
 
         def device_work(pool: Pool) -> float:
             queue = pool[2]
-            work = sum(q.inflight_remaining_ms(now) for q in queue.device_set.queues)
-            return device_work_term(work, queue.devices)
+            return device_work_term(queue.device_set.remaining_ms(now), queue.devices)
 
         chosen = best_placement(pools, head, device_work)
         assert chosen is not None  # pools is not empty

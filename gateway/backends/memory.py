@@ -568,6 +568,12 @@ class MemoryBackend:
             raise Unavailable(f"model {logical!r} is not loaded on its backend")
         return state
 
+    def known_spec(self, model: str) -> ModelSpec | None:
+        state = self._models.get(model)
+        if not self._healthy or state is None or not state.ready:
+            return None  # model_spec raises Unavailable
+        return state.model_spec  # None until model_spec built it once
+
     async def model_spec(self, model: str, *, logical: str) -> ModelSpec:
         if not self._healthy or not (state := self._model(model, logical)).ready:
             raise Unavailable(f"model {logical!r} is not ready on its backend")

@@ -154,6 +154,9 @@ class TritonBackend:
 
     # -------------------------------------------------------------- metadata
 
+    def known_spec(self, model: str) -> ModelSpec | None:
+        return self._specs.get(model)  # model_spec's own cache
+
     async def model_spec(self, model: str, *, logical: str) -> ModelSpec:
         cached = self._specs.get(model)
         if cached is not None:
