@@ -381,10 +381,23 @@ class PoolRegistry:
         self, route: RouteConfig, cell: str, logical: str, *, exclude: Iterable[str] = ()
     ) -> Pool | None:
         """The route's pool in ``cell`` only if it is warm right now (a fallback never cold-loads)."""
+        pools = await self.healthy(route, cell, logical, exclude=exclude)
+        return self.warm_pick(route, pools) if pools is not None else None
+
+    async def healthy(
+        self, route: RouteConfig, cell: str, logical: str, *, exclude: Iterable[str] = ()
+    ) -> list[Pool] | None:
+        """The route's healthy pools in ``cell`` less ``exclude`` (None: none), their queues
+        created on first use: the first half of ``warm``, for a caller that picks among them
+        only if it needs a pool (``warm_pick``)."""
         try:
-            handle, spec, queue = await self.place(route, cell, logical, exclude=exclude)
+            return await self._healthy(route, cell, logical, exclude)
         except Unavailable:
             return None
+
+    def warm_pick(self, route: RouteConfig, pools: list[Pool]) -> Pool | None:
+        """``place``'s pick among ``healthy``'s pools, only if it is warm right now."""
+        handle, spec, queue = pools[0] if len(pools) == 1 else self._least(pools, clock.now())
         return (handle, spec, queue) if handle.client.is_warm(route.backend_model) else None
 
     def load(self, queue: DispatchQueue, route: RouteConfig | None = None) -> PoolLoad:

@@ -238,8 +238,10 @@ class RequestChain:
             if shared_fallback and route.fallback
             else None
         )
-        fallback_pool = (
-            await self.place.fallback(fallback_route, resolved, exclude=primary.policy.excluded_backends)
+        fallback_pools = (
+            await self.place.fallback_pools(
+                fallback_route, resolved, exclude=primary.policy.excluded_backends
+            )
             if fallback_route is not None
             else None
         )
@@ -248,9 +250,10 @@ class RequestChain:
         fallback: _Fallback | None = None
         if (
             fallback_route is not None
-            and fallback_pool is not None
+            and fallback_pools is not None
             and route.fallback is not None
             and admission.wants_fallback_pass(primary.policy, effects, True, divert)
+            and (fallback_pool := self.place.fallback(fallback_route, fallback_pools)) is not None
         ):
             f_shape, fallback_refused = fallback_shape(resolved, shape, fallback_pool, route.fallback)
             if not fallback_refused:

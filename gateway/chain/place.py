@@ -24,7 +24,7 @@ from gateway.config import RouteConfig
 from gateway.core.prefix import PrefixMatch
 from gateway.core.record import RequestRecord, Shape
 from gateway.exchange import BackendHandle
-from gateway.pools import PoolRegistry
+from gateway.pools import Pool, PoolRegistry
 from gateway.rollouts import Diverted, RolloutController
 from gateway.scheduler import DispatchQueue
 
@@ -94,11 +94,17 @@ class Place:
             return None
         return Placement(diverted.route, diverted.handle, current.spec, diverted.queue), diverted
 
-    async def fallback(
+    async def fallback_pools(
         self, route: RouteConfig, resolved: Resolved, *, exclude: Iterable[str] = ()
-    ) -> Placement | None:
-        """The fallback route's pool in the request's cell, only if warm right now."""
-        pool = await self.pools.warm(route, resolved.cell, resolved.logical, exclude=exclude)
+    ) -> list[Pool] | None:
+        """The fallback route's healthy pools in the request's cell (None: none): ranked and
+        picked by ``fallback`` only for a request that takes the fallback pass (the ranking
+        predicts every candidate pool's wait: on a large fleet the costliest part of it)."""
+        return await self.pools.healthy(route, resolved.cell, resolved.logical, exclude=exclude)
+
+    def fallback(self, route: RouteConfig, pools: list[Pool]) -> Placement | None:
+        """The fallback route's pool among ``fallback_pools``', only if warm right now."""
+        pool = self.pools.warm_pick(route, pools)
         if pool is None:
             return None
         handle, spec, queue = pool
