@@ -27,7 +27,10 @@ from gateway.core.estimate import (
     LearnedCorrection,
     _clamp,
     _Ewma,
+    predict,
 )
+from gateway.core.profile import DemandProfile
+from gateway.core.record import Demand, Shape
 
 # --------------------------------------------------------------------------- the reference
 
@@ -320,3 +323,73 @@ def test_the_estimator_computes_what_it_computed_before(
             _same_reads(new, old, key, tenant, now)
             _same_reads(new, old, key, tenant, now + 7.5)
     assert new.learned(now + 1.0) == old.learned(now + 1.0)
+
+
+def reference_predict(
+    profile: DemandProfile,
+    shape: Shape,
+    *,
+    time_scale: float = 1.0,
+    correction: float = 1.0,
+    cached_tokens: int = 0,
+) -> Demand:
+    """``predict`` as it was, before it reused its phases for the live-token-ms."""
+    scale = time_scale * correction
+    prefill, decode = profile.phases(
+        shape.input_tokens - cached_tokens if cached_tokens > 0 else shape.input_tokens,
+        shape.max_output_tokens,
+        batch=shape.items,
+    )
+    return Demand(
+        prefill_ms=prefill * scale,
+        decode_ms=decode * scale,
+        host_cpu_ms=profile.host_cpu_ms,
+        peak_memory_bytes=profile.peak_memory_bytes(shape.input_tokens, shape.max_output_tokens)
+        * shape.items,
+        live_token_ms=profile.live_token_ms(shape.input_tokens, shape.max_output_tokens)
+        * shape.items
+        * scale,
+        correction=correction,
+    )
+
+
+_ms = st.floats(min_value=0.0, max_value=100.0)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    profile=st.builds(
+        DemandProfile,
+        fixed_ms=_ms,
+        prefill_ms_per_token=_ms,
+        decode_ms_per_token=_ms,
+        live_cache_bytes_per_token=st.integers(min_value=0, max_value=1 << 20),
+        host_cpu_ms=_ms,
+    ),
+    items=st.sampled_from([1, 1, 2, 8]),
+    input_tokens=st.integers(min_value=1, max_value=32768),
+    output_tokens=st.integers(min_value=0, max_value=4096),
+    cached_tokens=st.one_of(st.just(0), st.integers(min_value=-3, max_value=32768)),
+    time_scale=st.floats(min_value=0.0, max_value=2.0),
+    correction=st.floats(min_value=0.01, max_value=100.0),
+)
+def test_predict_computes_what_it_computed_before(
+    profile: DemandProfile,
+    items: int,
+    input_tokens: int,
+    output_tokens: int,
+    cached_tokens: int,
+    time_scale: float,
+    correction: float,
+) -> None:
+    shape = Shape(items=items, input_tokens=input_tokens, max_output_tokens=output_tokens)
+    arguments: dict[str, Any] = {
+        "time_scale": time_scale,
+        "correction": correction,
+        "cached_tokens": min(cached_tokens, input_tokens - 1),
+    }
+    new, old = predict(profile, shape, **arguments), reference_predict(profile, shape, **arguments)
+    assert [_bits(getattr(new, f)) for f in _DEMAND] == [_bits(getattr(old, f)) for f in _DEMAND]
+
+
+_DEMAND = ("prefill_ms", "decode_ms", "host_cpu_ms", "peak_memory_bytes", "live_token_ms", "correction")

@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 from gateway.core.profile import DemandProfile
 from gateway.core.record import Demand, Shape
@@ -80,26 +80,32 @@ def predict(
     cache is expected to serve (``gateway.core.prefix``): prefill is priced on the rest, while
     memory and live state still count the whole prompt (the cached blocks are live too)."""
     scale = time_scale * correction
+    input_tokens, output_tokens, items = shape.input_tokens, shape.max_output_tokens, shape.items
     prefill, decode = profile.phases(
-        shape.input_tokens - cached_tokens if cached_tokens > 0 else shape.input_tokens,
-        shape.max_output_tokens,
-        batch=shape.items,
+        input_tokens - cached_tokens if cached_tokens > 0 else input_tokens, output_tokens, batch=items
     )
+    if items == 1 and cached_tokens <= 0:
+        # The phases just computed are ``live_token_ms``'s own (one item, the whole prompt).
+        live_token_ms = profile.live_token_ms_of(input_tokens, output_tokens, prefill, decode)
+    else:
+        live_token_ms = profile.live_token_ms(input_tokens, output_tokens)
     return Demand(
         prefill_ms=prefill * scale,
         decode_ms=decode * scale,
         host_cpu_ms=profile.host_cpu_ms,
-        peak_memory_bytes=profile.peak_memory_bytes(shape.input_tokens, shape.max_output_tokens)
-        * shape.items,
-        live_token_ms=profile.live_token_ms(shape.input_tokens, shape.max_output_tokens)
-        * shape.items
-        * scale,
+        peak_memory_bytes=profile.peak_memory_bytes(input_tokens, output_tokens) * items,
+        live_token_ms=live_token_ms * items * scale,
         correction=correction,
     )
 
 
-@dataclass(frozen=True, slots=True)
-class CorrectionKey:
+class CorrectionKey(NamedTuple):
+    """(model, version, shape bucket): what one shared correction is learned per.
+
+    A named tuple rather than a frozen dataclass: the estimator hashes and compares it on
+    every lookup (several per request), which a tuple does in C; a dataclass's generated
+    ``__hash__``/``__eq__`` are Python calls."""
+
     model: str
     version: str
     bucket: str
@@ -394,6 +400,7 @@ class Estimator:
 def charged_live_token_ms(demand: Demand, observed_ms: float) -> float:
     """Live-token-ms by observed lifetime: the predicted occupancy stretched or shrunk to
     the observed execution time."""
-    if demand.accelerator_ms <= 0:
+    accelerator_ms = demand.accelerator_ms
+    if accelerator_ms <= 0:
         return 0.0
-    return demand.live_token_ms * observed_ms / demand.accelerator_ms
+    return demand.live_token_ms * observed_ms / accelerator_ms

@@ -51,6 +51,11 @@ class DemandProfile:
         """Token-milliseconds of live sequence state: the input is live from prefill to the
         end; generated tokens join one by one, so on average half of them are live in decode."""
         prefill, decode = self.phases(input_tokens, output_tokens)
+        return self.live_token_ms_of(input_tokens, output_tokens, prefill, decode)
+
+    @staticmethod
+    def live_token_ms_of(input_tokens: int, output_tokens: int, prefill: float, decode: float) -> float:
+        """``live_token_ms`` from this shape's ``phases`` (batch of one), when the caller has them."""
         return input_tokens * (prefill + decode) + (output_tokens / 2.0) * decode
 
     def peak_memory_bytes(self, input_tokens: int, output_tokens: int) -> int:
