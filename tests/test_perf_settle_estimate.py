@@ -393,3 +393,20 @@ def test_predict_computes_what_it_computed_before(
 
 
 _DEMAND = ("prefill_ms", "decode_ms", "host_cpu_ms", "peak_memory_bytes", "live_token_ms", "correction")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fixed_ms=st.one_of(_ms, st.integers(0, 100), st.sampled_from([math.nan, math.inf, -0.0])),
+    per_token=st.one_of(_ms, st.integers(0, 100), st.sampled_from([math.nan, math.inf, -0.0])),
+    decode=st.one_of(_ms, st.integers(0, 100)),
+    input_tokens=st.integers(min_value=0, max_value=1 << 20),
+    output_tokens=st.integers(min_value=0, max_value=1 << 16),
+)
+def test_a_profiles_accelerator_ms_is_the_sum_of_its_phases(
+    fixed_ms: float, per_token: float, decode: float, input_tokens: int, output_tokens: int
+) -> None:
+    """``DemandProfile.accelerator_ms`` spells out ``phases`` (batch of one): the same float."""
+    profile = DemandProfile(fixed_ms=fixed_ms, prefill_ms_per_token=per_token, decode_ms_per_token=decode)
+    prefill, decode_ms = profile.phases(input_tokens, output_tokens)
+    assert _bits(profile.accelerator_ms(input_tokens, output_tokens)) == _bits(prefill + decode_ms)

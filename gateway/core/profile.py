@@ -44,8 +44,9 @@ class DemandProfile:
         return prefill, decode
 
     def accelerator_ms(self, input_tokens: int, output_tokens: int) -> float:
-        prefill, decode = self.phases(input_tokens, output_tokens)
-        return prefill + decode
+        # ``phases`` of one item, inline (called several times per request): x * 1 is x.
+        prefill = self.fixed_ms + self.prefill_ms_per_token * input_tokens
+        return prefill + self.decode_ms_per_token * output_tokens
 
     def live_token_ms(self, input_tokens: int, output_tokens: int) -> float:
         """Token-milliseconds of live sequence state: the input is live from prefill to the

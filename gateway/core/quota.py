@@ -450,7 +450,13 @@ class _Bucket:
         if updated_at is None:
             self.updated_at = now  # untouched since construction: full, nothing to add
             return
-        self.level_ms = self.level_at(now)
+        # ``self.level_at(now)``, inline
+        elapsed_s = now - updated_at
+        if not elapsed_s > 0.0:
+            elapsed_s = 0.0
+        level = self.level_ms + self.rate_ms_per_s * elapsed_s
+        capacity = self.capacity_ms
+        self.level_ms = level if level < capacity else capacity
         if now > updated_at:  # max(updated_at, now)
             self.updated_at = now
 
