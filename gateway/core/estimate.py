@@ -211,7 +211,9 @@ class Estimator:
         dominant once they have aged out."""
         if entry is None:
             return prior
-        weight = min(entry.weight * decay, self._history_cap)
+        weight = entry.weight * decay
+        if self._history_cap < weight:  # min(weight, cap), without the call (same operand)
+            weight = self._history_cap
         return (entry.log_mean * weight + prior * _PRIOR_WEIGHT) / (weight + _PRIOR_WEIGHT)
 
     def _combined(
