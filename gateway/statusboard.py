@@ -88,7 +88,10 @@ class StatusBoard(GatewayListener):
         self._wall = wall
         self.started_at = wall()
         self._pools: dict[str, _PoolHistory] = {}
-        self.decisions: deque[JSON] = deque(maxlen=RECENT_DECISIONS)
+        # The recent decisions' whitelisted fields as tuples, newest first: ``decisions`` (what a
+        # snapshot shows) turns them into the page's dicts, so an admission appends one tuple
+        # and builds no dict that may never be read.
+        self._decisions: deque[tuple[Any, ...]] = deque(maxlen=RECENT_DECISIONS)
         self._charged: defaultdict[str, float] = defaultdict(float)
         self._recent_charges: deque[tuple[float, str, float]] = deque(maxlen=_WINDOW_EVENTS)
         self._recent_admissions: deque[tuple[float, str, bool, bool]] = deque(maxlen=_WINDOW_EVENTS)
@@ -111,18 +114,18 @@ class StatusBoard(GatewayListener):
         identity = record.identity
         now = self._wall()
         rule = decision.rules[0] if decision.rules else ""
-        self.decisions.appendleft(
-            {
-                "at": round(now, 3),
-                "tenant": identity.tenant,
-                "class": identity.request_class,
-                "model": identity.model,
-                "target": decision.target_model,
-                "verdict": str(decision.verdict),
-                "rule": rule,
-                "route_reason": decision.route_reason,
-                "ladder_step": decision.ladder_step,
-            }
+        self._decisions.appendleft(
+            (
+                now,
+                identity.tenant,
+                identity.request_class,
+                identity.model,
+                decision.target_model,
+                decision.verdict,
+                rule,
+                decision.route_reason,
+                decision.ladder_step,
+            )
         )
         if decision.verdict is Verdict.REJECT:
             self._rejections.setdefault(identity.tenant, Counter())[rule or decision.status] += 1
@@ -185,6 +188,26 @@ class StatusBoard(GatewayListener):
             history.last_sample_at = now
         self._watch_policy()
 
+    @property
+    def decisions(self) -> list[JSON]:
+        """The last ``RECENT_DECISIONS`` admission decisions, newest first, as the page shows them."""
+        return [
+            {
+                "at": round(at, 3),
+                "tenant": tenant,
+                "class": request_class,
+                "model": model,
+                "target": target,
+                "verdict": str(verdict),
+                "rule": rule,
+                "route_reason": route_reason,
+                "ladder_step": ladder_step,
+            }
+            for at, tenant, request_class, model, target, verdict, rule, route_reason, ladder_step in (
+                self._decisions
+            )
+        ]
+
     # ------------------------------------------------------------------ helpers
 
     def _primary_backend_model(self, tenant: str, model: str) -> str:
@@ -244,7 +267,7 @@ class StatusBoard(GatewayListener):
                 for (status, rule), count in self._failures.most_common()
             ],
             "policy": self._policy_view(gateway),
-            "decisions": list(self.decisions),
+            "decisions": self.decisions,
             "backends": self._backends_view(gateway),
             "streams": self._streams_view(),
             "prefix": self._prefix_view(gateway),

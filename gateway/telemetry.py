@@ -640,7 +640,11 @@ class Telemetry(GatewayListener):
     def settled(self, settled: Settled) -> None:
         record, decision, outcome = settled.record, settled.decision, settled.outcome
         identity = record.identity
-        c = self._settled_children(identity.request_class, decision.target_model, identity.tenant, record)
+        c = self._settled_cache.get(
+            (identity.request_class, decision.target_model, identity.tenant, record.shape.bucket)
+        )  # ``_settled_children``'s cache, read here first (its hit is every request but the first)
+        if c is None:
+            c = self._settled_children(identity.request_class, decision.target_model, identity.tenant, record)
         m = self.metrics
         m.queue_dwell.observe_into(c.queue_dwell, outcome.queue_ms / 1000.0)
         total_s = (outcome.queue_ms + outcome.completion_ms) / 1000.0

@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 from gateway.core.profile import DemandProfile
 from gateway.core.record import Demand, Shape
@@ -80,26 +80,32 @@ def predict(
     cache is expected to serve (``gateway.core.prefix``): prefill is priced on the rest, while
     memory and live state still count the whole prompt (the cached blocks are live too)."""
     scale = time_scale * correction
+    input_tokens, output_tokens, items = shape.input_tokens, shape.max_output_tokens, shape.items
     prefill, decode = profile.phases(
-        shape.input_tokens - cached_tokens if cached_tokens > 0 else shape.input_tokens,
-        shape.max_output_tokens,
-        batch=shape.items,
+        input_tokens - cached_tokens if cached_tokens > 0 else input_tokens, output_tokens, batch=items
     )
+    if items == 1 and cached_tokens <= 0:
+        # The phases just computed are ``live_token_ms``'s own (one item, the whole prompt).
+        live_token_ms = profile.live_token_ms_of(input_tokens, output_tokens, prefill, decode)
+    else:
+        live_token_ms = profile.live_token_ms(input_tokens, output_tokens)
     return Demand(
         prefill_ms=prefill * scale,
         decode_ms=decode * scale,
         host_cpu_ms=profile.host_cpu_ms,
-        peak_memory_bytes=profile.peak_memory_bytes(shape.input_tokens, shape.max_output_tokens)
-        * shape.items,
-        live_token_ms=profile.live_token_ms(shape.input_tokens, shape.max_output_tokens)
-        * shape.items
-        * scale,
+        peak_memory_bytes=profile.peak_memory_bytes(input_tokens, output_tokens) * items,
+        live_token_ms=live_token_ms * items * scale,
         correction=correction,
     )
 
 
-@dataclass(frozen=True, slots=True)
-class CorrectionKey:
+class CorrectionKey(NamedTuple):
+    """(model, version, shape bucket): what one shared correction is learned per.
+
+    A named tuple rather than a frozen dataclass: the estimator hashes and compares it on
+    every lookup (several per request), which a tuple does in C; a dataclass's generated
+    ``__hash__``/``__eq__`` are Python calls."""
+
     model: str
     version: str
     bucket: str
@@ -147,7 +153,12 @@ class Estimator:
     def __init__(self, *, alpha: float = 0.3, half_life_s: float = 300.0) -> None:
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
-        self.alpha = alpha
+        self._alpha = alpha
+        # The history caps, computed once (``alpha`` is read-only, so they cannot go stale):
+        # the weight a history counts with against the prior (``_history``), and the weight it
+        # keeps against a new observation (``_update``).
+        self._history_cap = 1.0 / alpha
+        self._update_cap = 1.0 / alpha - 1.0
         self.half_life_s = half_life_s
         # The shared correction per key: ``log_mean`` the traffic-weighted mean of the tenants'
         # own means, ``volume`` their summed volumes (kept in step with ``_own``).
@@ -158,8 +169,33 @@ class Estimator:
         self._fleet_models: dict[CorrectionKey, list[tuple[float, float, float]]] = {}
         self._fleet_tenants: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
 
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    # Every read below ages an entry by ``_decay(entry.updated_at, now)``. A request reads the
+    # same three entries (its own mean, the shared mean, its residual) several times at one
+    # ``now``, so ``correction`` and ``observe`` compute each entry's decay once and hand it
+    # down (``decay`` arguments) instead of recomputing it per lookup: the same function of the
+    # same two floats, so the same float, and every sum and product keeps its operands and
+    # order (tests/test_perf_settle_estimate.py checks old against new on random histories).
+
     def _decay(self, since: float, now: float) -> float:
-        return math.pow(0.5, max(0.0, now - since) / self.half_life_s)
+        elapsed = now - since
+        # ``max(0.0, elapsed)`` is ``elapsed`` only when ``elapsed > 0.0``; otherwise (no time
+        # passed, an earlier ``now``, NaN) the decay is 0.5 ** 0.0, exactly 1.0.
+        if not elapsed > 0.0:
+            return 1.0
+        return math.pow(0.5, elapsed / self.half_life_s)
+
+    def _entry_decay(self, entry: _Ewma | None, now: float) -> float:
+        """``entry``'s decay to ``now`` (1.0 for no entry: it is not read); ``_decay``, inlined."""
+        if entry is None:
+            return 1.0
+        elapsed = now - entry.updated_at
+        if not elapsed > 0.0:
+            return 1.0
+        return math.pow(0.5, elapsed / self.half_life_s)
 
     def _weight(self, entry: _Ewma, now: float) -> float:
         return entry.weight * self._decay(entry.updated_at, now)
@@ -167,44 +203,57 @@ class Estimator:
     def _history(self, weight: float) -> float:
         # A history counts against the prior with at most one full mean's weight (what an
         # observation-by-observation mean reaches), so heavy traffic does not slow its ageing.
-        return min(weight, 1.0 / self.alpha)
+        return min(weight, self._history_cap)
 
-    def _aged(self, entry: _Ewma | None, now: float, prior: float = 0.0) -> float:
-        # The prior has a small fixed weight: negligible while observations keep coming,
-        # dominant once they have aged out.
+    def _aged(self, entry: _Ewma | None, decay: float, prior: float = 0.0) -> float:
+        """``entry``'s mean, its weight aged by ``decay`` (its ``_entry_decay``), against ``prior``.
+        The prior has a small fixed weight: negligible while observations keep coming,
+        dominant once they have aged out."""
         if entry is None:
             return prior
-        weight = self._history(self._weight(entry, now))
+        weight = entry.weight * decay
+        if self._history_cap < weight:  # min(weight, cap), without the call (same operand)
+            weight = self._history_cap
         return (entry.log_mean * weight + prior * _PRIOR_WEIGHT) / (weight + _PRIOR_WEIGHT)
 
     def _combined(
-        self, entry: _Ewma | None, fleet: list[tuple[float, float, float]] | None, now: float
+        self,
+        entry: _Ewma | None,
+        decay: float,
+        fleet: list[tuple[float, float, float]] | None,
+        now: float,
     ) -> float:
         """Own and the fleet's means, each aged, against the prior (``_aged`` when alone)."""
         if not fleet:
-            return self._aged(entry, now)
+            return self._aged(entry, decay)
         total, weights = 0.0, _PRIOR_WEIGHT
         if entry is not None:
-            weight = self._history(self._weight(entry, now))
+            weight = min(entry.weight * decay, self._history_cap)
             total, weights = entry.log_mean * weight, weights + weight
         for log_mean, weight, at in fleet:
-            aged = self._history(weight * self._decay(at, now))
+            aged = min(weight * self._decay(at, now), self._history_cap)
             total, weights = total + log_mean * aged, weights + aged
         return total / weights
 
-    def _shared_log(self, key: CorrectionKey, now: float) -> float:
-        shared = self._combined(self._models.get(key), self._fleet_models.get(key), now)
+    def _shared_log(self, key: CorrectionKey, now: float, decay: float | None = None) -> float:
+        """The shared mean, bounded (``decay``: the shared entry's, when the caller has it)."""
+        entry = self._models.get(key)
+        if decay is None:
+            decay = self._entry_decay(entry, now)
+        shared = self._combined(entry, decay, self._fleet_models.get(key), now)
         return min(_BOUND, max(-_BOUND, shared))
 
     def _residual_log(self, tenant: str, model: str, now: float) -> float:
         key = (tenant, model)
-        return self._combined(self._tenants.get(key), self._fleet_tenants.get(key), now)
+        entry = self._tenants.get(key)
+        return self._combined(entry, self._entry_decay(entry, now), self._fleet_tenants.get(key), now)
 
     def _tenant_log(self, key: CorrectionKey, tenant: str, now: float) -> float:
         """log of the correction of ``tenant``'s requests on ``key``: its own mean there, against
         the prior of the shared correction times its residual."""
         prior = self._shared_log(key, now) + self._residual_log(tenant, key.model, now)
-        return self._aged(self._own.get((tenant, key)), now, prior)
+        own = self._own.get((tenant, key))
+        return self._aged(own, self._entry_decay(own, now), prior)
 
     def model_correction(self, key: CorrectionKey, now: float) -> float:
         """The shared correction: a tenant new to ``key`` is priced by it."""
@@ -230,28 +279,48 @@ class Estimator:
             return
         log_ratio = min(_OWN_BOUND, max(-_OWN_BOUND, math.log(observed_ms / base_ms)))
         own_key = (tenant, key)
+        residual_key = (tenant, key.model)
         own = self._own.get(own_key)
+        shared = self._models.get(key)
+        residual = self._tenants.get(residual_key)
+        # Each entry's decay to now, once: until each is updated below, every read of it ages
+        # it by this same factor.
+        own_decay = self._entry_decay(own, now)
+        shared_decay = self._entry_decay(shared, now)
+        residual_decay = self._entry_decay(residual, now)
         # The tenant's share of the shared mean, before this observation (aged to now).
-        before = own.volume * self._decay(own.updated_at, now) if own is not None else 0.0
+        before = own.volume * own_decay if own is not None else 0.0
         before_mean = own.log_mean if own is not None else 0.0
-        start = self._tenant_log(key, tenant, now)
-        self._update(self._own, own_key, log_ratio, now, start=start, bound=_OWN_BOUND)
-        own = self._own[own_key]
+        # ``_tenant_log`` at now, from the decays above.
+        residual_log = self._combined(residual, residual_decay, self._fleet_tenants.get(residual_key), now)
+        prior = self._shared_log(key, now, shared_decay) + residual_log
+        start = self._aged(own, own_decay, prior)
+        own = self._update(self._own, own_key, own, own_decay, log_ratio, now, start=start, bound=_OWN_BOUND)
         own.volume = before + 1.0
-        self._reweigh(key, tenant_volume=(before, before_mean), own=own, now=now)
+        shared = self._reweigh(
+            key, shared, shared_decay, tenant_volume=(before, before_mean), own=own, now=now
+        )
         # The residual is what the (updated) shared correction does not explain, either way.
-        residual = log_ratio - self._shared_log(key, now)
-        self._update(self._tenants, (tenant, key.model), residual, now)
+        # The shared entry was updated at ``now``: its decay is 0.5 ** 0.0, exactly 1.0.
+        residual_ratio = log_ratio - self._shared_log(key, now, 1.0)
+        self._update(self._tenants, residual_key, residual, residual_decay, residual_ratio, now)
 
     def _reweigh(
-        self, key: CorrectionKey, *, tenant_volume: tuple[float, float], own: _Ewma, now: float
-    ) -> None:
-        """Keep the shared mean the traffic-weighted mean of the tenants' own means: every
-        volume decays at the same rate, so only the observing tenant's term changes."""
-        shared = self._models.get(key)
+        self,
+        key: CorrectionKey,
+        shared: _Ewma | None,
+        decay: float,
+        *,
+        tenant_volume: tuple[float, float],
+        own: _Ewma,
+        now: float,
+    ) -> _Ewma:
+        """Keep the shared mean (``shared``, aged by ``decay``) the traffic-weighted mean of
+        the tenants' own means: every volume decays at the same rate, so only the observing
+        tenant's term changes."""
         if shared is None:
             shared = self._models[key] = _Ewma(0.0, 0.0, now, 0)
-        decay = self._decay(shared.updated_at, now)
+            decay = 1.0  # updated at now
         volume = shared.volume * decay
         total = shared.log_mean * volume
         old_volume, old_mean = tenant_volume
@@ -265,6 +334,7 @@ class Estimator:
         shared.weight = self._history(volume)
         shared.updated_at = now
         shared.samples += 1
+        return shared
 
     def learned(self, now: float) -> list[LearnedCorrection]:
         """This replica's own shared and residual means, their weights aged to ``now`` (for
@@ -301,34 +371,38 @@ class Estimator:
         self,
         table: dict[_K, _Ewma],
         key: _K,
+        entry: _Ewma | None,
+        decay: float,
         log_ratio: float,
         now: float,
         *,
         start: float = 0.0,
         bound: float = _BOUND,
-    ) -> None:
-        """Move ``table[key]``'s mean towards ``log_ratio`` (within +-``bound``). ``start``: the
-        prior it ages towards, and where a new entry's first step is measured from."""
-        entry = table.get(key)
+    ) -> _Ewma:
+        """Move ``entry`` (``table[key]``, aged by ``decay``; None: none yet)'s mean towards
+        ``log_ratio`` (within +-``bound``). ``start``: the prior it ages towards, and where a new
+        entry's first step is measured from. Returns the entry."""
         # Robust step: one observation may pull the estimate at most MAX_STEP (in log space)
         # away from where it is, so a cold-start or a stall cannot swing it to the bounds.
-        current = self._aged(entry, now, start)
+        current = self._aged(entry, decay, start)
         log_ratio = min(current + _MAX_STEP, max(current - _MAX_STEP, log_ratio))
         log_ratio = min(bound, max(-bound, log_ratio))
         if entry is None:
-            table[key] = _Ewma(log_ratio, 1.0, now, 1)
-            return
+            entry = table[key] = _Ewma(log_ratio, 1.0, now, 1)
+            return entry
         # Cap the history's weight so a new observation always moves the mean by >= alpha.
-        weight = min(self._weight(entry, now), 1.0 / self.alpha - 1.0)
+        weight = min(entry.weight * decay, self._update_cap)
         entry.log_mean = (weight * entry.log_mean + log_ratio) / (weight + 1.0)
         entry.weight = weight + 1.0
         entry.updated_at = now
         entry.samples += 1
+        return entry
 
 
 def charged_live_token_ms(demand: Demand, observed_ms: float) -> float:
     """Live-token-ms by observed lifetime: the predicted occupancy stretched or shrunk to
     the observed execution time."""
-    if demand.accelerator_ms <= 0:
+    accelerator_ms = demand.accelerator_ms
+    if accelerator_ms <= 0:
         return 0.0
-    return demand.live_token_ms * observed_ms / demand.accelerator_ms
+    return demand.live_token_ms * observed_ms / accelerator_ms

@@ -105,7 +105,8 @@ def price(
             live_token_ms=demand.live_token_ms * scale / layout.device_ms_per_ms,
         )
         wall_per_ms = 1.0 / layout.device_ms_per_ms
-    reserve_exec_ms = demand.accelerator_ms * wall_per_ms + demand.host_cpu_ms
+    accelerator_ms = demand.accelerator_ms
+    reserve_exec_ms = accelerator_ms * wall_per_ms + demand.host_cpu_ms
     streaming = identity.mode is Mode.STREAMING
     reserve_first_ms = 0.0
     start_by = latest_start(received_at, reserves, reserve_exec_ms)
@@ -128,7 +129,7 @@ def price(
             latest_start=start_by,
             flow=(identity.request_class, identity.tenant),
             weight=weight,
-            cost_ms=demand.accelerator_ms,
+            cost_ms=accelerator_ms,
             long=shape.long,
             stream=streaming,
         ),

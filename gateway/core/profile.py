@@ -44,13 +44,19 @@ class DemandProfile:
         return prefill, decode
 
     def accelerator_ms(self, input_tokens: int, output_tokens: int) -> float:
-        prefill, decode = self.phases(input_tokens, output_tokens)
-        return prefill + decode
+        # ``phases`` of one item, inline (called several times per request): x * 1 is x.
+        prefill = self.fixed_ms + self.prefill_ms_per_token * input_tokens
+        return prefill + self.decode_ms_per_token * output_tokens
 
     def live_token_ms(self, input_tokens: int, output_tokens: int) -> float:
         """Token-milliseconds of live sequence state: the input is live from prefill to the
         end; generated tokens join one by one, so on average half of them are live in decode."""
         prefill, decode = self.phases(input_tokens, output_tokens)
+        return self.live_token_ms_of(input_tokens, output_tokens, prefill, decode)
+
+    @staticmethod
+    def live_token_ms_of(input_tokens: int, output_tokens: int, prefill: float, decode: float) -> float:
+        """``live_token_ms`` from this shape's ``phases`` (batch of one), when the caller has them."""
         return input_tokens * (prefill + decode) + (output_tokens / 2.0) * decode
 
     def peak_memory_bytes(self, input_tokens: int, output_tokens: int) -> int:

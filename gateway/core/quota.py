@@ -430,15 +430,35 @@ class _Bucket:
         capacity = capacity_ms if capacity_ms is not None else DEFAULT_BURST_S * rate_ms_per_s
         return cls(rate_ms_per_s, capacity, capacity)
 
+    # ``level_at`` and ``refill`` run several times per request: they spell out the builtins'
+    # ``max(0.0, x)`` (x only if x > 0.0) and ``min(cap, x)`` (x only if x < cap) as
+    # comparisons, which pick the same operand (NaN included) without the calls.
+
     def level_at(self, now: float) -> float:
-        if self.updated_at is None:
+        updated_at = self.updated_at
+        if updated_at is None:
             return self.level_ms
-        elapsed_s = max(0.0, now - self.updated_at)  # an earlier `now` is read as no time passing
-        return min(self.capacity_ms, self.level_ms + self.rate_ms_per_s * elapsed_s)
+        elapsed_s = now - updated_at
+        if not elapsed_s > 0.0:  # an earlier `now` is read as no time passing
+            elapsed_s = 0.0
+        level = self.level_ms + self.rate_ms_per_s * elapsed_s
+        capacity = self.capacity_ms
+        return level if level < capacity else capacity
 
     def refill(self, now: float) -> None:
-        self.level_ms = self.level_at(now)
-        self.updated_at = now if self.updated_at is None else max(self.updated_at, now)
+        updated_at = self.updated_at
+        if updated_at is None:
+            self.updated_at = now  # untouched since construction: full, nothing to add
+            return
+        # ``self.level_at(now)``, inline
+        elapsed_s = now - updated_at
+        if not elapsed_s > 0.0:
+            elapsed_s = 0.0
+        level = self.level_ms + self.rate_ms_per_s * elapsed_s
+        capacity = self.capacity_ms
+        self.level_ms = level if level < capacity else capacity
+        if now > updated_at:  # max(updated_at, now)
+            self.updated_at = now
 
     def debit(self, amount_ms: float) -> None:
         self.level_ms -= amount_ms  # may go negative: debt delays the next admission
@@ -501,6 +521,12 @@ def _check_amount(name: str, value: float) -> None:
 def _check_now(now: float) -> None:
     if not math.isfinite(now):
         raise ValueError(f"now must be finite, got {now!r}")
+
+
+# The request path's ledger calls check their arguments inline, ``_isfinite(x) and x >= 0``
+# being ``_check_amount``'s test (evaluated in the same order, so even its errors are the
+# same), and call the checks above, which raise the named error, only when one fails.
+_isfinite = math.isfinite
 
 
 # --------------------------------------------------------------------------- the ledger
@@ -605,11 +631,22 @@ class QuotaLedger:
         ``open_elsewhere``: the predicted demands (ms) of this account's requests open outside
         this ledger, which the concurrency rule counts with its own (a fleet replica's degraded
         share: its reservations still open in Redis)."""
-        _check_amount("demand_ms", demand_ms)
-        _check_amount("live_token_ms", live_token_ms)
-        _check_amount("input_tokens", input_tokens)
-        _check_amount("output_tokens", output_tokens)
-        _check_now(now)
+        if not (
+            _isfinite(demand_ms)
+            and demand_ms >= 0
+            and _isfinite(live_token_ms)
+            and live_token_ms >= 0
+            and _isfinite(input_tokens)
+            and input_tokens >= 0
+            and _isfinite(output_tokens)
+            and output_tokens >= 0
+            and _isfinite(now)
+        ):
+            _check_amount("demand_ms", demand_ms)
+            _check_amount("live_token_ms", live_token_ms)
+            _check_amount("input_tokens", input_tokens)
+            _check_amount("output_tokens", output_tokens)
+            _check_now(now)
         account = self._account_for(tenant, request_class)
         parent = self._classes.get(request_class)
         if account is None:
@@ -670,7 +707,8 @@ class QuotaLedger:
 
     def start(self, reservation: Reservation, *, now: float) -> bool:
         """Mark a reservation dispatched (it stops counting as queued work). False if not open or already."""
-        _check_now(now)
+        if not _isfinite(now):
+            _check_now(now)
         entry = self._entry(reservation)
         if entry is None or entry.started_at is not None:
             return False
@@ -695,10 +733,19 @@ class QuotaLedger:
 
         ``charged_live_token_ms=None`` charges the live-token-ms as predicted.
         """
-        _check_amount("charged_ms", charged_ms)
-        if charged_live_token_ms is not None:
-            _check_amount("charged_live_token_ms", charged_live_token_ms)
-        _check_now(now)
+        if not (
+            _isfinite(charged_ms)
+            and charged_ms >= 0
+            and (
+                charged_live_token_ms is None
+                or (_isfinite(charged_live_token_ms) and charged_live_token_ms >= 0)
+            )
+            and _isfinite(now)
+        ):
+            _check_amount("charged_ms", charged_ms)
+            if charged_live_token_ms is not None:
+                _check_amount("charged_live_token_ms", charged_live_token_ms)
+            _check_now(now)
         live = reservation.live_token_ms if charged_live_token_ms is None else charged_live_token_ms
         return self._close(reservation, charged_ms, live, now, "settled")
 
@@ -723,7 +770,8 @@ class QuotaLedger:
 
     def available(self, tenant: str, request_class: str, *, now: float) -> QuotaView:
         """The account's state at ``now``. Reads only: creates no state, refills nothing."""
-        _check_now(now)
+        if not _isfinite(now):
+            _check_now(now)
         account = self._account_for(tenant, request_class)
         if account is None:
             return QuotaView(
@@ -781,7 +829,9 @@ class QuotaLedger:
 
     def _entry(self, reservation: Reservation) -> _Open | None:
         entry = self._open.get(reservation.id)
-        if entry is None or entry.reservation != reservation:  # closed, or another ledger's
+        # closed, or another ledger's (the very object handed out is equal to itself: no
+        # field-by-field comparison needed)
+        if entry is None or (entry.reservation is not reservation and entry.reservation != reservation):
             return None
         return entry
 
