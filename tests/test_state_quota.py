@@ -15,12 +15,12 @@ Redis's own clock; ``script_clock`` hands those scripts the test's time instead 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from gateway import clock
@@ -112,7 +112,7 @@ def script_clock(store: RedisQuotaStore) -> list[float]:
 
 def _comparable(settlement: Settlement | None) -> Settlement | None:
     """A settlement without its reservation id (each ledger numbers its own)."""
-    return None if settlement is None else dataclasses.replace(settlement, reservation_id=0)
+    return None if settlement is None else msgspec.structs.replace(settlement, reservation_id=0)
 
 
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")

@@ -3,7 +3,6 @@ and metadata header never reaches logs, the decision log, traces, metrics or err
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import itertools
 import json
@@ -12,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import msgspec
 import numpy as np
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -255,7 +255,7 @@ def test_decision_log_records_reports_what_record_would_write() -> None:
     quiet.setLevel(logging.WARNING)
     result = PolicyResult(policy_version="sha256:x", allowed=True)
     assert not DecisionLog(quiet).records(result)
-    assert DecisionLog(quiet).records(dataclasses.replace(result, fail_open=(FailOpen("r", "boom"),)))
+    assert DecisionLog(quiet).records(msgspec.structs.replace(result, fail_open=(FailOpen("r", "boom"),)))
     quiet.setLevel(logging.INFO)
     assert DecisionLog(quiet).records(result)
     assert DecisionLog(io.StringIO()).records(result)

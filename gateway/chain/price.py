@@ -12,7 +12,7 @@ reserve, judge or decide.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from gateway.auth import TenantDirectory
 from gateway.chain.place import Placement
@@ -23,8 +23,7 @@ from gateway.core.estimate import CorrectionKey, Estimator
 from gateway.core.record import Identity, RequestRecord, Shape
 
 
-@dataclass(frozen=True, slots=True)
-class Priced:
+class Priced(msgspec.Struct, frozen=True):
     """A request's record on one placement, with the estimator key its work teaches."""
 
     record: RequestRecord

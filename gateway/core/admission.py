@@ -35,8 +35,6 @@ Rules, in order:
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import msgspec
 
 from gateway.core.dispatch import LATE_RULE
@@ -242,7 +240,7 @@ def too_late(primary: PolicyResult) -> PolicyResult:
     """A late rescue's primary: its latest start passed in the queue, so it counts as denied
     for capacity (``DEADLINE_EXCEEDED``, ``queue.latest_start``) and the decision is the warm
     fallback if policy allows it and it can still finish in time, or that refusal."""
-    return replace(
+    return msgspec.structs.replace(
         primary,
         allowed=False,
         status="DEADLINE_EXCEEDED",

@@ -168,6 +168,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from gateway.core import memory as device_memory
 from gateway.core.decode import DecodeShare
 from gateway.core.errors import DeadlineExpired, GatewayError, ResourceExhausted
@@ -208,8 +210,7 @@ def _too_late(start: float, latest_start: float, cost_ms: float) -> bool:
     return start > latest_start - LONG_URGENT_LEAD * cost_ms / 1000.0
 
 
-@dataclass(frozen=True, slots=True)
-class BatchShape:
+class BatchShape(msgspec.Struct, frozen=True, gc=False):
     """What a short request brings to a batch: its shape and how its price scales the pool's
     profile (time scale and estimator correction: its ``cost_ms`` over the profile's price).
     Work co-batches only within one pool (one model, one profile): rule 6."""

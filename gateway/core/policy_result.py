@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from gateway.core.errors import GatewayError, error_for_status
 
 
@@ -35,8 +37,7 @@ class FailOpen:
     error: str
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyResult:
+class PolicyResult(msgspec.Struct, frozen=True):
     """What the policy set decided for one request."""
 
     policy_version: str

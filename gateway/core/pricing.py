@@ -24,8 +24,6 @@ both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import msgspec
 
 from gateway.core.dispatch import DispatchQueue
@@ -35,8 +33,7 @@ from gateway.core.record import Budget, Identity, Mode, RequestRecord, Shape
 from gateway.core.streaming import first_result_reserve_ms
 
 
-@dataclass(frozen=True, slots=True)
-class Reserves:
+class Reserves(msgspec.Struct, frozen=True, gc=False):
     """The class's reserves and the request's deadline, in milliseconds."""
 
     deadline_ms: float

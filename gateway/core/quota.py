@@ -95,6 +95,8 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Final, Literal, Protocol
 
+import msgspec
+
 from gateway.core.errors import PermissionDenied, ResourceExhausted
 from gateway.core.record import RequestRecord
 
@@ -261,8 +263,7 @@ class QuotaSettings:
 # --------------------------------------------------------------------------- values handed out
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(msgspec.Struct, frozen=True, gc=False):
     """An admission's hold on quota. Hand it back to ``start``/``settle``/``release``."""
 
     id: int
@@ -276,8 +277,7 @@ class Reservation:
     pooled: bool  # True: charged to the class's shared default pool
 
 
-@dataclass(frozen=True, slots=True)
-class Settlement:
+class Settlement(msgspec.Struct, frozen=True, gc=False):
     """How one reservation closed: the ``Settled`` event's payload."""
 
     reservation_id: int
@@ -300,8 +300,7 @@ class Outstanding:
     borrowed_ms: float
 
 
-@dataclass(frozen=True, slots=True)
-class QuotaView:
+class QuotaView(msgspec.Struct, frozen=True, gc=False):
     """An account's state at ``now``, for policy (``tenant.available_accelerator_ms``) and metrics.
 
     Unmetered accounts report infinite availability and zero rates; ``concurrent`` and
@@ -498,8 +497,7 @@ class _Account:
         return self.tenant == POOL_TENANT
 
 
-@dataclass(slots=True)
-class _Open:
+class _Open(msgspec.Struct):
     reservation: Reservation
     account: _Account | None
     parent: _Bucket | None
