@@ -39,6 +39,7 @@ from gateway.scheduler import DeviceSet, DispatchQueue, FleetBinding
 # Ladder step changes (the core returns them; bench/surge.py and bench/noisy_neighbour.py read them).
 overload_log = logging.getLogger("orchid.overload")
 
+_NONE_EXCLUDED: frozenset[str] = frozenset()  # the usual exclusion: one set, hashed once
 Pool = tuple[BackendHandle, ModelSpec, DispatchQueue]
 
 
@@ -243,7 +244,9 @@ class PoolRegistry:
     def candidates(self, route: RouteConfig, cell: str, exclude: Iterable[str] = ()) -> _Candidates:
         """``candidate_backends`` with their handles and the route's profile, derived once per
         (generation, route, cell, exclusion)."""
-        excluded = exclude if isinstance(exclude, frozenset) else frozenset(exclude)
+        excluded = (
+            exclude if isinstance(exclude, frozenset) else frozenset(exclude) if exclude else _NONE_EXCLUDED
+        )
         key = (id(route), cell, excluded)
         generation = self.generation.value
         plan = self._plans.get(key)
