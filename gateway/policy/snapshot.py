@@ -15,9 +15,11 @@ Theory of operation (the stage table is in ``model``):
 2. Fast path (cel-expr): evaluate the ``Plan``s - every variable and condition
    in at most two CEL evaluations, one of them memoised on the stable inputs
    it reads (tenant, route, identity: the same for every request of one
-   tenant, route and class) - and act on the rules that fired. If a plan
-   errs, or when explaining, go one expression at a time, as below; the
-   outcome is the same, only the error attribution needs the slow path.
+   tenant, route and class) - and act on the rules that fired. Each plan reads
+   just its own inputs (step 1's fields are read only if a fired rule's
+   message, retry-after or limit needs them). If a plan errs, or when
+   explaining, go one expression at a time, as below; the outcome is the same,
+   only the error attribution needs the slow path.
 3. Variables once, in dependency order. A variable that errs poisons every
    rule that reads it (that rule errs).
 4. privacy -> admission -> quota, rules in file order. The first enforce deny
@@ -38,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 from gateway.core.policy_result import FailOpen as FailOpen
@@ -147,11 +150,34 @@ class Plan:
 
     scalar_reads: tuple[str, ...] = field(init=False)  # ``reads`` whose values are hashable as they are
     other_reads: tuple[str, ...] = field(init=False)  # lists and maps: made hashable for the key
+    # ``scalar_reads`` then ``other_reads``, and the schema's reader of each, in that order.
+    read_paths: tuple[str, ...] = field(init=False)
+    readers: tuple[schema.RequestReader, ...] = field(init=False)
+    variable_keys: tuple[str, ...] = field(init=False)  # ``variables.<name>`` per variable name
+    variable_set: frozenset[str] = field(init=False)
+    scalar_count: int = field(init=False)  # len(scalar_reads)
+    # Makes one of ``other_reads``' values hashable: a list of strings (every request-scoped
+    # container in the schema today) is its tuple; anything else goes through ``_frozen``.
+    freeze: Callable[[Any], Any] = field(init=False)
 
     def __post_init__(self) -> None:
         plain = tuple(p for p in self.reads if not schema.FIELDS_BY_PATH[p].cel_type.startswith(_CONTAINERS))
+        other = tuple(p for p in self.reads if p not in plain)
         object.__setattr__(self, "scalar_reads", plain)
-        object.__setattr__(self, "other_reads", tuple(p for p in self.reads if p not in plain))
+        object.__setattr__(self, "other_reads", other)
+        object.__setattr__(self, "read_paths", plain + other)
+        readers: list[schema.RequestReader] = []
+        for path in plain + other:
+            read = schema.FIELDS_BY_PATH[path].read
+            if read is None:  # pragma: no cover - the loader's plans read request-scoped fields only
+                raise ValueError(f"a plan reads {path}, which has no request reader")
+            readers.append(read)
+        object.__setattr__(self, "readers", tuple(readers))
+        object.__setattr__(self, "variable_keys", tuple(f"variables.{name}" for name in self.variable_names))
+        object.__setattr__(self, "variable_set", frozenset(self.variable_names))
+        object.__setattr__(self, "scalar_count", len(plain))
+        strings = all(schema.FIELDS_BY_PATH[p].cel_type == schema.LIST_STRING for p in other)
+        object.__setattr__(self, "freeze", tuple if strings else _frozen)
 
 
 _CONTAINERS = ("list(", "map(")
@@ -160,7 +186,10 @@ _CONTAINERS = ("list(", "map(")
 # the few stable facts that change, such as warmth and evidence); it starts over when full.
 _MEMO_LIMIT = 4096
 
-_Planned = tuple[dict[str, Any], list[bool], list[list[bool]]]
+# A plan's result: its variables' values (in ``Plan.variable_names`` order), the places among the
+# main rules of its conditions that held (ascending), and per candidate backend its routing
+# conditions (``[]`` when it has none).
+_Planned = tuple[tuple[Any, ...], tuple[int, ...], list[list[bool]]]
 
 
 def _frozen(value: Any) -> Any:
@@ -219,6 +248,7 @@ class PolicySnapshot:
     """An immutable, compiled policy set. Build with ``loader``; share freely across tasks."""
 
     __slots__ = (
+        "_all_readers",
         "_backend_keys",
         "_backend_readers",
         "_by_id",
@@ -291,6 +321,7 @@ class PolicySnapshot:
         self._late_readers = tuple(
             (f.path, f.read) for f in schema.FIELDS if f.path in reads - decides and f.read is not None
         )
+        self._all_readers = self._readers + self._late_readers
         self._variable_keys = tuple(
             (var, (*var.reads, *(f"variables.{name}" for name in var.uses))) for var in self._variables
         )
@@ -377,41 +408,53 @@ class PolicySnapshot:
         return Explanation(result, tuple(trace.variables), tuple(trace.rules))
 
     def _run_plans(
-        self, inputs: dict[str, Any], context: PolicyContext
-    ) -> tuple[list[bool], list[list[bool]]] | None:
+        self, record: RequestRecord, context: PolicyContext, inputs: dict[str, Any]
+    ) -> tuple[list[int], list[list[bool]]] | None:
         """Evaluate the plans (the cached one from its memo when it has these inputs); on success
-        store the variables in ``inputs``. ``None``: go one at a time."""
-        conditions = [False] * len(self._main_rules)
-        routing: list[list[bool]] = [[] for _ in context.backends]
+        store the variables in ``inputs`` and answer the places (among the main rules, ascending:
+        evaluation order) of the conditions that held, and per backend the routing conditions.
+        ``None``: go one at a time.
+
+        Each plan reads its own inputs straight from the record and context with the schema's
+        readers (``Plan.readers``): the same values ``_run`` would read into ``inputs``, without
+        reading the fields only rules that did not fire need."""
+        fired: list[int] = []
+        routing: list[list[bool]] | None = None
         for plan in self._plans:
             planned: _Planned | None
+            values = [read(record, context) for read in plan.readers]
             if plan.cached:
-                # Every backend fact, not only what the routing rules read: exact all the same.
+                # The key: the values read, the lists among them made hashable (``Plan.freeze``),
+                # and every backend fact, not only what the routing rules read: exact all the
+                # same. Its length and the place of each value are fixed per plan.
+                scalars = plan.scalar_count
                 key = (
-                    tuple([inputs[path] for path in plan.scalar_reads]),
-                    tuple([_frozen(inputs[path]) for path in plan.other_reads]),
+                    *values[:scalars],
+                    *map(plan.freeze, values[scalars:]),
                     self._backends_key(context.backends) if plan.routing else (),
                 )
                 planned = self._memo.get(key)
                 if planned is None:
-                    planned = self._evaluate_plan(plan, inputs, context)
+                    data = dict(zip(plan.read_paths, values, strict=True))
+                    planned = self._evaluate_plan(plan, data, context)
                     if planned is None:
                         return None
                     if len(self._memo) >= _MEMO_LIMIT:
                         self._memo.clear()
                     self._memo[key] = planned
             else:
-                planned = self._evaluate_plan(plan, inputs, context)
+                planned = self._evaluate_plan(plan, dict(zip(plan.read_paths, values, strict=True)), context)
                 if planned is None:
                     return None
-            values, hits, per_backend = planned
-            for index, hit in zip(plan.conditions, hits, strict=True):
-                conditions[index] = hit
+            variables, held, per_backend = planned
+            fired += held
             if plan.routing:
                 routing = per_backend
-            for name in plan.variable_names:
-                inputs[f"variables.{name}"] = values[name]
-        return conditions, routing
+            if variables:
+                inputs.update(zip(plan.variable_keys, variables, strict=True))
+        if len(self._plans) > 1:
+            fired.sort()
+        return fired, routing if routing is not None else [[] for _ in context.backends]
 
     def _backends_key(self, backends: tuple[BackendFacts, ...]) -> tuple[Any, ...]:
         """The backends' part of the memo key. A route's backend facts are one tuple built once
@@ -426,10 +469,10 @@ class PolicySnapshot:
         self._backend_keys[id(backends)] = (backends, key)
         return key
 
-    def _evaluate_plan(self, plan: Plan, inputs: dict[str, Any], context: PolicyContext) -> _Planned | None:
-        """One plan's variables, conditions and routing conditions; ``None`` if it erred or
-        returned something malformed (a dyn-typed condition could yield anything)."""
-        data = {path: inputs[path] for path in plan.reads}
+    def _evaluate_plan(self, plan: Plan, data: dict[str, Any], context: PolicyContext) -> _Planned | None:
+        """One plan's variables (in ``plan.variable_names`` order), the places of its conditions
+        that held and its routing conditions, from ``data`` (its ``reads``); ``None`` if it erred
+        or returned something malformed (a dyn-typed condition could yield anything)."""
         if plan.routing:
             readers = self._plan_backend_readers
             data[BACKENDS_VARIABLE] = [{key: read(b) for key, read in readers} for b in context.backends]
@@ -442,17 +485,19 @@ class PolicySnapshot:
         values, conditions, routing = out
         if not isinstance(values, dict) or not _bools(conditions, len(plan.conditions)):
             return None
-        if any(name not in values for name in plan.variable_names):
+        if not values.keys() >= plan.variable_set:
             return None
+        variables = tuple([values[name] for name in plan.variable_names])
+        held = tuple(compress(plan.conditions, conditions))  # the places of those that held
         if not plan.routing:
-            return (values, conditions, []) if routing == [] else None
+            return (variables, held, []) if routing == [] else None
         if not isinstance(routing, list) or len(routing) != len(context.backends):
             return None
         width = len(self._stages[Stage.ROUTING])
         for per_backend in routing:
             if not _bools(per_backend, width):
                 return None
-        return values, conditions, routing
+        return variables, held, routing
 
     def _run(
         self,
@@ -462,18 +507,24 @@ class PolicySnapshot:
         timer: Callable[[], int] | None,
     ) -> PolicyResult:
         started = timer() if timer is not None else 0
-        inputs: dict[str, Any] = {path: read(record, context) for path, read in self._readers}
+        inputs: dict[str, Any] = {}
 
-        conditions: list[bool] | None = None
+        fired_conditions: list[int] | None = None  # with the plans: the main rules that fired
         routing_conditions: list[list[bool]] | None = None
         variable_errors: dict[str, str] = {}
         if trace is None and self._plans:
-            planned = self._run_plans(inputs, context)
+            planned = self._run_plans(record, context, inputs)
             if planned is not None:
-                conditions, routing_conditions = planned
-        if conditions is None:
+                fired_conditions, routing_conditions = planned
+        if fired_conditions is None:
+            for path, read in self._readers:
+                inputs[path] = read(record, context)
             self._variables_one_by_one(inputs, variable_errors, trace)
-        late = self._late_readers
+            late = self._late_readers
+        else:
+            # The plans read their own inputs: the fields conditions and variables read are read
+            # here only when a fired rule's message, retry-after or limit needs them.
+            late = self._all_readers
 
         def complete() -> None:
             if late and late[0][0] not in inputs:
@@ -497,7 +548,7 @@ class PolicySnapshot:
         # With the plan's results only the rules that fired need any work: a rule whose
         # condition is false (and did not err) has no effect. Without them, every rule.
         rules = self._main_rules
-        order = range(len(rules)) if conditions is None else [i for i, hit in enumerate(conditions) if hit]
+        order = range(len(rules)) if fired_conditions is None else fired_conditions
         for index in order:
             rule = rules[index]
             if denial is not None:
@@ -507,7 +558,7 @@ class PolicySnapshot:
             stage = rule.stage
             error = ""
             fired = True
-            if conditions is None:
+            if fired_conditions is None:
                 try:
                     fired = _condition(rule, bindings.full(), variable_errors)
                 except EvaluationError as exc:
@@ -677,7 +728,7 @@ class PolicySnapshot:
     ) -> None:
         engine = self._engine
         rules = self._stages[Stage.ROUTING]
-        base = {key: inputs[key] for key in self._routing_keys if key in inputs}
+        base = {key: inputs[key] for key in self._routing_keys if key in inputs} if planned is None else {}
         for number, backend in enumerate(context.backends):
             backend_inputs: dict[str, Any] = {}
             bindings: Any = None
@@ -724,11 +775,14 @@ class PolicySnapshot:
                 excluded.append(backend.name)
 
 
+_BOOL = {bool}
+
+
 def _bools(values: Any, width: int) -> bool:
     """A list of exactly ``width`` bools (a dyn-typed condition could yield anything)."""
     if not isinstance(values, list) or len(values) != width:
         return False
-    return not values or set(map(type, values)) == {bool}
+    return not values or set(map(type, values)) == _BOOL
 
 
 def _condition(rule: Rule, bindings: Any, variable_errors: Mapping[str, str]) -> bool:
