@@ -150,9 +150,12 @@ class Plan:
 
     scalar_reads: tuple[str, ...] = field(init=False)  # ``reads`` whose values are hashable as they are
     other_reads: tuple[str, ...] = field(init=False)  # lists and maps: made hashable for the key
-    # ``scalar_reads`` then ``other_reads``, and the schema's reader of each, in that order.
+    # ``scalar_reads`` then ``other_reads``, and one function reading their values as a list in
+    # that order (``schema.reader``: the same values as each field's ``read``): the memo key's.
     read_paths: tuple[str, ...] = field(init=False)
-    readers: tuple[schema.RequestReader, ...] = field(init=False)
+    read: Callable[[RequestRecord, PolicyContext], list[Any]] = field(init=False)
+    # The same values as ``{path: value}``: what the CEL expression reads.
+    read_data: Callable[[RequestRecord, PolicyContext], dict[str, Any]] = field(init=False)
     variable_keys: tuple[str, ...] = field(init=False)  # ``variables.<name>`` per variable name
     variable_set: frozenset[str] = field(init=False)
     scalar_count: int = field(init=False)  # len(scalar_reads)
@@ -166,13 +169,8 @@ class Plan:
         object.__setattr__(self, "scalar_reads", plain)
         object.__setattr__(self, "other_reads", other)
         object.__setattr__(self, "read_paths", plain + other)
-        readers: list[schema.RequestReader] = []
-        for path in plain + other:
-            read = schema.FIELDS_BY_PATH[path].read
-            if read is None:  # pragma: no cover - the loader's plans read request-scoped fields only
-                raise ValueError(f"a plan reads {path}, which has no request reader")
-            readers.append(read)
-        object.__setattr__(self, "readers", tuple(readers))
+        object.__setattr__(self, "read", schema.reader(plain + other))
+        object.__setattr__(self, "read_data", schema.dict_reader(plain + other))
         object.__setattr__(self, "variable_keys", tuple(f"variables.{name}" for name in self.variable_names))
         object.__setattr__(self, "variable_set", frozenset(self.variable_names))
         object.__setattr__(self, "scalar_count", len(plain))
@@ -248,19 +246,19 @@ class PolicySnapshot:
     """An immutable, compiled policy set. Build with ``loader``; share freely across tasks."""
 
     __slots__ = (
-        "_all_readers",
         "_backend_keys",
         "_backend_readers",
         "_by_id",
         "_engine",
         "_files",
         "_label",
-        "_late_readers",
         "_main_rules",
         "_memo",
         "_plan_backend_readers",
         "_plans",
-        "_readers",
+        "_read_all",
+        "_read_early",
+        "_read_late",
         "_routing_keys",
         "_rule_keys",
         "_rules",
@@ -315,13 +313,12 @@ class PolicySnapshot:
         for variable in self._variables:
             reads.update(variable.reads)
             decides.update(variable.reads)
-        self._readers = tuple(
-            (f.path, f.read) for f in schema.FIELDS if f.path in decides and f.read is not None
-        )
-        self._late_readers = tuple(
-            (f.path, f.read) for f in schema.FIELDS if f.path in reads - decides and f.read is not None
-        )
-        self._all_readers = self._readers + self._late_readers
+        early = [f.path for f in schema.FIELDS if f.path in decides and f.read is not None]
+        late = [f.path for f in schema.FIELDS if f.path in reads - decides and f.read is not None]
+        self._read_early = schema.dict_reader(early)
+        # ``_read_late``'s first field (``None``: no field) is in a request's inputs once read.
+        self._read_late = (late[0], schema.dict_reader(late)) if late else None
+        self._read_all = (early[0], schema.dict_reader(early + late)) if early else self._read_late
         self._variable_keys = tuple(
             (var, (*var.reads, *(f"variables.{name}" for name in var.uses))) for var in self._variables
         )
@@ -416,14 +413,14 @@ class PolicySnapshot:
         ``None``: go one at a time.
 
         Each plan reads its own inputs straight from the record and context with the schema's
-        readers (``Plan.readers``): the same values ``_run`` would read into ``inputs``, without
+        readers (``Plan.read``): the same values ``_run`` would read into ``inputs``, without
         reading the fields only rules that did not fire need."""
         fired: list[int] = []
         routing: list[list[bool]] | None = None
         for plan in self._plans:
             planned: _Planned | None
-            values = [read(record, context) for read in plan.readers]
             if plan.cached:
+                values = plan.read(record, context)
                 # The key: the values read, the lists among them made hashable (``Plan.freeze``),
                 # and every backend fact, not only what the routing rules read: exact all the
                 # same. Its length and the place of each value are fixed per plan.
@@ -443,7 +440,7 @@ class PolicySnapshot:
                         self._memo.clear()
                     self._memo[key] = planned
             else:
-                planned = self._evaluate_plan(plan, dict(zip(plan.read_paths, values, strict=True)), context)
+                planned = self._evaluate_plan(plan, plan.read_data(record, context), context)
                 if planned is None:
                     return None
             variables, held, per_backend = planned
@@ -517,19 +514,17 @@ class PolicySnapshot:
             if planned is not None:
                 fired_conditions, routing_conditions = planned
         if fired_conditions is None:
-            for path, read in self._readers:
-                inputs[path] = read(record, context)
+            inputs.update(self._read_early(record, context))
             self._variables_one_by_one(inputs, variable_errors, trace)
-            late = self._late_readers
+            late = self._read_late
         else:
             # The plans read their own inputs: the fields conditions and variables read are read
             # here only when a fired rule's message, retry-after or limit needs them.
-            late = self._all_readers
+            late = self._read_all
 
         def complete() -> None:
-            if late and late[0][0] not in inputs:
-                for path, read in late:
-                    inputs[path] = read(record, context)
+            if late is not None and late[0] not in inputs:
+                inputs.update(late[1](record, context))
 
         if trace is not None:
             complete()  # explain shows every value a rule reads
