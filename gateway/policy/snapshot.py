@@ -41,7 +41,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
-from typing import Any
+from typing import Any, cast
 
 from gateway.core.policy_result import FailOpen as FailOpen
 from gateway.core.policy_result import PolicyResult as PolicyResult
@@ -105,6 +105,47 @@ class _Denial:
         self.rule = rule
         self.message = message
         self.retry_after_ms = retry_after_ms
+
+
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    """What the main rules decide when the plans say which conditions held and no enforce deny or
+    limit is among them (those evaluate a message, retry-after or limit from the request's inputs):
+    a function of the fired set alone, so each snapshot memoises it (``_settled``)."""
+
+    rules_fired: tuple[str, ...]
+    shadow_fired: tuple[str, ...]
+    fallback_eligible: bool  # an enforce fallback_eligible fired and no fallback_ineligible
+    annotations: tuple[tuple[str, str], ...]
+
+
+def _settle(rules: Sequence[Rule]) -> _Settled | None:
+    """``_run``'s main-rule loop for ``rules``, every one of which fired without error, in
+    evaluation order; ``None`` where an enforce deny or limit fired (``_run`` acts on it)."""
+    rules_fired: list[str] = []
+    shadow_fired: list[str] = []
+    annotations: dict[str, str] = {}
+    eligible = vetoed = False
+    for rule in rules:
+        if rule.shadow:
+            shadow_fired.append(rule.id)
+            continue
+        kind = rule.action.kind
+        if kind is ActionKind.DENY or kind is ActionKind.LIMIT:
+            return None
+        rules_fired.append(rule.id)
+        if kind is ActionKind.FALLBACK_ELIGIBLE:
+            eligible = True
+        elif kind is ActionKind.FALLBACK_INELIGIBLE:
+            vetoed = True
+        else:
+            annotations.update(rule.action.annotations)
+    return _Settled(
+        tuple(rules_fired), tuple(shadow_fired), eligible and not vetoed, tuple(annotations.items())
+    )
+
+
+_UNSEEN: Any = object()
 
 
 def _fail_closed_message(rule_id: str) -> str:
@@ -260,8 +301,10 @@ class PolicySnapshot:
         "_read_early",
         "_read_late",
         "_routing_keys",
+        "_routing_rules",
         "_rule_keys",
         "_rules",
+        "_settled_memo",
         "_stages",
         "_variable_keys",
         "_variables",
@@ -287,11 +330,13 @@ class PolicySnapshot:
         self._files = tuple(files)
         self._plans = tuple(plans)
         self._memo: dict[tuple[Any, ...], _Planned] = {}
+        self._settled_memo: dict[tuple[int, ...], _Settled | None] = {}
         self._backend_keys: dict[int, tuple[tuple[BackendFacts, ...], tuple[Any, ...]]] = {}
         self._by_id = {rule.id: rule for rule in self._rules}
         self._stages: dict[Stage, tuple[Rule, ...]] = {
             stage: tuple(rule for rule in self._rules if rule.stage is stage) for stage in Stage
         }
+        self._routing_rules = self._stages[Stage.ROUTING]
         # Every rule but routing, in evaluation order (the plan's condition list has this order).
         self._main_rules = tuple(
             rule for stage in STAGE_ORDER if stage is not Stage.ROUTING for rule in self._stages[stage]
@@ -484,13 +529,13 @@ class PolicySnapshot:
             return None
         if not values.keys() >= plan.variable_set:
             return None
-        variables = tuple([values[name] for name in plan.variable_names])
+        variables = tuple(map(values.__getitem__, plan.variable_names))
         held = tuple(compress(plan.conditions, conditions))  # the places of those that held
         if not plan.routing:
             return (variables, held, []) if routing == [] else None
         if not isinstance(routing, list) or len(routing) != len(context.backends):
             return None
-        width = len(self._stages[Stage.ROUTING])
+        width = len(self._routing_rules)
         for per_backend in routing:
             if not _bools(per_backend, width):
                 return None
@@ -513,6 +558,9 @@ class PolicySnapshot:
             planned = self._run_plans(record, context, inputs)
             if planned is not None:
                 fired_conditions, routing_conditions = planned
+                settled = self._settled(fired_conditions)
+                if settled is not None:
+                    return self._settled_result(settled, context, routing_conditions, started, timer)
         if fired_conditions is None:
             inputs.update(self._read_early(record, context))
             self._variables_one_by_one(inputs, variable_errors, trace)
@@ -625,7 +673,7 @@ class PolicySnapshot:
 
         excluded: list[str] = []
         if denial is None:
-            if self._stages[Stage.ROUTING]:
+            if self._routing_rules:
                 self._routing(
                     context,
                     inputs,
@@ -638,7 +686,7 @@ class PolicySnapshot:
                     trace,
                 )
         elif trace is not None:
-            trace.rules.extend(_skipped(rule, denial.rule) for rule in self._stages[Stage.ROUTING])
+            trace.rules.extend(_skipped(rule, denial.rule) for rule in self._routing_rules)
 
         eval_us = (timer() - started) / 1000.0 if timer is not None else 0.0
         if denial is not None:
@@ -669,6 +717,46 @@ class PolicySnapshot:
             fail_open=tuple(fail_open),
             errors=tuple(errors),
             eval_us=eval_us,
+        )
+
+    def _settled(self, fired: list[int]) -> _Settled | None:
+        """``_settle`` for the main rules at ``fired``, memoised (the rules never change)."""
+        key = tuple(fired)
+        settled = self._settled_memo.get(key, _UNSEEN)
+        if settled is _UNSEEN:
+            settled = _settle([self._main_rules[index] for index in key])
+            if len(self._settled_memo) >= _MEMO_LIMIT:
+                self._settled_memo.clear()
+            self._settled_memo[key] = settled
+        return cast(_Settled | None, settled)
+
+    def _settled_result(
+        self,
+        settled: _Settled,
+        context: PolicyContext,
+        routing_conditions: list[list[bool]],
+        started: int,
+        timer: Callable[[], int] | None,
+    ) -> PolicyResult:
+        """``_run``'s result where the plans decided and the main rules settled (no denial, no
+        limit, no error): only the routing rules that held are acted on, as ``_run`` does."""
+        rules_fired = settled.rules_fired
+        shadow_fired = settled.shadow_fired
+        excluded: list[str] = []
+        if self._routing_rules and any(True in hits for hits in routing_conditions):
+            fired, shadows = list(rules_fired), list(shadow_fired)
+            self._routing(context, {}, {}, routing_conditions, fired, shadows, [], excluded, None)
+            rules_fired, shadow_fired = tuple(fired), tuple(shadows)
+        return PolicyResult(
+            policy_version=self._version,
+            allowed=True,
+            rules_fired=rules_fired,
+            shadow_fired=shadow_fired,
+            fallback_eligible=settled.fallback_eligible,
+            excluded_backends=tuple(excluded),
+            max_output_tokens=None,
+            annotations=settled.annotations,
+            eval_us=(timer() - started) / 1000.0 if timer is not None else 0.0,
         )
 
     def _variables_one_by_one(
@@ -722,7 +810,7 @@ class PolicySnapshot:
         trace: _Trace | None,
     ) -> None:
         engine = self._engine
-        rules = self._stages[Stage.ROUTING]
+        rules = self._routing_rules
         base = {key: inputs[key] for key in self._routing_keys if key in inputs} if planned is None else {}
         for number, backend in enumerate(context.backends):
             backend_inputs: dict[str, Any] = {}
@@ -733,6 +821,8 @@ class PolicySnapshot:
                     backend_inputs[path] = read(backend)
                 bindings = engine.bind(backend_inputs)
                 order: Sequence[int] = range(len(rules))
+            elif True not in planned[number]:
+                continue  # no routing condition held for this backend: nothing to do
             else:
                 order = [i for i, hit in enumerate(planned[number]) if hit]
             exclude = False
