@@ -17,9 +17,11 @@ Theory of operation (the stage table is in ``model``):
    it reads (tenant, route, identity: the same for every request of one
    tenant, route and class) - and act on the rules that fired. Each plan reads
    just its own inputs (step 1's fields are read only if a fired rule's
-   message, retry-after or limit needs them). If a plan errs, or when
-   explaining, go one expression at a time, as below; the outcome is the same,
-   only the error attribution needs the slow path.
+   message, retry-after or limit needs them). When no enforce deny or limit
+   fired, what the main rules decide depends on which fired alone, and is
+   memoised per fired set (``_Settled``). If a plan errs, or when explaining,
+   go one expression at a time, as below; the outcome is the same, only the
+   error attribution needs the slow path.
 3. Variables once, in dependency order. A variable that errs poisons every
    rule that reads it (that rule errs).
 4. privacy -> admission -> quota, rules in file order. The first enforce deny
