@@ -92,3 +92,15 @@ def test_the_fast_path_decides_random_requests_as_one_at_a_time(
     record, context = build_inputs(partial)
     for _ in range(2):
         assert _decided(fast.evaluate(record, context)) == _decided(slow.evaluate(record, context))
+
+
+@settings(max_examples=60, deadline=None)
+@given(partial=_RANDOM_GIVEN)
+def test_the_key_reader_keys_by_the_values_read(partial: dict[str, Any]) -> None:
+    """A list of strings is keyed by its tuple, anything else as read: equal keys, equal values."""
+    record, context = build_inputs(partial)
+    paths = [f.path for f in REQUEST_FIELDS]
+    key = schema.key_reader(paths)(record, context)
+    hash(key)
+    values = schema.reader(paths)(record, context)
+    assert [list(k) if isinstance(k, tuple) else k for k in key] == values

@@ -24,9 +24,10 @@ evaluated once per candidate backend. Nothing here performs I/O.
 
 A request-scoped field's value is declared as a Python expression over the
 record ``r`` and the context ``c`` (``Field.source``, ``"float(r.budget.slack_ms)"``):
-compiled alone it is the field's ``read``; ``reader`` and ``dict_reader``
-inline several into one function, which the policy snapshot calls once per
-plan and request instead of once per field. Either way the values are the same.
+compiled alone it is the field's ``read``; ``reader``, ``dict_reader`` and
+``key_reader`` inline several into one function, which the policy snapshot
+calls once per plan and request instead of once per field. Either way the
+values are the same.
 """
 
 from __future__ import annotations
@@ -605,6 +606,23 @@ def dict_reader(paths: Sequence[str]) -> Callable[[RequestRecord, PolicyContext]
     """``reader`` answering ``{path: value}``."""
     body = ", ".join(f"{path!r}: {source}" for path, source in zip(paths, _sources(paths), strict=True))
     return cast(Callable[[RequestRecord, PolicyContext], dict[str, Any]], _function(f"{{{body}}}"))
+
+
+def key_reader(paths: Sequence[str]) -> Callable[[RequestRecord, PolicyContext], tuple[Any, ...]]:
+    """``reader`` answering a hashable tuple, to key a memo by: a ``list(string)`` field's value
+    as its tuple (the same strings in the same order), any other field's as ``read`` answers it.
+    ``ValueError`` for other containers (none is request-scoped today)."""
+    parts: list[str] = []
+    for path, source in zip(paths, _sources(paths), strict=True):
+        cel_type = FIELDS_BY_PATH[path].cel_type
+        if cel_type == LIST_STRING:
+            parts.append(f"tuple{source}")
+        elif cel_type.startswith(("list(", "map(")):
+            raise ValueError(f"{path} ({cel_type}) has no plain hashable form")
+        else:
+            parts.append(source)
+    body = f"({', '.join(parts)},)" if parts else "()"
+    return cast(Callable[[RequestRecord, PolicyContext], tuple[Any, ...]], _function(body))
 
 
 def _sources(paths: Sequence[str]) -> list[str]:

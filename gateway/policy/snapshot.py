@@ -191,34 +191,24 @@ class Plan:
     reads: tuple[str, ...] = ()  # the request-scoped schema paths it reads
     cached: bool = False  # memoised on ``reads`` (and the backends): see above
 
-    scalar_reads: tuple[str, ...] = field(init=False)  # ``reads`` whose values are hashable as they are
-    other_reads: tuple[str, ...] = field(init=False)  # lists and maps: made hashable for the key
-    # ``scalar_reads`` then ``other_reads``, and one function reading their values as a list in
-    # that order (``schema.reader``: the same values as each field's ``read``): the memo key's.
-    read_paths: tuple[str, ...] = field(init=False)
-    read: Callable[[RequestRecord, PolicyContext], list[Any]] = field(init=False)
-    # The same values as ``{path: value}``: what the CEL expression reads.
+    # The ``reads``' values as a hashable tuple (``schema.key_reader``; through ``_frozen`` if a
+    # container is not a list of strings): the cached plan's memo key.
+    read_key: Callable[[RequestRecord, PolicyContext], tuple[Any, ...]] = field(init=False)
+    # The same values as ``{path: value}`` (``schema.dict_reader``): what the CEL expression reads.
     read_data: Callable[[RequestRecord, PolicyContext], dict[str, Any]] = field(init=False)
     variable_keys: tuple[str, ...] = field(init=False)  # ``variables.<name>`` per variable name
     variable_set: frozenset[str] = field(init=False)
-    scalar_count: int = field(init=False)  # len(scalar_reads)
-    # Makes one of ``other_reads``' values hashable: a list of strings (every request-scoped
-    # container in the schema today) is its tuple; anything else goes through ``_frozen``.
-    freeze: Callable[[Any], Any] = field(init=False)
 
     def __post_init__(self) -> None:
-        plain = tuple(p for p in self.reads if not schema.FIELDS_BY_PATH[p].cel_type.startswith(_CONTAINERS))
-        other = tuple(p for p in self.reads if p not in plain)
-        object.__setattr__(self, "scalar_reads", plain)
-        object.__setattr__(self, "other_reads", other)
-        object.__setattr__(self, "read_paths", plain + other)
-        object.__setattr__(self, "read", schema.reader(plain + other))
-        object.__setattr__(self, "read_data", schema.dict_reader(plain + other))
+        plain = all(
+            not cel_type.startswith(_CONTAINERS) or cel_type == schema.LIST_STRING
+            for cel_type in (schema.FIELDS_BY_PATH[path].cel_type for path in self.reads)
+        )
+        read_key = schema.key_reader(self.reads) if plain else _frozen_reader(schema.reader(self.reads))
+        object.__setattr__(self, "read_key", read_key)
+        object.__setattr__(self, "read_data", schema.dict_reader(self.reads))
         object.__setattr__(self, "variable_keys", tuple(f"variables.{name}" for name in self.variable_names))
         object.__setattr__(self, "variable_set", frozenset(self.variable_names))
-        object.__setattr__(self, "scalar_count", len(plain))
-        strings = all(schema.FIELDS_BY_PATH[p].cel_type == schema.LIST_STRING for p in other)
-        object.__setattr__(self, "freeze", tuple if strings else _frozen)
 
 
 _CONTAINERS = ("list(", "map(")
@@ -231,6 +221,12 @@ _MEMO_LIMIT = 4096
 # main rules of its conditions that held (ascending), and per candidate backend its routing
 # conditions (``[]`` when it has none).
 _Planned = tuple[tuple[Any, ...], tuple[int, ...], list[list[bool]]]
+
+
+def _frozen_reader(
+    read: Callable[[RequestRecord, PolicyContext], list[Any]],
+) -> Callable[[RequestRecord, PolicyContext], tuple[Any, ...]]:
+    return lambda record, context: tuple(map(_frozen, read(record, context)))
 
 
 def _frozen(value: Any) -> Any:
@@ -460,27 +456,22 @@ class PolicySnapshot:
         ``None``: go one at a time.
 
         Each plan reads its own inputs straight from the record and context with the schema's
-        readers (``Plan.read``): the same values ``_run`` would read into ``inputs``, without
-        reading the fields only rules that did not fire need."""
+        readers (``Plan.read_key``, ``Plan.read_data``): the same values ``_run`` would read into
+        ``inputs``, without reading the fields only rules that did not fire need."""
         fired: list[int] = []
         routing: list[list[bool]] | None = None
         for plan in self._plans:
             planned: _Planned | None
             if plan.cached:
-                values = plan.read(record, context)
-                # The key: the values read, the lists among them made hashable (``Plan.freeze``),
-                # and every backend fact, not only what the routing rules read: exact all the
-                # same. Its length and the place of each value are fixed per plan.
-                scalars = plan.scalar_count
+                # The values it reads (lists as tuples) and every backend fact, not only what the
+                # routing rules read: exact all the same.
                 key = (
-                    *values[:scalars],
-                    *map(plan.freeze, values[scalars:]),
+                    plan.read_key(record, context),
                     self._backends_key(context.backends) if plan.routing else (),
                 )
                 planned = self._memo.get(key)
                 if planned is None:
-                    data = dict(zip(plan.read_paths, values, strict=True))
-                    planned = self._evaluate_plan(plan, data, context)
+                    planned = self._evaluate_plan(plan, plan.read_data(record, context), context)
                     if planned is None:
                         return None
                     if len(self._memo) >= _MEMO_LIMIT:
