@@ -177,12 +177,9 @@ class Field:
         return self.read_backend is not None
 
 
-def _strings(values: tuple[str, ...]) -> list[str]:
-    return list(values)  # typed tuple[str, ...]; CEL wants a list
-
-
-# What a field's ``source`` may call besides the builtins.
-_SOURCE_GLOBALS: dict[str, Any] = {"may_call": may_call, "_strings": _strings}
+# What a field's ``source`` may call besides the builtins. A ``list(string)`` field's source is
+# ``list(...)`` of the configured tuple: CEL wants a list.
+_SOURCE_GLOBALS: dict[str, Any] = {"may_call": may_call}
 
 
 def _function(body: str) -> Any:
@@ -348,21 +345,21 @@ FIELDS: tuple[Field, ...] = (
         LIST_STRING,
         _F,
         "privacy cells the tenant may use",
-        "_strings(c.tenant.allowed_cells)",
+        "list(c.tenant.allowed_cells)",
     ),
     _req(
         "tenant.allowed_classes",
         LIST_STRING,
         _F,
         "request classes enabled for the tenant",
-        "_strings(c.tenant.allowed_classes)",
+        "list(c.tenant.allowed_classes)",
     ),
     _req(
         "tenant.allowed_models",
         LIST_STRING,
         _F,
         "the tenant's configured `models`: exactly the models it may call (empty: none)",
-        "_strings(c.tenant.allowed_models)",
+        "list(c.tenant.allowed_models)",
     ),
     _req(
         "tenant.entitled",
@@ -421,7 +418,7 @@ FIELDS: tuple[Field, ...] = (
         LIST_STRING,
         _F,
         "request classes the fallback may serve",
-        "_strings(c.route.fallback_classes)",
+        "list(c.route.fallback_classes)",
     ),
     _req(
         "route.fallback_warm",

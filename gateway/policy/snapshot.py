@@ -43,7 +43,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
-from typing import Any, cast
+from typing import Any
 
 from gateway.core.policy_result import FailOpen as FailOpen
 from gateway.core.policy_result import PolicyResult as PolicyResult
@@ -145,9 +145,6 @@ def _settle(rules: Sequence[Rule]) -> _Settled | None:
     return _Settled(
         tuple(rules_fired), tuple(shadow_fired), eligible and not vetoed, tuple(annotations.items())
     )
-
-
-_UNSEEN: Any = object()
 
 
 def _fail_closed_message(rule_id: str) -> str:
@@ -715,13 +712,15 @@ class PolicySnapshot:
     def _settled(self, fired: list[int]) -> _Settled | None:
         """``_settle`` for the main rules at ``fired``, memoised (the rules never change)."""
         key = tuple(fired)
-        settled = self._settled_memo.get(key, _UNSEEN)
-        if settled is _UNSEEN:
-            settled = _settle([self._main_rules[index] for index in key])
-            if len(self._settled_memo) >= _MEMO_LIMIT:
-                self._settled_memo.clear()
-            self._settled_memo[key] = settled
-        return cast(_Settled | None, settled)
+        try:
+            return self._settled_memo[key]
+        except KeyError:
+            pass
+        settled = _settle([self._main_rules[index] for index in key])
+        if len(self._settled_memo) >= _MEMO_LIMIT:
+            self._settled_memo.clear()
+        self._settled_memo[key] = settled
+        return settled
 
     def _settled_result(
         self,
