@@ -445,18 +445,19 @@ class PolicySnapshot:
         return Explanation(result, tuple(trace.variables), tuple(trace.rules))
 
     def _run_plans(
-        self, record: RequestRecord, context: PolicyContext, inputs: dict[str, Any]
-    ) -> tuple[list[int], list[list[bool]]] | None:
+        self, record: RequestRecord, context: PolicyContext
+    ) -> tuple[list[int], list[list[bool]], list[tuple[tuple[str, ...], tuple[Any, ...]]]] | None:
         """Evaluate the plans (the cached one from its memo when it has these inputs); on success
-        store the variables in ``inputs`` and answer the places (among the main rules, ascending:
-        evaluation order) of the conditions that held, and per backend the routing conditions.
-        ``None``: go one at a time.
+        answer the places (among the main rules, ascending: evaluation order) of the conditions
+        that held, per backend the routing conditions, and per plan its variables' input names
+        (``variables.<name>``) and values. ``None``: go one at a time.
 
         Each plan reads its own inputs straight from the record and context with the schema's
         readers (``Plan.read_key``, ``Plan.read_data``): the same values ``_run`` would read into
         ``inputs``, without reading the fields only rules that did not fire need."""
         fired: list[int] = []
         routing: list[list[bool]] | None = None
+        variables: list[tuple[tuple[str, ...], tuple[Any, ...]]] = []
         for plan in self._plans:
             planned: _Planned | None
             if plan.cached:
@@ -478,15 +479,15 @@ class PolicySnapshot:
                 planned = self._evaluate_plan(plan, plan.read_data(record, context), context)
                 if planned is None:
                     return None
-            variables, held, per_backend = planned
+            values, held, per_backend = planned
             fired += held
             if plan.routing:
                 routing = per_backend
-            if variables:
-                inputs.update(zip(plan.variable_keys, variables, strict=True))
+            if values:
+                variables.append((plan.variable_keys, values))
         if len(self._plans) > 1:
             fired.sort()
-        return fired, routing if routing is not None else [[] for _ in context.backends]
+        return fired, routing if routing is not None else [[] for _ in context.backends], variables
 
     def _backends_key(self, backends: tuple[BackendFacts, ...]) -> tuple[Any, ...]:
         """The backends' part of the memo key. A route's backend facts are one tuple built once
@@ -545,12 +546,14 @@ class PolicySnapshot:
         routing_conditions: list[list[bool]] | None = None
         variable_errors: dict[str, str] = {}
         if trace is None and self._plans:
-            planned = self._run_plans(record, context, inputs)
+            planned = self._run_plans(record, context)
             if planned is not None:
-                fired_conditions, routing_conditions = planned
+                fired_conditions, routing_conditions, variables = planned
                 settled = self._settled(fired_conditions)
                 if settled is not None:
                     return self._settled_result(settled, context, routing_conditions, started, timer)
+                for names, values in variables:  # a fired rule's message or limit may read them
+                    inputs.update(zip(names, values, strict=True))
         if fired_conditions is None:
             inputs.update(self._read_early(record, context))
             self._variables_one_by_one(inputs, variable_errors, trace)
