@@ -287,9 +287,14 @@ class _CelExprExpression:
 
     def _result(self, value: Any) -> Any:
         if self._plain:  # lists, maps, dyn: one conversion to plain Python values
+            plain = value.plain_value()
+            # Fast path: a list or a map is a result (an ERROR value's plain value is its message,
+            # a str), so the type is asked only of anything else.
+            if plain.__class__ is list or plain.__class__ is dict:
+                return plain
             if value.type() == self._error_type:
                 raise EvaluationError(str(value.value()))
-            return value.plain_value()
+            return plain
         result = value.value()
         # Fast path: a statically bool/int/double expression whose result has that
         # Python type cannot be an ERROR value (those carry a str message).

@@ -21,15 +21,22 @@ check (write ``0.0``), ``shape.input_tokens > 2048.0`` neither (write
 
 Backend fields (``backend.*``) exist only for routing-stage rules, which are
 evaluated once per candidate backend. Nothing here performs I/O.
+
+A request-scoped field's value is declared as a Python expression over the
+record ``r`` and the context ``c`` (``Field.source``, ``"float(r.budget.slack_ms)"``):
+compiled alone it is the field's ``read``; ``reader``, ``dict_reader`` and
+``key_reader`` inline several into one function, which the policy snapshot
+calls once per plan and request instead of once per field. Either way the
+values are the same.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 from gateway.core.entitlement import may_call
 from gateway.core.record import RequestRecord
@@ -157,6 +164,9 @@ class Field:
     doc: str
     read: RequestReader | None = None  # request-scoped fields
     read_backend: BackendReader | None = None  # backend-scoped fields (routing stage only)
+    # A request-scoped field's value as a Python expression over ``r`` (the record) and ``c``
+    # (the context): ``read`` is that expression, and ``reader`` inlines several into one.
+    source: str = ""
 
     @property
     def namespace(self) -> str:
@@ -167,267 +177,270 @@ class Field:
         return self.read_backend is not None
 
 
-def _req(path: str, cel_type: str, origin: Origin, doc: str, read: RequestReader) -> Field:
-    return Field(path, cel_type, origin, doc, read=read)
+# What a field's ``source`` may call besides the builtins. A ``list(string)`` field's source is
+# ``list(...)`` of the configured tuple: CEL wants a list.
+_SOURCE_GLOBALS: dict[str, Any] = {"may_call": may_call}
 
 
-def _strings(values: tuple[str, ...]) -> list[str]:
-    return list(values)  # typed tuple[str, ...]; CEL wants a list
+def _function(body: str) -> Any:
+    """``lambda r, c: <body>``, compiled; ``body`` is this module's own text (``Field.source``)."""
+    return eval(f"lambda r, c: {body}", dict(_SOURCE_GLOBALS))
+
+
+def _req(path: str, cel_type: str, origin: Origin, doc: str, source: str) -> Field:
+    read: RequestReader = _function(source)
+    return Field(path, cel_type, origin, doc, read=read, source=source)
 
 
 _C, _K, _G, _F = Origin.CALLER, Origin.CREDENTIAL, Origin.GATEWAY, Origin.CONFIG
 
 FIELDS: tuple[Field, ...] = (
     # request: identity and class
-    _req("request.request_id", STRING, _G, "gateway-assigned request id", lambda r, c: r.identity.request_id),
-    _req("request.tenant", STRING, _K, "tenant from the credential", lambda r, c: r.identity.tenant),
+    _req("request.request_id", STRING, _G, "gateway-assigned request id", "r.identity.request_id"),
+    _req("request.tenant", STRING, _K, "tenant from the credential", "r.identity.tenant"),
     _req(
         "request.class",
         STRING,
         _C,
         "request class (hint `orchid.class`)",
-        lambda r, c: r.identity.request_class,
+        "r.identity.request_class",
     ),
-    _req("request.model", STRING, _C, "logical model the caller named", lambda r, c: r.identity.model),
+    _req("request.model", STRING, _C, "logical model the caller named", "r.identity.model"),
     _req(
         "request.model_version",
         STRING,
         _C,
         'requested version, "" for the route default',
-        lambda r, c: r.identity.model_version,
+        "r.identity.model_version",
     ),
     _req(
         "request.operation",
         STRING,
         _C,
         "`ModelInfer` or `ModelStreamInfer`",
-        lambda r, c: r.identity.operation,
+        "r.identity.operation",
     ),
     _req(
         "request.mode",
         STRING,
         _C,
         "`online`, `streaming`, `async` or `batch`",
-        lambda r, c: str(r.identity.mode),
+        "str(r.identity.mode)",
     ),
     _req(
         "request.privacy_cell",
         STRING,
         _G,
         "privacy cell the request must stay in",
-        lambda r, c: r.identity.privacy_cell,
+        "r.identity.privacy_cell",
     ),
     _req(
         "request.risk_class",
         STRING,
         _G,
         "a configured `risk_classes` entry: the tenant's or route's minimum, or higher (`orchid.risk_class`)",
-        lambda r, c: r.identity.risk_class,
+        "r.identity.risk_class",
     ),
     _req(
         "request.allow_fallback",
         BOOL,
         _C,
         "caller accepts an approximate answer (hint `orchid.allow_fallback`)",
-        lambda r, c: bool(r.identity.allow_fallback),
+        "bool(r.identity.allow_fallback)",
     ),
     # shape
-    _req("shape.items", INT, _C, "items / samples in the request", lambda r, c: int(r.shape.items)),
-    _req("shape.input_tokens", INT, _C, "input tokens", lambda r, c: int(r.shape.input_tokens)),
+    _req("shape.items", INT, _C, "items / samples in the request", "int(r.shape.items)"),
+    _req("shape.input_tokens", INT, _C, "input tokens", "int(r.shape.input_tokens)"),
     _req(
         "shape.max_output_tokens",
         INT,
         _C,
         "requested output limit",
-        lambda r, c: int(r.shape.max_output_tokens),
+        "int(r.shape.max_output_tokens)",
     ),
-    _req("shape.modality", STRING, _C, "`text`, `image` ...", lambda r, c: r.shape.modality),
-    _req("shape.streaming", BOOL, _C, "streaming response", lambda r, c: bool(r.shape.streaming)),
-    _req("shape.bucket", STRING, _G, "shape bucket (batching compatibility)", lambda r, c: r.shape.bucket),
-    _req("shape.input_bytes", INT, _C, "input tensor bytes", lambda r, c: int(r.shape.input_bytes)),
+    _req("shape.modality", STRING, _C, "`text`, `image` ...", "r.shape.modality"),
+    _req("shape.streaming", BOOL, _C, "streaming response", "bool(r.shape.streaming)"),
+    _req("shape.bucket", STRING, _G, "shape bucket (batching compatibility)", "r.shape.bucket"),
+    _req("shape.input_bytes", INT, _C, "input tensor bytes", "int(r.shape.input_bytes)"),
     # demand
     _req(
         "demand.prefill_ms",
         DOUBLE,
         _G,
         "predicted prefill accelerator-ms",
-        lambda r, c: float(r.demand.prefill_ms),
+        "float(r.demand.prefill_ms)",
     ),
     _req(
         "demand.decode_ms",
         DOUBLE,
         _G,
         "predicted decode accelerator-ms",
-        lambda r, c: float(r.demand.decode_ms),
+        "float(r.demand.decode_ms)",
     ),
     _req(
         "demand.accelerator_ms",
         DOUBLE,
         _G,
         "prefill_ms + decode_ms",
-        lambda r, c: float(r.demand.prefill_ms + r.demand.decode_ms),
+        "float(r.demand.prefill_ms + r.demand.decode_ms)",
     ),
-    _req("demand.host_cpu_ms", DOUBLE, _G, "predicted host CPU ms", lambda r, c: float(r.demand.host_cpu_ms)),
+    _req("demand.host_cpu_ms", DOUBLE, _G, "predicted host CPU ms", "float(r.demand.host_cpu_ms)"),
     _req(
         "demand.peak_memory_bytes",
         INT,
         _G,
         "predicted peak request state",
-        lambda r, c: int(r.demand.peak_memory_bytes),
+        "int(r.demand.peak_memory_bytes)",
     ),
     _req(
         "demand.live_token_ms",
         DOUBLE,
         _G,
         "predicted live-token-ms (sequence memory lifetime)",
-        lambda r, c: float(r.demand.live_token_ms),
+        "float(r.demand.live_token_ms)",
     ),
     # budget
-    _req(
-        "budget.deadline_ms", DOUBLE, _C, "D: end-to-end deadline", lambda r, c: float(r.budget.deadline_ms)
-    ),
-    _req("budget.elapsed_ms", DOUBLE, _G, "E: already spent", lambda r, c: float(r.budget.elapsed_ms)),
+    _req("budget.deadline_ms", DOUBLE, _C, "D: end-to-end deadline", "float(r.budget.deadline_ms)"),
+    _req("budget.elapsed_ms", DOUBLE, _G, "E: already spent", "float(r.budget.elapsed_ms)"),
     _req(
         "budget.reserve_upstream_ms",
         DOUBLE,
         _G,
         "R_up: unfinished upstream work",
-        lambda r, c: float(r.budget.reserve_upstream_ms),
+        "float(r.budget.reserve_upstream_ms)",
     ),
     _req(
         "budget.reserve_exec_ms",
         DOUBLE,
         _G,
         "R_exec: predicted execution and response",
-        lambda r, c: float(r.budget.reserve_exec_ms),
+        "float(r.budget.reserve_exec_ms)",
     ),
     _req(
         "budget.reserve_fail_ms",
         DOUBLE,
         _G,
         "R_fail: variance or one bounded recovery",
-        lambda r, c: float(r.budget.reserve_fail_ms),
+        "float(r.budget.reserve_fail_ms)",
     ),
     _req(
         "budget.queue_wait_ms",
         DOUBLE,
         _G,
         "predicted wait behind queued work",
-        lambda r, c: float(r.budget.queue_wait_ms),
+        "float(r.budget.queue_wait_ms)",
     ),
     _req(
         "budget.slack_ms",
         DOUBLE,
         _G,
         "S = D - E - R_up - R_exec - R_fail - queue_wait",
-        lambda r, c: float(r.budget.slack_ms),
+        "float(r.budget.slack_ms)",
     ),
-    _req("budget.remaining_ms", DOUBLE, _G, "D - E", lambda r, c: float(r.budget.remaining_ms)),
+    _req("budget.remaining_ms", DOUBLE, _G, "D - E", "float(r.budget.remaining_ms)"),
     # tenant
-    _req("tenant.name", STRING, _F, "tenant name", lambda r, c: c.tenant.name),
+    _req("tenant.name", STRING, _F, "tenant name", "c.tenant.name"),
     _req(
         "tenant.allowed_cells",
         LIST_STRING,
         _F,
         "privacy cells the tenant may use",
-        lambda r, c: _strings(c.tenant.allowed_cells),
+        "list(c.tenant.allowed_cells)",
     ),
     _req(
         "tenant.allowed_classes",
         LIST_STRING,
         _F,
         "request classes enabled for the tenant",
-        lambda r, c: _strings(c.tenant.allowed_classes),
+        "list(c.tenant.allowed_classes)",
     ),
     _req(
         "tenant.allowed_models",
         LIST_STRING,
         _F,
         "the tenant's configured `models`: exactly the models it may call (empty: none)",
-        lambda r, c: _strings(c.tenant.allowed_models),
+        "list(c.tenant.allowed_models)",
     ),
     _req(
         "tenant.entitled",
         BOOL,
         _G,
         "the tenant may call request.model: the gateway's own answer (`gateway.core.entitlement`)",
-        lambda r, c: may_call(c.tenant.allowed_models, r.identity.model),
+        "may_call(c.tenant.allowed_models, r.identity.model)",
     ),
     _req(
         "tenant.dedicated",
         BOOL,
         _F,
         "never shares a batch or instance with other tenants",
-        lambda r, c: bool(c.tenant.dedicated),
+        "bool(c.tenant.dedicated)",
     ),
-    _req("tenant.weight", DOUBLE, _F, "fair-share weight", lambda r, c: float(c.tenant.weight)),
+    _req("tenant.weight", DOUBLE, _F, "fair-share weight", "float(c.tenant.weight)"),
     _req(
         "tenant.allow_fallback",
         BOOL,
         _F,
         "tenant accepts approximate answers",
-        lambda r, c: bool(c.tenant.allow_fallback),
+        "bool(c.tenant.allow_fallback)",
     ),
     _req(
         "tenant.accelerator_ms_per_s",
         DOUBLE,
         _F,
         "quota refill rate",
-        lambda r, c: float(c.tenant.accelerator_ms_per_s),
+        "float(c.tenant.accelerator_ms_per_s)",
     ),
     _req(
         "tenant.available_accelerator_ms",
         DOUBLE,
         _G,
         "accelerator-ms the quota ledger would grant now: balance plus borrowable idle share (inf: no quota)",
-        lambda r, c: float(c.tenant.available_accelerator_ms),
+        "float(c.tenant.available_accelerator_ms)",
     ),
     _req(
         "tenant.max_output_tokens",
         INT,
         _F,
         "tenant output cap, 0 for none",
-        lambda r, c: int(c.tenant.max_output_tokens),
+        "int(c.tenant.max_output_tokens)",
     ),
     # route
-    _req("route.model", STRING, _F, "primary model of the route", lambda r, c: c.route.model),
+    _req("route.model", STRING, _F, "primary model of the route", "c.route.model"),
     _req(
         "route.fallback_model",
         STRING,
         _F,
         'declared fallback, "" for none',
-        lambda r, c: c.route.fallback_model,
+        "c.route.fallback_model",
     ),
     _req(
         "route.fallback_classes",
         LIST_STRING,
         _F,
         "request classes the fallback may serve",
-        lambda r, c: _strings(c.route.fallback_classes),
+        "list(c.route.fallback_classes)",
     ),
     _req(
         "route.fallback_warm",
         BOOL,
         _G,
         "fallback has warm validated capacity",
-        lambda r, c: bool(c.route.fallback_warm),
+        "bool(c.route.fallback_warm)",
     ),
-    _req(
-        "route.fallback_cell", STRING, _F, "privacy cell of the fallback", lambda r, c: c.route.fallback_cell
-    ),
+    _req("route.fallback_cell", STRING, _F, "privacy cell of the fallback", "c.route.fallback_cell"),
     _req(
         "route.quality.score",
         DOUBLE,
         _F,
         "validated quality of the primary model",
-        lambda r, c: float(c.route.quality.score),
+        "float(c.route.quality.score)",
     ),
     _req(
         "route.quality.fallback_score",
         DOUBLE,
         _F,
         "the fallback's latest evidence score (0.0 when missing or expired)",
-        lambda r, c: float(c.route.quality.fallback_score),
+        "float(c.route.quality.fallback_score)",
     ),
     _req(
         "route.quality.reduced_output_score",
@@ -435,21 +448,21 @@ FIELDS: tuple[Field, ...] = (
         _F,
         "latest evidence score of the primary with its output capped at route.reduced_output_tokens "
         "(0.0 when missing or expired)",
-        lambda r, c: float(c.route.quality.reduced_output_score),
+        "float(c.route.quality.reduced_output_score)",
     ),
     _req(
         "route.reduced_output_tokens",
         INT,
         _F,
         "output cap the route declares quality evidence for (0: none); used from ladder step 2",
-        lambda r, c: int(c.route.reduced_output_tokens),
+        "int(c.route.reduced_output_tokens)",
     ),
     _req(
         "route.quality.floor",
         DOUBLE,
         _F,
         "minimum acceptable quality: the route's `quality_floor`, else its fallback's, else 1.0",
-        lambda r, c: float(c.route.quality.floor),
+        "float(c.route.quality.floor)",
     ),
     _req(
         "route.quality.fallback_evidence",
@@ -457,7 +470,7 @@ FIELDS: tuple[Field, ...] = (
         _F,
         "verdict on the fallback's latest evidence: valid, missing, expired (past review-by or "
         "max age) or below_floor; only valid evidence may serve a fallback answer",
-        lambda r, c: c.route.quality.fallback_evidence,
+        "c.route.quality.fallback_evidence",
     ),
     _req(
         "route.quality.reduced_output_evidence",
@@ -465,37 +478,37 @@ FIELDS: tuple[Field, ...] = (
         _F,
         "verdict on the latest evidence for the capped output: valid, missing, expired or "
         "below_floor; only valid evidence may cap the output",
-        lambda r, c: c.route.quality.reduced_output_evidence,
+        "c.route.quality.reduced_output_evidence",
     ),
     _req(
         "route.quality.population",
         STRING,
         _F,
         "evaluation population the scores hold for",
-        lambda r, c: c.route.quality.population,
+        "c.route.quality.population",
     ),
     # load
-    _req("load.ladder_step", INT, _G, "overload ladder step 0-6", lambda r, c: int(r.ladder_step)),
+    _req("load.ladder_step", INT, _G, "overload ladder step 0-6", "int(r.ladder_step)"),
     _req(
         "load.utilization",
         DOUBLE,
         _G,
         "offered demand / protected capacity",
-        lambda r, c: float(c.load.utilization),
+        "float(c.load.utilization)",
     ),
     _req(
         "load.drain_ms",
         DOUBLE,
         _G,
         "predicted time for queued work to drain",
-        lambda r, c: float(c.load.drain_ms),
+        "float(c.load.drain_ms)",
     ),
     _req(
         "load.shed",
         BOOL,
         _G,
         "the pool's shedder picked this request as part of the excess over protected capacity",
-        lambda r, c: bool(c.load.shed),
+        "bool(c.load.shed)",
     ),
     _req(
         "load.reduce_output",
@@ -503,7 +516,7 @@ FIELDS: tuple[Field, ...] = (
         _G,
         "at ladder step 2+, the pool picked this request as part of the share whose output is "
         "capped (just enough to bring demand back inside the envelope)",
-        lambda r, c: bool(c.load.reduce_output),
+        "bool(c.load.reduce_output)",
     ),
     # backend (routing stage only)
     Field("backend.name", STRING, _F, "backend name (routing stage only)", read_backend=lambda b: b.name),
@@ -574,6 +587,49 @@ def flat_inputs(
         elif backend is not None and f.read_backend is not None:
             inputs[f.path] = f.read_backend(backend)
     return inputs
+
+
+def reader(paths: Sequence[str]) -> Callable[[RequestRecord, PolicyContext], list[Any]]:
+    """One function reading the request-scoped fields ``paths`` as a list, in that order.
+
+    It is the fields' own ``source`` expressions inlined into one ``lambda r, c: [...]``, so
+    each value is exactly what that field's ``read`` answers, for one call instead of one per
+    field (the policy snapshot reads a plan's inputs for every request this way)."""
+    body = ", ".join(_sources(paths))
+    return cast(Callable[[RequestRecord, PolicyContext], list[Any]], _function(f"[{body}]"))
+
+
+def dict_reader(paths: Sequence[str]) -> Callable[[RequestRecord, PolicyContext], dict[str, Any]]:
+    """``reader`` answering ``{path: value}``."""
+    body = ", ".join(f"{path!r}: {source}" for path, source in zip(paths, _sources(paths), strict=True))
+    return cast(Callable[[RequestRecord, PolicyContext], dict[str, Any]], _function(f"{{{body}}}"))
+
+
+def key_reader(paths: Sequence[str]) -> Callable[[RequestRecord, PolicyContext], tuple[Any, ...]]:
+    """``reader`` answering a hashable tuple, to key a memo by: a ``list(string)`` field's value
+    as its tuple (the same strings in the same order), any other field's as ``read`` answers it.
+    ``ValueError`` for other containers (none is request-scoped today)."""
+    parts: list[str] = []
+    for path, source in zip(paths, _sources(paths), strict=True):
+        cel_type = FIELDS_BY_PATH[path].cel_type
+        if cel_type == LIST_STRING:
+            parts.append(f"tuple{source}")
+        elif cel_type.startswith(("list(", "map(")):
+            raise ValueError(f"{path} ({cel_type}) has no plain hashable form")
+        else:
+            parts.append(source)
+    body = f"({', '.join(parts)},)" if parts else "()"
+    return cast(Callable[[RequestRecord, PolicyContext], tuple[Any, ...]], _function(body))
+
+
+def _sources(paths: Sequence[str]) -> list[str]:
+    sources: list[str] = []
+    for path in paths:
+        source = FIELDS_BY_PATH[path].source
+        if not source:
+            raise ValueError(f"{path} is not a request-scoped field")
+        sources.append(f"({source})")
+    return sources
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,9 +15,13 @@ Theory of operation (the stage table is in ``model``):
 2. Fast path (cel-expr): evaluate the ``Plan``s - every variable and condition
    in at most two CEL evaluations, one of them memoised on the stable inputs
    it reads (tenant, route, identity: the same for every request of one
-   tenant, route and class) - and act on the rules that fired. If a plan
-   errs, or when explaining, go one expression at a time, as below; the
-   outcome is the same, only the error attribution needs the slow path.
+   tenant, route and class) - and act on the rules that fired. Each plan reads
+   just its own inputs (step 1's fields are read only if a fired rule's
+   message, retry-after or limit needs them). When no enforce deny or limit
+   fired, what the main rules decide depends on which fired alone, and is
+   memoised per fired set (``_Settled``). If a plan errs, or when explaining,
+   go one expression at a time, as below; the outcome is the same, only the
+   error attribution needs the slow path.
 3. Variables once, in dependency order. A variable that errs poisons every
    rule that reads it (that rule errs).
 4. privacy -> admission -> quota, rules in file order. The first enforce deny
@@ -38,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 from gateway.core.policy_result import FailOpen as FailOpen
@@ -104,6 +109,44 @@ class _Denial:
         self.retry_after_ms = retry_after_ms
 
 
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    """What the main rules decide when the plans say which conditions held and no enforce deny or
+    limit is among them (those evaluate a message, retry-after or limit from the request's inputs):
+    a function of the fired set alone, so each snapshot memoises it (``_settled``)."""
+
+    rules_fired: tuple[str, ...]
+    shadow_fired: tuple[str, ...]
+    fallback_eligible: bool  # an enforce fallback_eligible fired and no fallback_ineligible
+    annotations: tuple[tuple[str, str], ...]
+
+
+def _settle(rules: Sequence[Rule]) -> _Settled | None:
+    """``_run``'s main-rule loop for ``rules``, every one of which fired without error, in
+    evaluation order; ``None`` where an enforce deny or limit fired (``_run`` acts on it)."""
+    rules_fired: list[str] = []
+    shadow_fired: list[str] = []
+    annotations: dict[str, str] = {}
+    eligible = vetoed = False
+    for rule in rules:
+        if rule.shadow:
+            shadow_fired.append(rule.id)
+            continue
+        kind = rule.action.kind
+        if kind is ActionKind.DENY or kind is ActionKind.LIMIT:
+            return None
+        rules_fired.append(rule.id)
+        if kind is ActionKind.FALLBACK_ELIGIBLE:
+            eligible = True
+        elif kind is ActionKind.FALLBACK_INELIGIBLE:
+            vetoed = True
+        else:
+            annotations.update(rule.action.annotations)
+    return _Settled(
+        tuple(rules_fired), tuple(shadow_fired), eligible and not vetoed, tuple(annotations.items())
+    )
+
+
 def _fail_closed_message(rule_id: str) -> str:
     return f"request denied: policy rule '{rule_id}' could not be evaluated"
 
@@ -145,13 +188,24 @@ class Plan:
     reads: tuple[str, ...] = ()  # the request-scoped schema paths it reads
     cached: bool = False  # memoised on ``reads`` (and the backends): see above
 
-    scalar_reads: tuple[str, ...] = field(init=False)  # ``reads`` whose values are hashable as they are
-    other_reads: tuple[str, ...] = field(init=False)  # lists and maps: made hashable for the key
+    # The ``reads``' values as a hashable tuple (``schema.key_reader``; through ``_frozen`` if a
+    # container is not a list of strings): the cached plan's memo key.
+    read_key: Callable[[RequestRecord, PolicyContext], tuple[Any, ...]] = field(init=False)
+    # The same values as ``{path: value}`` (``schema.dict_reader``): what the CEL expression reads.
+    read_data: Callable[[RequestRecord, PolicyContext], dict[str, Any]] = field(init=False)
+    variable_keys: tuple[str, ...] = field(init=False)  # ``variables.<name>`` per variable name
+    variable_set: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        plain = tuple(p for p in self.reads if not schema.FIELDS_BY_PATH[p].cel_type.startswith(_CONTAINERS))
-        object.__setattr__(self, "scalar_reads", plain)
-        object.__setattr__(self, "other_reads", tuple(p for p in self.reads if p not in plain))
+        plain = all(
+            not cel_type.startswith(_CONTAINERS) or cel_type == schema.LIST_STRING
+            for cel_type in (schema.FIELDS_BY_PATH[path].cel_type for path in self.reads)
+        )
+        read_key = schema.key_reader(self.reads) if plain else _frozen_reader(schema.reader(self.reads))
+        object.__setattr__(self, "read_key", read_key)
+        object.__setattr__(self, "read_data", schema.dict_reader(self.reads))
+        object.__setattr__(self, "variable_keys", tuple(f"variables.{name}" for name in self.variable_names))
+        object.__setattr__(self, "variable_set", frozenset(self.variable_names))
 
 
 _CONTAINERS = ("list(", "map(")
@@ -160,7 +214,16 @@ _CONTAINERS = ("list(", "map(")
 # the few stable facts that change, such as warmth and evidence); it starts over when full.
 _MEMO_LIMIT = 4096
 
-_Planned = tuple[dict[str, Any], list[bool], list[list[bool]]]
+# A plan's result: its variables' values (in ``Plan.variable_names`` order), the places among the
+# main rules of its conditions that held (ascending), and per candidate backend its routing
+# conditions (``[]`` when it has none).
+_Planned = tuple[tuple[Any, ...], tuple[int, ...], list[list[bool]]]
+
+
+def _frozen_reader(
+    read: Callable[[RequestRecord, PolicyContext], list[Any]],
+) -> Callable[[RequestRecord, PolicyContext], tuple[Any, ...]]:
+    return lambda record, context: tuple(map(_frozen, read(record, context)))
 
 
 def _frozen(value: Any) -> Any:
@@ -225,15 +288,18 @@ class PolicySnapshot:
         "_engine",
         "_files",
         "_label",
-        "_late_readers",
         "_main_rules",
         "_memo",
         "_plan_backend_readers",
         "_plans",
-        "_readers",
+        "_read_all",
+        "_read_early",
+        "_read_late",
         "_routing_keys",
+        "_routing_rules",
         "_rule_keys",
         "_rules",
+        "_settled_memo",
         "_stages",
         "_variable_keys",
         "_variables",
@@ -259,11 +325,13 @@ class PolicySnapshot:
         self._files = tuple(files)
         self._plans = tuple(plans)
         self._memo: dict[tuple[Any, ...], _Planned] = {}
+        self._settled_memo: dict[tuple[int, ...], _Settled | None] = {}
         self._backend_keys: dict[int, tuple[tuple[BackendFacts, ...], tuple[Any, ...]]] = {}
         self._by_id = {rule.id: rule for rule in self._rules}
         self._stages: dict[Stage, tuple[Rule, ...]] = {
             stage: tuple(rule for rule in self._rules if rule.stage is stage) for stage in Stage
         }
+        self._routing_rules = self._stages[Stage.ROUTING]
         # Every rule but routing, in evaluation order (the plan's condition list has this order).
         self._main_rules = tuple(
             rule for stage in STAGE_ORDER if stage is not Stage.ROUTING for rule in self._stages[stage]
@@ -285,12 +353,12 @@ class PolicySnapshot:
         for variable in self._variables:
             reads.update(variable.reads)
             decides.update(variable.reads)
-        self._readers = tuple(
-            (f.path, f.read) for f in schema.FIELDS if f.path in decides and f.read is not None
-        )
-        self._late_readers = tuple(
-            (f.path, f.read) for f in schema.FIELDS if f.path in reads - decides and f.read is not None
-        )
+        early = [f.path for f in schema.FIELDS if f.path in decides and f.read is not None]
+        late = [f.path for f in schema.FIELDS if f.path in reads - decides and f.read is not None]
+        self._read_early = schema.dict_reader(early)
+        # ``_read_late``'s first field (``None``: no field) is in a request's inputs once read.
+        self._read_late = (late[0], schema.dict_reader(late)) if late else None
+        self._read_all = (early[0], schema.dict_reader(early + late)) if early else self._read_late
         self._variable_keys = tuple(
             (var, (*var.reads, *(f"variables.{name}" for name in var.uses))) for var in self._variables
         )
@@ -377,41 +445,49 @@ class PolicySnapshot:
         return Explanation(result, tuple(trace.variables), tuple(trace.rules))
 
     def _run_plans(
-        self, inputs: dict[str, Any], context: PolicyContext
-    ) -> tuple[list[bool], list[list[bool]]] | None:
+        self, record: RequestRecord, context: PolicyContext
+    ) -> tuple[list[int], list[list[bool]], list[tuple[tuple[str, ...], tuple[Any, ...]]]] | None:
         """Evaluate the plans (the cached one from its memo when it has these inputs); on success
-        store the variables in ``inputs``. ``None``: go one at a time."""
-        conditions = [False] * len(self._main_rules)
-        routing: list[list[bool]] = [[] for _ in context.backends]
+        answer the places (among the main rules, ascending: evaluation order) of the conditions
+        that held, per backend the routing conditions, and per plan its variables' input names
+        (``variables.<name>``) and values. ``None``: go one at a time.
+
+        Each plan reads its own inputs straight from the record and context with the schema's
+        readers (``Plan.read_key``, ``Plan.read_data``): the same values ``_run`` would read into
+        ``inputs``, without reading the fields only rules that did not fire need."""
+        fired: list[int] = []
+        routing: list[list[bool]] | None = None
+        variables: list[tuple[tuple[str, ...], tuple[Any, ...]]] = []
         for plan in self._plans:
             planned: _Planned | None
             if plan.cached:
-                # Every backend fact, not only what the routing rules read: exact all the same.
+                # The values it reads (lists as tuples) and every backend fact, not only what the
+                # routing rules read: exact all the same.
                 key = (
-                    tuple([inputs[path] for path in plan.scalar_reads]),
-                    tuple([_frozen(inputs[path]) for path in plan.other_reads]),
+                    plan.read_key(record, context),
                     self._backends_key(context.backends) if plan.routing else (),
                 )
                 planned = self._memo.get(key)
                 if planned is None:
-                    planned = self._evaluate_plan(plan, inputs, context)
+                    planned = self._evaluate_plan(plan, plan.read_data(record, context), context)
                     if planned is None:
                         return None
                     if len(self._memo) >= _MEMO_LIMIT:
                         self._memo.clear()
                     self._memo[key] = planned
             else:
-                planned = self._evaluate_plan(plan, inputs, context)
+                planned = self._evaluate_plan(plan, plan.read_data(record, context), context)
                 if planned is None:
                     return None
-            values, hits, per_backend = planned
-            for index, hit in zip(plan.conditions, hits, strict=True):
-                conditions[index] = hit
+            values, held, per_backend = planned
+            fired += held
             if plan.routing:
                 routing = per_backend
-            for name in plan.variable_names:
-                inputs[f"variables.{name}"] = values[name]
-        return conditions, routing
+            if values:
+                variables.append((plan.variable_keys, values))
+        if len(self._plans) > 1:
+            fired.sort()
+        return fired, routing if routing is not None else [[] for _ in context.backends], variables
 
     def _backends_key(self, backends: tuple[BackendFacts, ...]) -> tuple[Any, ...]:
         """The backends' part of the memo key. A route's backend facts are one tuple built once
@@ -426,10 +502,10 @@ class PolicySnapshot:
         self._backend_keys[id(backends)] = (backends, key)
         return key
 
-    def _evaluate_plan(self, plan: Plan, inputs: dict[str, Any], context: PolicyContext) -> _Planned | None:
-        """One plan's variables, conditions and routing conditions; ``None`` if it erred or
-        returned something malformed (a dyn-typed condition could yield anything)."""
-        data = {path: inputs[path] for path in plan.reads}
+    def _evaluate_plan(self, plan: Plan, data: dict[str, Any], context: PolicyContext) -> _Planned | None:
+        """One plan's variables (in ``plan.variable_names`` order), the places of its conditions
+        that held and its routing conditions, from ``data`` (its ``reads``); ``None`` if it erred
+        or returned something malformed (a dyn-typed condition could yield anything)."""
         if plan.routing:
             readers = self._plan_backend_readers
             data[BACKENDS_VARIABLE] = [{key: read(b) for key, read in readers} for b in context.backends]
@@ -442,17 +518,19 @@ class PolicySnapshot:
         values, conditions, routing = out
         if not isinstance(values, dict) or not _bools(conditions, len(plan.conditions)):
             return None
-        if any(name not in values for name in plan.variable_names):
+        if not values.keys() >= plan.variable_set:
             return None
+        variables = tuple(map(values.__getitem__, plan.variable_names))
+        held = tuple(compress(plan.conditions, conditions))  # the places of those that held
         if not plan.routing:
-            return (values, conditions, []) if routing == [] else None
+            return (variables, held, []) if routing == [] else None
         if not isinstance(routing, list) or len(routing) != len(context.backends):
             return None
-        width = len(self._stages[Stage.ROUTING])
+        width = len(self._routing_rules)
         for per_backend in routing:
             if not _bools(per_backend, width):
                 return None
-        return values, conditions, routing
+        return variables, held, routing
 
     def _run(
         self,
@@ -462,23 +540,32 @@ class PolicySnapshot:
         timer: Callable[[], int] | None,
     ) -> PolicyResult:
         started = timer() if timer is not None else 0
-        inputs: dict[str, Any] = {path: read(record, context) for path, read in self._readers}
+        inputs: dict[str, Any] = {}
 
-        conditions: list[bool] | None = None
+        fired_conditions: list[int] | None = None  # with the plans: the main rules that fired
         routing_conditions: list[list[bool]] | None = None
         variable_errors: dict[str, str] = {}
         if trace is None and self._plans:
-            planned = self._run_plans(inputs, context)
+            planned = self._run_plans(record, context)
             if planned is not None:
-                conditions, routing_conditions = planned
-        if conditions is None:
+                fired_conditions, routing_conditions, variables = planned
+                settled = self._settled(fired_conditions)
+                if settled is not None:
+                    return self._settled_result(settled, context, routing_conditions, started, timer)
+                for names, values in variables:  # a fired rule's message or limit may read them
+                    inputs.update(zip(names, values, strict=True))
+        if fired_conditions is None:
+            inputs.update(self._read_early(record, context))
             self._variables_one_by_one(inputs, variable_errors, trace)
-        late = self._late_readers
+            late = self._read_late
+        else:
+            # The plans read their own inputs: the fields conditions and variables read are read
+            # here only when a fired rule's message, retry-after or limit needs them.
+            late = self._read_all
 
         def complete() -> None:
-            if late and late[0][0] not in inputs:
-                for path, read in late:
-                    inputs[path] = read(record, context)
+            if late is not None and late[0] not in inputs:
+                inputs.update(late[1](record, context))
 
         if trace is not None:
             complete()  # explain shows every value a rule reads
@@ -497,7 +584,7 @@ class PolicySnapshot:
         # With the plan's results only the rules that fired need any work: a rule whose
         # condition is false (and did not err) has no effect. Without them, every rule.
         rules = self._main_rules
-        order = range(len(rules)) if conditions is None else [i for i, hit in enumerate(conditions) if hit]
+        order = range(len(rules)) if fired_conditions is None else fired_conditions
         for index in order:
             rule = rules[index]
             if denial is not None:
@@ -507,7 +594,7 @@ class PolicySnapshot:
             stage = rule.stage
             error = ""
             fired = True
-            if conditions is None:
+            if fired_conditions is None:
                 try:
                     fired = _condition(rule, bindings.full(), variable_errors)
                 except EvaluationError as exc:
@@ -579,7 +666,7 @@ class PolicySnapshot:
 
         excluded: list[str] = []
         if denial is None:
-            if self._stages[Stage.ROUTING]:
+            if self._routing_rules:
                 self._routing(
                     context,
                     inputs,
@@ -592,7 +679,7 @@ class PolicySnapshot:
                     trace,
                 )
         elif trace is not None:
-            trace.rules.extend(_skipped(rule, denial.rule) for rule in self._stages[Stage.ROUTING])
+            trace.rules.extend(_skipped(rule, denial.rule) for rule in self._routing_rules)
 
         eval_us = (timer() - started) / 1000.0 if timer is not None else 0.0
         if denial is not None:
@@ -623,6 +710,48 @@ class PolicySnapshot:
             fail_open=tuple(fail_open),
             errors=tuple(errors),
             eval_us=eval_us,
+        )
+
+    def _settled(self, fired: list[int]) -> _Settled | None:
+        """``_settle`` for the main rules at ``fired``, memoised (the rules never change)."""
+        key = tuple(fired)
+        try:
+            return self._settled_memo[key]
+        except KeyError:
+            pass
+        settled = _settle([self._main_rules[index] for index in key])
+        if len(self._settled_memo) >= _MEMO_LIMIT:
+            self._settled_memo.clear()
+        self._settled_memo[key] = settled
+        return settled
+
+    def _settled_result(
+        self,
+        settled: _Settled,
+        context: PolicyContext,
+        routing_conditions: list[list[bool]],
+        started: int,
+        timer: Callable[[], int] | None,
+    ) -> PolicyResult:
+        """``_run``'s result where the plans decided and the main rules settled (no denial, no
+        limit, no error): only the routing rules that held are acted on, as ``_run`` does."""
+        rules_fired = settled.rules_fired
+        shadow_fired = settled.shadow_fired
+        excluded: list[str] = []
+        if self._routing_rules and any(True in hits for hits in routing_conditions):
+            fired, shadows = list(rules_fired), list(shadow_fired)
+            self._routing(context, {}, {}, routing_conditions, fired, shadows, [], excluded, None)
+            rules_fired, shadow_fired = tuple(fired), tuple(shadows)
+        return PolicyResult(
+            policy_version=self._version,
+            allowed=True,
+            rules_fired=rules_fired,
+            shadow_fired=shadow_fired,
+            fallback_eligible=settled.fallback_eligible,
+            excluded_backends=tuple(excluded),
+            max_output_tokens=None,
+            annotations=settled.annotations,
+            eval_us=(timer() - started) / 1000.0 if timer is not None else 0.0,
         )
 
     def _variables_one_by_one(
@@ -676,8 +805,8 @@ class PolicySnapshot:
         trace: _Trace | None,
     ) -> None:
         engine = self._engine
-        rules = self._stages[Stage.ROUTING]
-        base = {key: inputs[key] for key in self._routing_keys if key in inputs}
+        rules = self._routing_rules
+        base = {key: inputs[key] for key in self._routing_keys if key in inputs} if planned is None else {}
         for number, backend in enumerate(context.backends):
             backend_inputs: dict[str, Any] = {}
             bindings: Any = None
@@ -687,6 +816,8 @@ class PolicySnapshot:
                     backend_inputs[path] = read(backend)
                 bindings = engine.bind(backend_inputs)
                 order: Sequence[int] = range(len(rules))
+            elif True not in planned[number]:
+                continue  # no routing condition held for this backend: nothing to do
             else:
                 order = [i for i, hit in enumerate(planned[number]) if hit]
             exclude = False
@@ -724,11 +855,14 @@ class PolicySnapshot:
                 excluded.append(backend.name)
 
 
+_BOOL = {bool}
+
+
 def _bools(values: Any, width: int) -> bool:
     """A list of exactly ``width`` bools (a dyn-typed condition could yield anything)."""
     if not isinstance(values, list) or len(values) != width:
         return False
-    return not values or set(map(type, values)) == {bool}
+    return not values or set(map(type, values)) == _BOOL
 
 
 def _condition(rule: Rule, bindings: Any, variable_errors: Mapping[str, str]) -> bool:
