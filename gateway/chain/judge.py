@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import msgspec
+
 from gateway.auth import Tenant
 from gateway.config import RouteConfig, RouteTable
 from gateway.core.admission import Candidate
@@ -122,12 +124,12 @@ class Judge:
     @staticmethod
     def shed(context: PolicyContext) -> PolicyContext:
         """The same context with the request marked as part of its flow's shed excess."""
-        return dataclasses.replace(context, load=dataclasses.replace(context.load, shed=True))
+        return msgspec.structs.replace(context, load=msgspec.structs.replace(context.load, shed=True))
 
     @staticmethod
     def on_pool(context: PolicyContext, load: PoolLoad, *, shed: bool) -> PolicyContext:
         """The same context judged on another pool's load (the fallback's own)."""
-        return dataclasses.replace(context, load=load_facts(load, shed=shed, reduce_output=False))
+        return msgspec.structs.replace(context, load=load_facts(load, shed=shed, reduce_output=False))
 
     def route_facts(self, route: RouteConfig, cell: str) -> ConfiguredRoute:
         """What ``context`` reads from configuration alone for ``route`` in ``cell``, derived

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, cast
 
+import msgspec
+
 from gateway.core.entitlement import may_call
 from gateway.core.record import RequestRecord
 
@@ -85,8 +87,7 @@ class QualityEvidence:
     reduced_output_evidence: str = "missing"
 
 
-@dataclass(frozen=True, slots=True)
-class TenantFacts:
+class TenantFacts(msgspec.Struct, frozen=True, gc=False):
     """The tenant's entitlements and quota state, as of this decision."""
 
     name: str
@@ -117,8 +118,7 @@ class RouteFacts:
     reduced_output_tokens: int = 0  # output cap the route has quality evidence for (0: none)
 
 
-@dataclass(frozen=True, slots=True)
-class LoadFacts:
+class LoadFacts(msgspec.Struct, frozen=True, gc=False):
     """Live load evidence (the ladder step itself is on the record)."""
 
     utilization: float = 0.0  # offered demand / protected capacity
@@ -136,8 +136,7 @@ class BackendFacts:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyContext:
+class PolicyContext(msgspec.Struct, frozen=True):
     """Everything policy reads that is not on the ``RequestRecord``."""
 
     tenant: TenantFacts
