@@ -203,6 +203,7 @@ class _Work:
     tokens_sent: int = 0
     devices: tuple[int, ...] | None = None  # the unit its request names (parameter ``devices``)
     cached: int = 0  # prompt tokens its model's prefix cache served (looked up when its batch starts)
+    input_sum: int | None = None  # the sum of its input ids (``_work_sum``), once needed
 
     @property
     def solo_ms(self) -> float:
@@ -686,12 +687,17 @@ class MemoryBackend:
         if not model.ready:  # loading, warming or unloaded: Triton's "unavailable model"
             raise Unavailable(f"model {logical!r} is not ready on its backend")
         spec = model.spec
-        tensor = next((t for t in request.inputs if t.name == spec.input_name), None)
-        if tensor is None or not tensor.shape:
+        input_name = spec.input_name
+        shape = None  # the first tensor named input_name's
+        for tensor in request.inputs:
+            if tensor.name == input_name:
+                shape = tensor.shape
+                break
+        if not shape:
             raise InvalidArgument(
                 f"model {logical!r} rejected the request: input {spec.input_name} is required"
             )
-        rows = int(tensor.shape[0]) if spec.max_batch_size > 0 and len(tensor.shape) > 1 else 1
+        rows = int(shape[0]) if spec.max_batch_size > 0 and len(shape) > 1 else 1
         output_tokens = spec.default_max_output_tokens
         param = request.parameters.get(spec.output_limit_parameter) if spec.output_limit_parameter else None
         if param is not None:
@@ -703,13 +709,13 @@ class MemoryBackend:
                     f"{spec.output_limit_parameter} must be a positive integer"
                 )
             output_tokens = int(value)
-        devices = self._named_devices(request, model, logical)
+        devices = self._named_devices(request, model, logical) if self._shared is not None else None
         work = _Work(
             model=model,
             request=request,
             logical=logical,
             rows=max(1, rows),
-            input_tokens=int(tensor.shape[-1]),
+            input_tokens=int(shape[-1]),
             output_tokens=output_tokens,
             arrived=clock.now(),
             deliver=deliver,
@@ -921,9 +927,11 @@ class MemoryBackend:
         pool.running.pop(batch, None)
         batch.timer = None
         duration_s = batch.end - batch.started
-        total_solo = sum(w.solo_ms for w in batch.members) or 1.0
+        solos = [w.solo_ms for w in batch.members]  # each member's, read once
+        total_solo = sum(solos) or 1.0
+        held = len(batch.devices) or 1  # a unit's execution holds all its devices
         answered_rows = 0
-        for work in batch.members:
+        for work, solo_ms in zip(batch.members, solos, strict=True):
             answered = not work.cancelled
             if answered:
                 answered_rows += work.rows
@@ -932,8 +940,7 @@ class MemoryBackend:
                 model.queue_ns += int((batch.started - work.arrived) * NS_PER_S)
                 model.compute_ns += int(duration_s * NS_PER_S)
                 self._complete(work)
-            held = len(batch.devices) or 1  # a unit's execution holds all its devices
-            self._report(work, batch, duration_s * 1000.0 * work.solo_ms / total_solo * held, answered)
+            self._report(work, batch, duration_s * 1000.0 * solo_ms / total_solo * held, answered)
         model.inferences += answered_rows
         model.executions += 1
         self._release(batch, pool)
@@ -974,7 +981,7 @@ class MemoryBackend:
         if spec.decoupled:
             work.deliver(work, response, None)  # the empty final response
             return
-        tokens = _output_bytes(_input_sum(work.request, spec.input_name), work.output_tokens)
+        tokens = _output_bytes(_work_sum(work), work.output_tokens)
         output = response.outputs.add(name=spec.output_name, datatype="INT32")
         if spec.max_batch_size > 0:
             output.shape.extend([work.rows, work.output_tokens])
@@ -1065,10 +1072,30 @@ def _input_sum(request: service_pb2.ModelInferRequest, input_name: str) -> int:
         if tensor.name != input_name:
             continue
         if index < len(request.raw_input_contents):
-            total = int(np.frombuffer(request.raw_input_contents[index], dtype=np.int32).sum(dtype=np.int64))
+            total = _raw_sum(request.raw_input_contents[index])
         else:
             total = int(sum(tensor.contents.int_contents))
     return total
+
+
+_INT32 = np.dtype(np.int32)
+_INT64 = np.dtype(np.int64)
+_add_reduce = np.add.reduce
+
+
+def _raw_sum(raw: bytes) -> int:
+    """The sum of raw INT32 ids: ``np.frombuffer(raw, np.int32).sum(dtype=np.int64)``, called
+    as the reduce that is, with its dtypes made once (half its fixed cost); integer sums are
+    exact in any order. (Not memoised: hashing a long prompt costs more than summing it.)"""
+    return int(_add_reduce(np.frombuffer(raw, _INT32), dtype=_INT64))
+
+
+def _work_sum(work: _Work) -> int:
+    """``_input_sum`` of the work's request, read once per request (a stream's every token
+    derives from it)."""
+    if work.input_sum is None:
+        work.input_sum = _input_sum(work.request, work.model.spec.input_name)
+    return work.input_sum
 
 
 def _scope(request: service_pb2.ModelInferRequest) -> str:
@@ -1090,6 +1117,15 @@ def _tokens(seed: int, count: int) -> npt.NDArray[np.int32]:
     steps = np.arange(count, dtype=np.int64)
     tokens: npt.NDArray[np.int32] = ((seed + 7919 * steps + 17) % VOCAB).astype(np.int32)
     return tokens
+
+
+def _last_token_bytes(seed: int, count: int) -> bytes:
+    """``_tokens(seed, count)[-1:].tobytes()`` without the row before it (a stream's token
+    ``count``): token ``i`` is ``(seed + 7919 i + 17) mod VOCAB``, below VOCAB, so Python's
+    int arithmetic gives numpy's int64 value (0 <= seed < VOCAB) and int32 holds it."""
+    if count < 1:
+        return b""
+    return np.int32((seed + 7919 * (count - 1) + 17) % VOCAB).tobytes()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1146,12 +1182,12 @@ class _MemoryStream:
 
     def _token(self, work: _Work, index: int) -> None:
         spec = work.model.spec
-        tokens = _output_tokens(work.request, spec.input_name, index)
+        token = _last_token_bytes(_work_sum(work) % VOCAB, index)  # _output_tokens(...)[-1:]
         response = service_pb2.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=work.request.id
         )
         response.outputs.add(name=spec.output_name, datatype="INT32", shape=[1])
-        response.raw_output_contents.append(tokens[-1:].tobytes())
+        response.raw_output_contents.append(token)
         response.parameters["triton_final_response"].bool_param = False
         if spec.prefix_cache is not None:
             response.parameters[CACHED_TOKENS_PARAMETER].int64_param = work.cached
