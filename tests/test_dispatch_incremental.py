@@ -93,6 +93,89 @@ step = st.one_of(
 )
 
 
+class Trace:
+    """A random trace run on pools sharing one device set (``step``'s actions: ``request``,
+    ``advance``, ``release`` at a slot's predicted end times ``1 + overrun`` or, overrun None,
+    now, ``withdraw``, ``expire``, ``shadow`` (a slot bound straight into the set, as a shadow
+    candidate's is) and ``remote`` (other replicas' work on the devices)), with the slots and
+    waiters so far; tests/test_perf_dispatch.py drives it too."""
+
+    def __init__(self, device_set: DeviceSet, queues: list[DispatchQueue]) -> None:
+        self.device_set = device_set
+        self.queues = queues
+        self.now = 100.0
+        self.slots: list[Slot] = []
+        self.waiters: list[tuple[Waiter, DispatchQueue]] = []
+
+    def collect(self) -> None:
+        for changed in self.device_set.take_changes():
+            if changed.slot is not None:
+                self.slots.append(changed.slot)
+
+    def step(self, action: tuple[object, ...]) -> None:
+        kind: Any = action[0]
+        now = self.now
+        if kind == "request":
+            _, flow, cost_ms, lead, long, shape, pool, live = cast(tuple[Any, ...], action)
+            queue = self.queues[pool % len(self.queues)]
+            request_class, tenant = TENANTS[flow]
+            try:
+                got = queue.request(
+                    now,
+                    latest_start=now + lead,
+                    cost_ms=cost_ms,
+                    request_class=request_class,
+                    tenant=tenant,
+                    weight=1.0 + flow,
+                    long=long,
+                    batch=SHAPES[shape] if shape >= 0 else None,
+                    live_bytes=live,
+                )
+            except GatewayError:
+                got = None
+            if isinstance(got, Slot):
+                self.slots.append(got)
+            elif isinstance(got, Waiter):
+                self.waiters.append((got, queue))
+            self.collect()
+        elif kind == "advance":
+            self.now = now + cast(float, action[1])
+        elif kind == "release":
+            live_slots = [s for s in self.slots if not s.released]
+            if live_slots:
+                slot = live_slots[cast(int, action[1]) % len(live_slots)]
+                overrun = action[2]
+                if overrun is not None:
+                    # Released early (-1), as predicted (0) or overrunning its prediction (1, 2
+                    # more runs): the clock moves on to then if that is later.
+                    end = slot.predicted_start + slot.run_ms / 1000.0 * (1.0 + cast(float, overrun))
+                    self.now = now = max(now, end)
+                slot.release(now)
+                self.collect()
+        elif kind == "withdraw":
+            live_waiters = [(w, q) for w, q in self.waiters if w.live]
+            if live_waiters:
+                waiter, queue = live_waiters[cast(int, action[1]) % len(live_waiters)]
+                granted = queue.withdraw(waiter, now)
+                if granted is not None:
+                    granted.release(now)
+                self.collect()
+        elif kind == "expire":  # the driver withdraws every waiter whose latest start passed
+            for waiter, queue in self.waiters:
+                if waiter.live and waiter.latest_start < now:
+                    queue.withdraw(waiter, now)
+            self.collect()
+        elif kind == "shadow":  # a shadow candidate's slot, bound straight into the set
+            bound = self.device_set.bound
+            if len(bound) < self.device_set.devices:
+                shadow = Slot(self.queues[0], cast(float, action[1]), now, now)
+                bound[shadow] = None
+                self.slots.append(shadow)
+        else:  # other replicas' work on the devices (a fleet's exchange)
+            offsets = cast(tuple[float, ...], action[1])
+            self.device_set.remote_ends = {"other": tuple(now + o for o in offsets)} if offsets else {}
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     devices=st.integers(1, 4),
@@ -130,68 +213,10 @@ def test_kept_schedule_equals_the_resimulated_one(
     ]
     for queue in queues:
         queue.batch_profile, queue.co_batch_max = PROFILE, co_batch
-    now = 100.0
-    slots: list[Slot] = []
-    waiters: list[tuple[Waiter, DispatchQueue]] = []
-
-    def collect() -> None:
-        for changed in device_set.take_changes():
-            if changed.slot is not None:
-                slots.append(changed.slot)
-
+    trace = Trace(device_set, queues)
     for action in steps:
-        kind: Any = action[0]
-        if kind == "request":
-            _, flow, cost_ms, lead, long, shape, pool, live = cast(tuple[Any, ...], action)
-            queue = queues[pool % len(queues)]
-            request_class, tenant = TENANTS[flow]
-            try:
-                got = queue.request(
-                    now,
-                    latest_start=now + lead,
-                    cost_ms=cost_ms,
-                    request_class=request_class,
-                    tenant=tenant,
-                    weight=1.0 + flow,
-                    long=long,
-                    batch=SHAPES[shape] if shape >= 0 else None,
-                    live_bytes=live,
-                )
-            except GatewayError:
-                got = None
-            if isinstance(got, Slot):
-                slots.append(got)
-            elif isinstance(got, Waiter):
-                waiters.append((got, queue))
-            collect()
-        elif kind == "advance":
-            now += cast(float, action[1])
-        elif kind == "release":
-            live_slots = [s for s in slots if not s.released]
-            if live_slots:
-                slot = live_slots[cast(int, action[1]) % len(live_slots)]
-                # Released early (-1), as predicted (0) or overrunning its prediction (1, 2 more
-                # runs): the clock moves on to then if that is later.
-                end = slot.predicted_start + slot.run_ms / 1000.0 * (1.0 + cast(float, action[2]))
-                now = max(now, end)
-                slot.release(now)
-                collect()
-        elif kind == "withdraw":
-            live_waiters = [(w, q) for w, q in waiters if w.live]
-            if live_waiters:
-                waiter, queue = live_waiters[cast(int, action[1]) % len(live_waiters)]
-                granted = queue.withdraw(waiter, now)
-                if granted is not None:
-                    granted.release(now)
-                collect()
-        elif kind == "expire":  # the driver withdraws every waiter whose latest start passed
-            for waiter, queue in waiters:
-                if waiter.live and waiter.latest_start < now:
-                    queue.withdraw(waiter, now)
-            collect()
-        else:  # other replicas' work on the devices (a fleet's exchange)
-            offsets = cast(tuple[float, ...], action[1])
-            device_set.remote_ends = {"other": tuple(now + o for o in offsets)} if offsets else {}
+        trace.step(action)
+        now = trace.now
         # At every step: the kept schedule's free times are the re-simulated ones, and every
         # answer built on them is the same as with everything re-simulated.
         assert sorted(device_set.free_times(now)) == simulated(device_set, now)

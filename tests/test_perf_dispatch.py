@@ -14,15 +14,13 @@ sum written as before.
 from __future__ import annotations
 
 import math
-from typing import Any, cast
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.core.dispatch import DeviceSet, DispatchQueue, Slot, Waiter, _Bound
-from gateway.core.errors import GatewayError
+from gateway.core.dispatch import DeviceSet, DispatchQueue, _Bound
 from gateway.core.memory import DeviceMemory
-from tests.test_dispatch_incremental import PROFILE, SHAPES, TENANTS, answers, reference, request
+from tests.test_dispatch_incremental import PROFILE, Trace, answers, reference, request
 
 
 def reread(bound: _Bound) -> tuple[list[tuple[float, float]], float, int]:
@@ -84,73 +82,10 @@ def test_kept_figures_equal_the_slots_read_again(
         queue.batch_profile, queue.co_batch_max = PROFILE, co_batch
     bound = device_set.bound
     assert isinstance(bound, _Bound)
-    now = 100.0
-    slots: list[Slot] = []
-    waiters: list[tuple[Waiter, DispatchQueue]] = []
-
-    def collect() -> None:
-        for changed in device_set.take_changes():
-            if changed.slot is not None:
-                slots.append(changed.slot)
-
+    trace = Trace(device_set, queues)
     for action in steps:
-        kind: Any = action[0]
-        if kind == "request":
-            _, flow, cost_ms, lead, long, shape, pool, live = cast(tuple[Any, ...], action)
-            queue = queues[pool % len(queues)]
-            request_class, tenant = TENANTS[flow]
-            try:
-                got = queue.request(
-                    now,
-                    latest_start=now + lead,
-                    cost_ms=cost_ms,
-                    request_class=request_class,
-                    tenant=tenant,
-                    weight=1.0 + flow,
-                    long=long,
-                    batch=SHAPES[shape] if shape >= 0 else None,
-                    live_bytes=live,
-                )
-            except GatewayError:
-                got = None
-            if isinstance(got, Slot):
-                slots.append(got)
-            elif isinstance(got, Waiter):
-                waiters.append((got, queue))
-            collect()
-        elif kind == "advance":
-            now += cast(float, action[1])
-        elif kind == "release":
-            live_slots = [s for s in slots if not s.released]
-            if live_slots:
-                slot = live_slots[cast(int, action[1]) % len(live_slots)]
-                overrun = action[2]
-                if overrun is not None:
-                    end = slot.predicted_start + slot.run_ms / 1000.0 * (1.0 + cast(float, overrun))
-                    now = max(now, end)
-                slot.release(now)
-                collect()
-        elif kind == "withdraw":
-            live_waiters = [(w, q) for w, q in waiters if w.live]
-            if live_waiters:
-                waiter, queue = live_waiters[cast(int, action[1]) % len(live_waiters)]
-                granted = queue.withdraw(waiter, now)
-                if granted is not None:
-                    granted.release(now)
-                collect()
-        elif kind == "expire":
-            for waiter, queue in waiters:
-                if waiter.live and waiter.latest_start < now:
-                    queue.withdraw(waiter, now)
-            collect()
-        elif kind == "shadow":  # a shadow candidate's slot, bound straight into the set
-            if len(bound) < devices:
-                shadow = Slot(queues[0], cast(float, action[1]), now, now)
-                bound[shadow] = None
-                slots.append(shadow)
-        else:
-            offsets = cast(tuple[float, ...], action[1])
-            device_set.remote_ends = {"other": tuple(now + o for o in offsets)} if offsets else {}
+        trace.step(action)
+        now = trace.now
         occupancy, latest, longs = reread(bound)
         assert list(bound.occupancy().values()) == occupancy
         assert bound.latest() == latest
