@@ -93,6 +93,29 @@ step = st.one_of(
 )
 
 
+def pools_on(
+    devices: int, per_device: int, co_batch: int, pools: int, short_lane: int, memory: bool, reserved: int = 0
+) -> tuple[DeviceSet, list[DispatchQueue]]:
+    """``pools`` pools sharing one device set (the first with ``reserved`` control slots)."""
+    device_set = DeviceSet(
+        devices, short_lane=short_lane, memory=DeviceMemory(device_bytes=10) if memory else None
+    )
+    queues = [
+        DispatchQueue(
+            f"p{i}",
+            devices=devices,
+            slots=devices * per_device,
+            max_queued=8,
+            reserved_control=reserved if i == 0 else 0,
+            device_set=device_set,
+        )
+        for i in range(pools)
+    ]
+    for queue in queues:
+        queue.batch_profile, queue.co_batch_max = PROFILE, co_batch
+    return device_set, queues
+
+
 class Trace:
     """A random trace run on pools sharing one device set (``step``'s actions: ``request``,
     ``advance``, ``release`` at a slot's predicted end times ``1 + overrun`` or, overrun None,
@@ -197,22 +220,7 @@ def test_kept_schedule_equals_the_resimulated_one(
     memory: bool,
     steps: list[tuple[object, ...]],
 ) -> None:
-    device_set = DeviceSet(
-        devices, short_lane=short_lane, memory=DeviceMemory(device_bytes=10) if memory else None
-    )
-    queues = [
-        DispatchQueue(
-            f"p{i}",
-            devices=devices,
-            slots=devices * per_device,
-            max_queued=8,
-            reserved_control=reserved if i == 0 else 0,
-            device_set=device_set,
-        )
-        for i in range(pools)
-    ]
-    for queue in queues:
-        queue.batch_profile, queue.co_batch_max = PROFILE, co_batch
+    device_set, queues = pools_on(devices, per_device, co_batch, pools, short_lane, memory, reserved)
     trace = Trace(device_set, queues)
     for action in steps:
         trace.step(action)

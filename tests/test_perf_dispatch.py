@@ -18,9 +18,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.core.dispatch import DeviceSet, DispatchQueue, _Bound
-from gateway.core.memory import DeviceMemory
-from tests.test_dispatch_incremental import PROFILE, Trace, answers, reference, request
+from gateway.core.dispatch import DispatchQueue, _Bound
+from tests.test_dispatch_incremental import Trace, answers, pools_on, reference, request
 
 
 def reread(bound: _Bound) -> tuple[list[tuple[float, float]], float, int]:
@@ -69,17 +68,7 @@ def test_kept_figures_equal_the_slots_read_again(
     memory: bool,
     steps: list[tuple[object, ...]],
 ) -> None:
-    device_set = DeviceSet(
-        devices, short_lane=short_lane, memory=DeviceMemory(device_bytes=10) if memory else None
-    )
-    queues = [
-        DispatchQueue(
-            f"p{i}", devices=devices, slots=devices * per_device, max_queued=8, device_set=device_set
-        )
-        for i in range(pools)
-    ]
-    for queue in queues:
-        queue.batch_profile, queue.co_batch_max = PROFILE, co_batch
+    device_set, queues = pools_on(devices, per_device, co_batch, pools, short_lane, memory)
     bound = device_set.bound
     assert isinstance(bound, _Bound)
     trace = Trace(device_set, queues)
