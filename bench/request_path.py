@@ -5,8 +5,7 @@ What it measures
     settle, provenance, and the listeners the server attaches: Prometheus metrics, the decision
     log and the status board) called in-process, N requests, 8 at a time, against
     ``MemoryBackend`` at time factor 0 (every execution returns at once), on the example
-    stack's config, tenants, routes and policies, with the start-up heap frozen as the
-    server freezes it once it listens (``gateway.server.freeze_startup_heap``). The same request ``bench/overhead.py``
+    stack's config, tenants, routes and policies. The same request ``bench/overhead.py``
     replays (``full-v18``, ``INPUT_IDS`` ``[1, 256]``, ``orchid.max_output_tokens=1``,
     tenant orchid). It prints process CPU-µs per request (``time.process_time``), and with
     ``--profile`` the top functions by own time (cProfile, which roughly doubles the cost).
@@ -52,7 +51,7 @@ from gateway.config import hash_api_key, load_gateway_config
 from gateway.exchange import CallContext
 from gateway.pipeline import Gateway
 from gateway.policy.decision_log import DecisionLog
-from gateway.server import assemble_gateway, freeze_startup_heap, load_configuration, load_policies
+from gateway.server import assemble_gateway, load_configuration, load_policies
 from gateway.statusboard import StatusBoard
 from gateway.telemetry import ListenerGroup, Telemetry
 from orchid_tools.harness import memory_example
@@ -176,7 +175,6 @@ async def build() -> tuple[Gateway, bytes, tuple[tuple[str, str | bytes], ...]]:
     )
     telemetry.bind(gateway)
     board.bind(gateway)
-    freeze_startup_heap()  # as ``orchid-gateway serve`` does once it listens
     request = service_pb2.ModelInferRequest(model_name="full-v18")
     request.inputs.add(name="INPUT_IDS", datatype="INT32", shape=[1, 256])
     request.raw_input_contents.append(np.arange(256, dtype=np.int32).tobytes())

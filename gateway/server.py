@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -463,16 +462,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
-def freeze_startup_heap() -> None:
-    """Take what start-up built (configuration, tenants, compiled policies, pools, telemetry)
-    out of the cyclic garbage collector's view (``gc.freeze``, after one full collection): it
-    lives as long as the process, and every collection would otherwise traverse it again. Called
-    once the server listens (``orchid-gateway serve``); ``bench/request_path.py`` does the same
-    after building its gateway. ~4 % of the request path's CPU (docs/benchmarks.md)."""
-    gc.collect()
-    gc.freeze()
-
-
 async def _serve(server: GatewayServer) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -480,7 +469,6 @@ async def _serve(server: GatewayServer) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
-        freeze_startup_heap()
         print(f"orchid-gateway ready on {server.address}", flush=True)
         await stop.wait()
         log.info("shutting down: draining in-flight work (up to %ss)", server.config.limits.drain_timeout_s)
