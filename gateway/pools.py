@@ -271,10 +271,7 @@ class PoolRegistry:
         never feeds a degrading pool more demand), then the least work still to run on the
         pool's device set (``core.placement.best_placement``: that sum over the work in flight
         only where the first two terms tie). Nothing is predicted when there is no choice."""
-        pools = await self._healthy(route, cell, logical, exclude)
-        if len(pools) == 1:
-            return pools[0]
-        return self._least(pools, clock.now())
+        return self._least(await self._healthy(route, cell, logical, exclude), clock.now())
 
     async def place_prompt(
         self,
@@ -295,7 +292,7 @@ class PoolRegistry:
         pools = await self._healthy(route, cell, logical, exclude)
         spec = pools[0][1].prefix_cache
         if spec is None:
-            return (pools[0] if len(pools) == 1 else self._least(pools, clock.now())), None
+            return self._least(pools, clock.now()), None
         query = self.prefix.query(
             request,
             route.shape.tokens_input,
@@ -310,7 +307,7 @@ class PoolRegistry:
         profile = self.routes.profiles.get(route.profile)
         per_token = profile.prefill_ms_per_token if profile is not None else 0.0
         if affinity is None or len(pools) == 1 or not query.keys:
-            chosen = pools[0] if len(pools) == 1 else self._least(pools, now)
+            chosen = self._least(pools, now)
             spilled, extra_wait_ms = False, 0.0
         else:  # each pool's predicted wait once: the load ranking and the bound both read it
             waits = {pool[2].name: pool[2].predicted_wait_ms(now) for pool in pools}
@@ -362,8 +359,11 @@ class PoolRegistry:
         return pools
 
     def _least(self, pools: list[Pool], now: float, waits: dict[str, float] | None = None) -> Pool:
-        """The load ranking's pick (``core.placement``) among several pools (``waits``: their
-        predicted waits by queue name, when the caller has them already)."""
+        """The load ranking's pick (``core.placement``) among ``pools`` (``waits``: their
+        predicted waits by queue name, when the caller has them already); the only pool when
+        there is no choice, with nothing predicted."""
+        if len(pools) == 1:
+            return pools[0]
 
         def head(pool: Pool) -> tuple[float, float]:
             queue = pool[2]
@@ -374,33 +374,28 @@ class PoolRegistry:
 
         def device_work(pool: Pool) -> float:
             queue = pool[2]
-            return device_work_term(queue.device_set.remaining_ms(now), queue.devices)
+            work = sum(q.inflight_remaining_ms(now) for q in queue.device_set.queues)
+            return device_work_term(work, queue.devices)
 
         chosen = best_placement(pools, head, device_work)
         assert chosen is not None  # pools is not empty
         return chosen
 
-    async def warm(
-        self, route: RouteConfig, cell: str, logical: str, *, exclude: Iterable[str] = ()
-    ) -> Pool | None:
-        """The route's pool in ``cell`` only if it is warm right now (a fallback never cold-loads)."""
-        pools = await self.healthy(route, cell, logical, exclude=exclude)
-        return self.warm_pick(route, pools) if pools is not None else None
-
     async def healthy(
         self, route: RouteConfig, cell: str, logical: str, *, exclude: Iterable[str] = ()
     ) -> list[Pool] | None:
         """The route's healthy pools in ``cell`` less ``exclude`` (None: none), their queues
-        created on first use: the first half of ``warm``, for a caller that picks among them
-        only if it needs a pool (``warm_pick``)."""
+        created on first use, for a caller that picks among them only if it needs a pool
+        (``warm_pick``)."""
         try:
             return await self._healthy(route, cell, logical, exclude)
         except Unavailable:
             return None
 
     def warm_pick(self, route: RouteConfig, pools: list[Pool]) -> Pool | None:
-        """``place``'s pick among ``healthy``'s pools, only if it is warm right now."""
-        handle, spec, queue = pools[0] if len(pools) == 1 else self._least(pools, clock.now())
+        """``place``'s pick among ``healthy``'s pools, only if it is warm right now (a fallback
+        never cold-loads)."""
+        handle, spec, queue = self._least(pools, clock.now())
         return (handle, spec, queue) if handle.client.is_warm(route.backend_model) else None
 
     def load(self, queue: DispatchQueue, route: RouteConfig | None = None) -> PoolLoad:

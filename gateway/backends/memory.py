@@ -1106,13 +1106,6 @@ def _scope(request: service_pb2.ModelInferRequest) -> str:
     return str(param.string_param)
 
 
-def _output_tokens(
-    request: service_pb2.ModelInferRequest, input_name: str, count: int
-) -> npt.NDArray[np.int32]:
-    """The emulator's deterministic 'generated' tokens: derived from the sum of the input ids."""
-    return _tokens(_input_sum(request, input_name) % VOCAB, count)
-
-
 def _tokens(seed: int, count: int) -> npt.NDArray[np.int32]:
     steps = np.arange(count, dtype=np.int64)
     tokens: npt.NDArray[np.int32] = ((seed + 7919 * steps + 17) % VOCAB).astype(np.int32)
@@ -1134,7 +1127,8 @@ def _output_bytes_of(seed: int, count: int) -> bytes:
 
 
 def _output_bytes(total: int, count: int) -> bytes:
-    """``_output_tokens``' bytes, memoised by (sum mod VOCAB, count): a simulation's requests
+    """The emulator's deterministic 'generated' tokens (``_tokens`` seeded by the sum of the input
+    ids, ``total``) as bytes, memoised by (sum mod VOCAB, count): a simulation's requests
     repeat a few templates, so the same few token rows are generated again and again."""
     return _output_bytes_of(total % VOCAB, count)
 
@@ -1182,7 +1176,7 @@ class _MemoryStream:
 
     def _token(self, work: _Work, index: int) -> None:
         spec = work.model.spec
-        token = _last_token_bytes(_work_sum(work) % VOCAB, index)  # _output_tokens(...)[-1:]
+        token = _last_token_bytes(_work_sum(work) % VOCAB, index)  # _tokens(...)[-1:]
         response = service_pb2.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=work.request.id
         )

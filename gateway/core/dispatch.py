@@ -489,9 +489,6 @@ class DeviceSet:
         self._free_at: tuple[int, float, int] | None = None
         self._free_kept: list[float] = []
         self.queues: list[DispatchQueue] = []
-        # ``remaining_ms``' last answer and the (bound work's version, now, pools) it is for.
-        self._remaining_at: tuple[int, float, int] | None = None
-        self._remaining_ms = 0.0
         self.short_lane = short_lane  # devices long work never occupies (rule 7)
         # Further devices long work takes only when it could not start in time on its own
         # (rule 7's soft lane).
@@ -615,19 +612,6 @@ class DeviceSet:
             device.work.append(slot)
             heapq.heappush(free, (end, device.live_bytes, index))
         return devices
-
-    def remaining_ms(self, now: float) -> float:
-        """The work still to run on the set's devices: its pools' ``inflight_remaining_ms``
-        summed in pool order (placement's last key). Kept per (bound work's version, ``now``,
-        pools): a request's primary and fallback placements ask it of the same shared device
-        sets at one ``now``, and every change to the bound work takes a new version."""
-        bound = self.bound
-        key = (bound.version, now, len(self.queues)) if isinstance(bound, _Bound) else None
-        if key is not None and key == self._remaining_at:
-            return self._remaining_ms
-        remaining: float = sum(queue.inflight_remaining_ms(now) for queue in self.queues)
-        self._remaining_at, self._remaining_ms = key, remaining
-        return remaining
 
     def free_times(
         self, now: float, *, replan: bool = False, fleet: bool = False, queue: DispatchQueue | None = None
