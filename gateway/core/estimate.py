@@ -189,13 +189,8 @@ class Estimator:
         return math.pow(0.5, elapsed / self.half_life_s)
 
     def _entry_decay(self, entry: _Ewma | None, now: float) -> float:
-        """``entry``'s decay to ``now`` (1.0 for no entry: it is not read); ``_decay``, inlined."""
-        if entry is None:
-            return 1.0
-        elapsed = now - entry.updated_at
-        if not elapsed > 0.0:
-            return 1.0
-        return math.pow(0.5, elapsed / self.half_life_s)
+        """``entry``'s decay to ``now`` (1.0 for no entry: it is not read)."""
+        return 1.0 if entry is None else self._decay(entry.updated_at, now)
 
     def _weight(self, entry: _Ewma, now: float) -> float:
         return entry.weight * self._decay(entry.updated_at, now)
@@ -211,9 +206,7 @@ class Estimator:
         dominant once they have aged out."""
         if entry is None:
             return prior
-        weight = entry.weight * decay
-        if self._history_cap < weight:  # min(weight, cap), without the call (same operand)
-            weight = self._history_cap
+        weight = self._history(entry.weight * decay)
         return (entry.log_mean * weight + prior * _PRIOR_WEIGHT) / (weight + _PRIOR_WEIGHT)
 
     def _combined(
@@ -228,10 +221,10 @@ class Estimator:
             return self._aged(entry, decay)
         total, weights = 0.0, _PRIOR_WEIGHT
         if entry is not None:
-            weight = min(entry.weight * decay, self._history_cap)
+            weight = self._history(entry.weight * decay)
             total, weights = entry.log_mean * weight, weights + weight
         for log_mean, weight, at in fleet:
-            aged = min(weight * self._decay(at, now), self._history_cap)
+            aged = self._history(weight * self._decay(at, now))
             total, weights = total + log_mean * aged, weights + aged
         return total / weights
 

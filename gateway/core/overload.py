@@ -286,9 +286,7 @@ class DemandWindow:
     def add(self, now: float, accelerator_ms: float) -> None:
         if not (math.isfinite(accelerator_ms) and accelerator_ms >= 0.0):
             raise ValueError(f"accelerator_ms must be finite and at least 0 (got {accelerator_ms})")
-        if not math.isfinite(now):  # ``_bucket``'s, inline: every admitted request adds six samples
-            raise ValueError(f"now must be finite (got {now})")
-        bucket = math.floor(now / self._width_s)
+        bucket = self._bucket(now)
         self._added += 1
         slot = bucket % self.buckets
         held = self._epochs[slot]

@@ -429,9 +429,9 @@ class _Bucket:
         capacity = capacity_ms if capacity_ms is not None else DEFAULT_BURST_S * rate_ms_per_s
         return cls(rate_ms_per_s, capacity, capacity)
 
-    # ``level_at`` and ``refill`` run several times per request: they spell out the builtins'
-    # ``max(0.0, x)`` (x only if x > 0.0) and ``min(cap, x)`` (x only if x < cap) as
-    # comparisons, which pick the same operand (NaN included) without the calls.
+    # ``level_at`` runs several times per request: it spells out the builtins' ``max(0.0, x)``
+    # (x only if x > 0.0) and ``min(cap, x)`` (x only if x < cap) as comparisons, which pick
+    # the same operand (NaN included) without the calls.
 
     def level_at(self, now: float) -> float:
         updated_at = self.updated_at
@@ -446,17 +446,8 @@ class _Bucket:
 
     def refill(self, now: float) -> None:
         updated_at = self.updated_at
-        if updated_at is None:
-            self.updated_at = now  # untouched since construction: full, nothing to add
-            return
-        # ``self.level_at(now)``, inline
-        elapsed_s = now - updated_at
-        if not elapsed_s > 0.0:
-            elapsed_s = 0.0
-        level = self.level_ms + self.rate_ms_per_s * elapsed_s
-        capacity = self.capacity_ms
-        self.level_ms = level if level < capacity else capacity
-        if now > updated_at:  # max(updated_at, now)
+        self.level_ms = self.level_at(now)
+        if updated_at is None or now > updated_at:  # max(updated_at, now)
             self.updated_at = now
 
     def debit(self, amount_ms: float) -> None:
