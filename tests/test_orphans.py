@@ -122,12 +122,15 @@ def test_the_stubs_die_with_triton(tmp_path: Path) -> None:
     shutil.copytree(MODEL_REPOSITORY.parent / "emulator", tmp_path / "repo" / "emulator")
     triton = LocalTriton(repository, tmp_path / "triton", time_factor=0.05)
     started: set[Proc] = set()
+    # What already ran below this process (the session Triton and its stubs, other tests'
+    # servers) is not this test's to clean up: only what its own start added.
+    before = descendants(os.getpid())
     try:
         triton.start()
         assert triton.pid is not None
         stubs = descendants(triton.pid)
         assert stubs and all("triton_python_backend_stub" in cmdline(pid) for pid, _ in stubs)
-        started = stubs | descendants(os.getpid())
+        started = stubs | (descendants(os.getpid()) - before)
         os.kill(triton.pid, signal.SIGKILL)  # the server alone; this process (its owner) lives on
         assert wait_until(lambda: not alive(stubs), GONE_WITHIN_S), [cmdline(p) for p, _ in alive(stubs)]
     finally:

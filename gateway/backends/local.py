@@ -296,6 +296,12 @@ class LocalTriton:
         return self._process.pid if self._process is not None else None
 
     @property
+    def returncode(self) -> int | None:
+        """The server's exit status once it has exited (negative: the signal that ended it),
+        ``None`` while it runs or before it was started."""
+        return self._process.poll() if self._process is not None else None
+
+    @property
     def reaper_pid(self) -> int | None:
         return self._reaper.process.pid if self._reaper is not None else None
 
