@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway import admin, clock
 from gateway.auth import TenantDirectory
-from gateway.backends.local import LocalTriton, TritonStartError
+from gateway.backends.local import LocalTriton, TritonStartError, supervise
 from gateway.backends.triton import TritonBackend
 from gateway.config import (
     BackendConfig,
@@ -368,6 +368,8 @@ class GatewayServer:
             learning = self.estimator_sync.run(ESTIMATOR_MERGE_S)
             self._tasks.append(loop.create_task(learning, name="estimator-sync"))
         self._tasks.append(loop.create_task(self.policy.watch(config.policy_watch_s), name="policy-watch"))
+        if self.local_triton is not None:  # the embedded server is started again after a crash
+            self._tasks.append(loop.create_task(supervise(self.local_triton), name="local-triton"))
         if self.jobs_runner is not None:
             self.jobs_runner.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)

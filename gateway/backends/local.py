@@ -27,11 +27,19 @@ without killing. The stubs do not notice a killed server by themselves (they ran
 minutes in our check), so the reaper also kills the rest of the group within a second of the
 server's own death. (Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that forked the child
 exits, and the gateway starts Triton from a worker thread; a pipe belongs to the process.)
+
+**Restarted after a crash.** The gateway's embedded server is watched (``supervise``): a server
+that exits while nobody stopped it (Triton 2.51 can segfault on a gRPC call cancelled just as it
+completes) is logged with its exit status and the tail of its log, and started again on the
+same port, at once the first time and then after a doubling delay while it keeps crashing soon
+after its start (``RestartBackoff``). A stop wins over a restart under way (``restart``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -39,12 +47,19 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from gateway import clock
+
+log = logging.getLogger("orchid.local_triton")
+SUPERVISE_INTERVAL_S = 0.5  # how often the supervisor looks at the embedded server (the probe's period)
+LOG_TAIL_LINES = 30  # of a crashed server's log, in the gateway's log
 
 
 class TritonStartError(RuntimeError):
@@ -216,6 +231,10 @@ class LocalTriton:
         self.log_path = workdir / "tritonserver.log"
         self._process: subprocess.Popen[bytes] | None = None
         self._reaper: GroupReaper | None = None
+        # Serialises launching with stopping: a restart from the supervisor's worker thread
+        # must not start a server after (or while) the owner stops this one.
+        self._lock = threading.Lock()
+        self._stopped = False
 
     @property
     def address(self) -> str:
@@ -236,6 +255,24 @@ class LocalTriton:
         return backends
 
     def start(self) -> None:
+        with self._lock:
+            self._stopped = False
+            self._launch()
+        self._wait_ready()
+
+    def restart(self, exited_pid: int) -> bool:
+        """Start the server again after the server ``exited_pid`` exited, unless it was stopped
+        since or another server was started in its place; whether it started one (ready, or
+        ``TritonStartError`` as ``start``)."""
+        with self._lock:
+            process = self._process
+            if self._stopped or process is None or process.pid != exited_pid or process.poll() is None:
+                return False
+            self._launch()
+        self._wait_ready()
+        return True
+
+    def _launch(self) -> None:
         if not self.model_repository.is_dir():
             raise TritonStartError(f"model repository {self.model_repository} does not exist")
         install = TritonInstallation.find()
@@ -286,14 +323,18 @@ class LocalTriton:
         try:
             self._reaper.guard(self._process.pid)
         except OSError as error:  # the reaper is gone: never run an unguarded server
-            self.stop()
+            self._end(20.0)
             raise TritonStartError(f"the process that guards tritonserver exited: {error}") from None
-        self._wait_ready()
 
     @property
     def pid(self) -> int | None:
         """The server's pid (also its process group's id), while it was started."""
         return self._process.pid if self._process is not None else None
+
+    @property
+    def stopped(self) -> bool:
+        """Stopped by its owner (``stop``), and not started since."""
+        return self._stopped
 
     @property
     def returncode(self) -> int | None:
@@ -323,7 +364,7 @@ class LocalTriton:
                     if stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=1.0).ready:
                         return
                 time.sleep(0.2)
-        self.stop()
+        self._end(20.0)  # not a stop: a supervisor may still start it again
         raise TritonStartError(
             f"tritonserver not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}"
         )
@@ -347,6 +388,91 @@ class LocalTriton:
         self._release_reaper()
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        if self._process is not None:
-            stop_process_group(self._process, timeout_s)
+        """Stop the server for good: a restart under way or asked for later starts nothing."""
+        with self._lock:
+            self._stopped = True
+        self._end(timeout_s)
+
+    def _end(self, timeout_s: float) -> None:
+        process = self._process
+        if process is not None:
+            stop_process_group(process, timeout_s)
         self._release_reaper()
+
+
+def _signal_name(status: int) -> str:
+    try:
+        return f" ({signal.Signals(-status).name})" if status < 0 else ""
+    except ValueError:
+        return ""
+
+
+class RestartBackoff:
+    """How long to wait before starting a crashed server again: ``initial_s`` the first time,
+    then ``first_retry_s`` doubling up to ``max_s`` while each restarted server exits within
+    ``stable_s`` of its start; a server that ran ``stable_s`` or longer starts the count again.
+    Times are passed in (no clock)."""
+
+    def __init__(
+        self,
+        *,
+        initial_s: float = 0.0,
+        first_retry_s: float = 1.0,
+        max_s: float = 30.0,
+        stable_s: float = 60.0,
+    ) -> None:
+        self.initial_s = initial_s
+        self.first_retry_s = first_retry_s
+        self.max_s = max_s
+        self.stable_s = stable_s
+        self._retries = 0
+
+    def delay_s(self, *, started_at: float, exited_at: float) -> float:
+        """The wait before the next start, for a server that ran from ``started_at`` until it
+        exited at ``exited_at``."""
+        if exited_at - started_at >= self.stable_s:
+            self._retries = 0
+        if self._retries == 0:
+            delay = self.initial_s
+        else:
+            delay = min(self.first_retry_s * 2 ** (self._retries - 1), self.max_s)
+        self._retries += 1
+        return delay
+
+
+async def supervise(
+    triton: LocalTriton, *, interval_s: float = SUPERVISE_INTERVAL_S, backoff: RestartBackoff | None = None
+) -> None:
+    """Run until cancelled: every ``interval_s``, if ``triton`` exited without being stopped,
+    log its exit status and log tail and start it again on its port after ``backoff``'s delay.
+    A start that fails is logged and tried again after the next, longer delay."""
+    backoff = backoff if backoff is not None else RestartBackoff()
+    started_at = clock.now()
+    while True:
+        await asyncio.sleep(interval_s)
+        pid, status = triton.pid, triton.returncode
+        if triton.stopped:
+            return
+        if pid is None or status is None:
+            continue
+        delay = backoff.delay_s(started_at=started_at, exited_at=clock.now())
+        log.error(
+            "local Triton (pid %d) exited with status %d%s; starting it again on %s in %.1f s. "
+            "The end of its log:\n%s",
+            pid,
+            status,
+            _signal_name(status),
+            triton.address,
+            delay,
+            triton.log_tail(LOG_TAIL_LINES),
+        )
+        await asyncio.sleep(delay)
+        try:
+            started = await asyncio.to_thread(triton.restart, pid)
+        except TritonStartError as error:
+            log.error("local Triton did not start again: %s", error)
+            started_at = clock.now()
+            continue
+        if started:
+            log.warning("local Triton started again on %s (pid %s)", triton.address, triton.pid)
+        started_at = clock.now()

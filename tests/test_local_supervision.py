@@ -1,0 +1,137 @@
+"""The embedded Triton is started again after a crash, and never after a stop.
+
+Triton 2.51 (the nvidia-pytriton wheel's) can segfault when a gRPC call is cancelled just as it
+completes (triton-inference-server/server#7368). A gateway whose ``local_triton`` crashed used
+to serve ``UNAVAILABLE`` until someone restarted the whole gateway. Here a real embedded
+Triton gets SIGSEGV while the gateway runs; the gateway answers again without a restart of
+its own, on a new server process at the same address, and its log names the crash. The
+restart rule (``RestartBackoff``) is checked over generated crash histories, and a stop
+always wins over a restart asked for after it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from tritonclient.grpc import service_pb2_grpc
+
+from gateway.backends.local import LocalTriton, RestartBackoff
+from gateway.config import LocalTritonConfig
+from tests.conftest import MODEL_REPOSITORY, ORCHID_KEY, TIME_FACTOR, ThreadedGateway, gateway_config
+from tests.stack import wait_until
+from tests.test_ladder_effects import request
+
+AUTH = (("authorization", f"Bearer {ORCHID_KEY}"),)
+BACK_WITHIN_S = 90.0  # bound of the poll for the gateway to answer again (a Triton start is ~5-20 s)
+
+
+def _repository(directory: Path) -> Path:
+    """full-v18 and compact-v11 only: the example route's primary and fallback, quick to start."""
+    repository = directory / "repo" / "model_repository"
+    for model in ("full-v18", "compact-v11"):
+        shutil.copytree(MODEL_REPOSITORY / model, repository / model)
+    shutil.copytree(MODEL_REPOSITORY.parent / "emulator", directory / "repo" / "emulator")
+    return repository
+
+
+def _answers(running: ThreadedGateway) -> bool:
+    with grpc.insecure_channel(running.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            return stub.ModelInfer(request(), metadata=AUTH, timeout=10).model_name == "full-v18"
+        except grpc.RpcError:
+            return False
+
+
+@pytest.mark.triton
+def test_a_crashed_embedded_triton_is_started_again_and_the_gateway_answers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = LocalTritonConfig(model_repository=_repository(tmp_path), time_factor=TIME_FACTOR)
+    config = gateway_config("127.0.0.1:1", local_triton=local, backends=())
+    running = ThreadedGateway(config)
+    running.start()
+    try:
+        triton = running.server.local_triton
+        assert triton is not None and triton.pid is not None
+        crashed, address = triton.pid, triton.address
+        assert _answers(running)
+        with caplog.at_level(logging.WARNING, logger="orchid.local_triton"):
+            os.kill(crashed, signal.SIGSEGV)
+            assert wait_until(lambda: triton.returncode is not None or triton.pid != crashed, 30.0)
+            assert wait_until(lambda: _answers(running), BACK_WITHIN_S), triton.log_tail(20)
+        assert triton.pid != crashed and triton.address == address and triton.returncode is None
+        crash_lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert any(f"pid {crashed}" in line and "SIGSEGV" in line for line in crash_lines), crash_lines
+        assert any("started again" in r.getMessage() for r in caplog.records)
+    finally:
+        running.stop()
+    assert triton.returncode is not None  # the gateway's stop ended the restarted server too
+
+
+@pytest.mark.triton
+def test_a_stop_wins_over_a_restart_asked_for_after_it(tmp_path: Path) -> None:
+    triton = LocalTriton(_repository(tmp_path), tmp_path / "triton", time_factor=TIME_FACTOR)
+    triton.start()
+    try:
+        first = triton.pid
+        assert first is not None
+        assert not triton.restart(first)  # it runs: nothing to restart
+        os.kill(first, signal.SIGSEGV)
+        assert wait_until(lambda: triton.returncode is not None, 30.0)
+        assert triton.returncode == -signal.SIGSEGV
+        assert not triton.restart(first + 1)  # not the server that exited
+        assert triton.restart(first)
+        second = triton.pid
+        assert second != first and triton.returncode is None
+        triton.stop()
+        assert triton.stopped and triton.returncode is not None
+        assert not triton.restart(second)  # stopped since: a late restart starts nothing
+        assert triton.pid == second and triton.returncode is not None
+    finally:
+        triton.stop()
+
+
+def test_restart_delays_from_at_once_to_the_cap_and_back() -> None:
+    backoff = RestartBackoff(initial_s=0.0, first_retry_s=1.0, max_s=30.0, stable_s=60.0)
+    at = 1000.0
+    delays = []
+    for _ in range(8):  # each server crashes 5 s after its start
+        delays.append(backoff.delay_s(started_at=at, exited_at=at + 5.0))
+        at += 5.0 + delays[-1]
+    assert delays == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert backoff.delay_s(started_at=at, exited_at=at + 60.0) == 0.0  # ran a minute: at once again
+    assert backoff.delay_s(started_at=at, exited_at=at + 1.0) == 1.0
+
+
+@given(
+    runs=st.lists(st.floats(min_value=0.0, max_value=200.0, allow_nan=False), min_size=1, max_size=40),
+    initial=st.floats(min_value=0.0, max_value=2.0),
+    first=st.floats(min_value=0.1, max_value=5.0),
+    cap=st.floats(min_value=5.0, max_value=120.0),
+    stable=st.floats(min_value=1.0, max_value=100.0),
+)
+def test_restart_delays_double_while_servers_crash_soon_and_reset_after_a_stable_run(
+    runs: list[float], initial: float, first: float, cap: float, stable: float
+) -> None:
+    """``runs``: how long each successive server ran before it crashed."""
+    backoff = RestartBackoff(initial_s=initial, first_retry_s=first, max_s=cap, stable_s=stable)
+    streak: list[float] = []  # the delays since the last stable run (or the start)
+    for ran in runs:
+        if ran >= stable:
+            streak = []
+        delay = backoff.delay_s(started_at=0.0, exited_at=ran)
+        if not streak:
+            assert delay == initial  # the first crash, or the first after a stable run: at once
+        elif len(streak) == 1:
+            assert delay == min(first, cap)
+        else:
+            assert delay == min(streak[-1] * 2, cap)  # doubling up to the cap
+        streak.append(delay)
