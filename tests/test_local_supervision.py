@@ -83,6 +83,8 @@ def test_a_stop_wins_over_a_restart_asked_for_after_it(tmp_path: Path) -> None:
     try:
         first = triton.pid
         assert first is not None
+        regions = triton.shm_regions()
+        assert regions
         assert not triton.restart(first)  # it runs: nothing to restart
         os.kill(first, signal.SIGSEGV)
         assert wait_until(lambda: triton.returncode is not None, 30.0)
@@ -91,8 +93,12 @@ def test_a_stop_wins_over_a_restart_asked_for_after_it(tmp_path: Path) -> None:
         assert triton.restart(first)
         second = triton.pid
         assert second != first and triton.returncode is None
+        # The crashed server's shared memory is gone; the new one has as many regions of its own.
+        assert not any(r.exists() for r in regions)
+        assert len(triton.shm_regions()) == len(regions)
         triton.stop()
         assert triton.stopped and triton.returncode is not None
+        assert triton.shm_regions() == []
         assert not triton.restart(second)  # stopped since: a late restart starts nothing
         assert triton.pid == second and triton.returncode is not None
     finally:

@@ -7,13 +7,15 @@ reaper); the gateway is SIGKILLed; none of them may still run (a bounded poll of
 table). Without the reaper, Triton and its stubs are reparented and keep running.
 
 The stubs do not outlive Triton either: Triton killed alone (the gateway alive), its stubs
-are gone within the bound. And the reaper itself (``gateway.backends.local.GroupReaper``) on
+are gone within the bound. Neither leaves the Python backend's shared-memory regions in
+/dev/shm (memory) behind. And the reaper itself (``gateway.backends.local.GroupReaper``) on
 a process group of ``sleep``s: the owner's death kills the group, the leader's death kills
 the rest of it, a clean release kills nothing."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +31,7 @@ from tests.conftest import MODEL_REPOSITORY
 from tests.stack import Proc, alive, cmdline, descendants, example_config, kill_all, wait_until
 
 GONE_WITHIN_S = 30.0  # bound of the poll for the processes to leave the table
+SHM = Path("/dev/shm")
 
 
 def _sleep_group() -> subprocess.Popen[bytes]:
@@ -131,8 +134,12 @@ def test_the_stubs_die_with_triton(tmp_path: Path) -> None:
         stubs = descendants(triton.pid)
         assert stubs and all("triton_python_backend_stub" in cmdline(pid) for pid, _ in stubs)
         started = stubs | (descendants(os.getpid()) - before)
+        regions = triton.shm_regions()
+        assert regions  # one or more per stub, named with this server's prefix
         os.kill(triton.pid, signal.SIGKILL)  # the server alone; this process (its owner) lives on
         assert wait_until(lambda: not alive(stubs), GONE_WITHIN_S), [cmdline(p) for p, _ in alive(stubs)]
+        # The reaper removed the shared memory a killed server cannot remove itself.
+        assert wait_until(lambda: not any(r.exists() for r in regions), GONE_WITHIN_S), regions
     finally:
         triton.stop()
         kill_all(started)
@@ -152,9 +159,14 @@ def test_kill_9_of_the_gateway_leaves_no_triton(tmp_path: Path) -> None:
         stubs = [p for p, c in commands.items() if "triton_python_backend_stub" in c]
         # Otherwise the test proves nothing: one server, and the stubs of its model instances.
         assert len(tritons) == 1 and len(stubs) >= 4, commands
+        prefix = re.search(r"shm-region-prefix-name=(\S+)", commands[tritons[0]])
+        assert prefix is not None, commands[tritons[0]]
+        regions = sorted(SHM.glob(f"{prefix.group(1)}*"))
+        assert len(regions) >= len(stubs), regions  # the stubs' shared memory, in tmpfs
         gateway.kill(session=False)
         assert gateway.process.returncode == -signal.SIGKILL
         assert wait_until(lambda: not alive(started), GONE_WITHIN_S), {p: commands[p] for p in alive(started)}
+        assert wait_until(lambda: not any(r.exists() for r in regions), GONE_WITHIN_S), regions
     finally:
         gateway.kill(session=False)
         kill_all(started)

@@ -49,6 +49,7 @@ import sys
 import sysconfig
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,7 @@ from gateway import clock
 log = logging.getLogger("orchid.local_triton")
 SUPERVISE_INTERVAL_S = 0.5  # how often the supervisor looks at the embedded server (the probe's period)
 LOG_TAIL_LINES = 30  # of a crashed server's log, in the gateway's log
+SHM_DIR = Path("/dev/shm")
 
 
 class TritonStartError(RuntimeError):
@@ -98,16 +100,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# The reaper: reads the process group to guard (one line), then waits on its stdin. "stopped"
+# The reaper: reads the process group to guard and the name prefix of its shared-memory regions
+# (one line), then waits on its stdin. "stopped"
 # means a clean stop (nothing to do); end-of-file alone means the process that started the
 # group is gone: SIGKILL the group. Meanwhile, once a second, it checks the group's leader (the
 # server): dead (gone, a zombie, or its pid now someone else's), the rest of the group (the
 # Python backend stubs, which outlive a killed server) is killed at once, and the group is not
-# touched again. -I -S: no site, no environment; Linux's /proc for the check (else no check).
+# touched again. Whenever it kills the group it also removes the group's regions from /dev/shm
+# (Triton's Python backend leaves them behind when it does not exit cleanly, 1 MiB or more per
+# model instance, in memory). -I -S: no site, no environment; Linux's /proc for the check.
 _REAPER_SOURCE = """
 import os, select, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 PROC = os.path.isdir("/proc/self")
+SHM = "/dev/shm"
 
 def leader_alive(pgid):
     try:
@@ -130,20 +136,37 @@ while b"\\n" not in data:
     if not chunk:
         sys.exit(0)
     data += chunk
+def clean(prefix):
+    if not prefix:
+        return
+    try:
+        names = os.listdir(SHM)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM, name))
+            except OSError:
+                pass
+
 head, data = data.split(b"\\n", 1)
 if not head.strip():
     sys.exit(0)
-pgid, done = int(head), False
+fields = head.decode().split()
+pgid, prefix, done = int(fields[0]), fields[1] if len(fields) > 1 else "", False
 while not data.startswith(b"stopped"):
     if select.select([0], [], [], 1.0)[0]:
         chunk = os.read(0, 64)
         if not chunk:
             if not done:
                 kill(pgid)
+                clean(prefix)
             break
         data += chunk
     elif PROC and not done and not leader_alive(pgid):
         kill(pgid)
+        clean(prefix)
         done = True
 """
 _STOPPED = b"stopped\n"
@@ -171,8 +194,12 @@ class GroupReaper:
             os.close(read_end)
         self._armed = False
 
-    def guard(self, pgid: int) -> None:
-        os.write(self._write_end, f"{pgid}\n".encode())
+    def guard(self, pgid: int, shm_prefix: str = "") -> None:
+        """Guard process group ``pgid``; when it kills the group it also removes the files in
+        /dev/shm whose names start with ``shm_prefix`` (none if empty)."""
+        if any(c.isspace() for c in shm_prefix) or "/" in shm_prefix:
+            raise ValueError(f"not a shared-memory name prefix: {shm_prefix!r}")
+        os.write(self._write_end, f"{pgid} {shm_prefix}\n".encode())
         self._armed = True
 
     def release(self, timeout_s: float = 10.0) -> None:
@@ -229,6 +256,9 @@ class LocalTriton:
         self.extra_args = extra_args
         self.env = dict(env or {})  # added to the server's environment (e.g. ORCHID_FAULT_DIR)
         self.log_path = workdir / "tritonserver.log"
+        # Its Python backend's shared-memory regions are named with this prefix (unique to this
+        # object), so what a server that did not exit cleanly left in /dev/shm can be removed.
+        self.shm_prefix = f"orchid_triton_{uuid.uuid4().hex[:16]}_"
         self._process: subprocess.Popen[bytes] | None = None
         self._reaper: GroupReaper | None = None
         # Serialises launching with stopping: a restart from the supervisor's worker thread
@@ -273,6 +303,8 @@ class LocalTriton:
         return True
 
     def _launch(self) -> None:
+        if self._process is not None:  # a server before this one: its whole group is gone first
+            stop_process_group(self._process, 20.0)
         if not self.model_repository.is_dir():
             raise TritonStartError(f"model repository {self.model_repository} does not exist")
         install = TritonInstallation.find()
@@ -301,9 +333,11 @@ class LocalTriton:
             "--allow-metrics=false",
             "--log-verbose=0",
             "--exit-timeout-secs=10",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *self.extra_args,
         ]
         self._release_reaper()  # a restart: the previous server's reaper has nothing left to guard
+        self._remove_shm_regions()  # what a previous server that crashed left behind
         self._reaper = GroupReaper()  # before the server: it is guarded from its first moment
         log = self.log_path.open("wb")
         try:
@@ -321,7 +355,7 @@ class LocalTriton:
         finally:
             log.close()
         try:
-            self._reaper.guard(self._process.pid)
+            self._reaper.guard(self._process.pid, self.shm_prefix)
         except OSError as error:  # the reaper is gone: never run an unguarded server
             self._end(20.0)
             raise TritonStartError(f"the process that guards tritonserver exited: {error}") from None
@@ -386,6 +420,7 @@ class LocalTriton:
                 os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait(timeout=10)
         self._release_reaper()
+        self._remove_shm_regions()
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop the server for good: a restart under way or asked for later starts nothing."""
@@ -398,6 +433,21 @@ class LocalTriton:
         if process is not None:
             stop_process_group(process, timeout_s)
         self._release_reaper()
+        self._remove_shm_regions()
+
+    def shm_regions(self) -> list[Path]:
+        """The shared-memory regions in /dev/shm named with this server's prefix."""
+        try:
+            return sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
+        except OSError:
+            return []
+
+    def _remove_shm_regions(self) -> None:
+        """Once its process group is gone: a server that exits cleanly removes its regions
+        itself; one that was killed or crashed leaves them (memory, in tmpfs)."""
+        for region in self.shm_regions():
+            with contextlib.suppress(OSError):
+                region.unlink()
 
 
 def _signal_name(status: int) -> str:
