@@ -28,6 +28,10 @@ minutes in our check), so the reaper also kills the rest of the group within a s
 server's own death. (Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that forked the child
 exits, and the gateway starts Triton from a worker thread; a pipe belongs to the process.)
 
+**No shared memory left behind.** The Python backend keeps its regions in ``/dev/shm`` and
+removes them only on a clean exit; each server here names them with a prefix of its own
+(``shm_prefix``), and a kill, a crash, a failed start and the reaper remove what is left.
+
 **Restarted after a crash.** The gateway's embedded server is watched (``supervise``): a server
 that exits while nobody stopped it (Triton 2.51 can segfault on a gRPC call cancelled just as it
 completes) is logged with its exit status and the tail of its log, and started again on the
