@@ -204,7 +204,11 @@ def own_triton(
     directory: Path, *, time_factor: float, models: tuple[str, ...] = ("full-v18", "compact-v11")
 ) -> Iterator[LocalTriton]:
     """A Triton of a test's own at ``time_factor``: ``models`` only (by default full-v18 and
-    compact-v11: faster to start), beside the session's."""
+    compact-v11: faster to start), beside the session's. Killed at the end, not stopped: a
+    graceful stop spends ~5 s finalising the Python models, which no test here checks (the
+    session server's stop and the gateway's own stop of its embedded server do), and a kill
+    leaves nothing behind (the process group and its shared memory go with it). Tests that
+    start a ``LocalTriton`` of their own end it the same way."""
     repository = directory / "repo" / "model_repository"
     for model in models:
         shutil.copytree(MODEL_REPOSITORY / model, repository / model)
@@ -214,7 +218,7 @@ def own_triton(
     try:
         yield server
     finally:
-        server.stop()
+        server.kill()
 
 
 @pytest.fixture

@@ -236,7 +236,7 @@ def test_backend_down_then_recovery_without_gateway_restart(tmp_path: Path) -> N
             assert recovered
     finally:
         running.stop()
-        triton.stop()
+        triton.kill()  # disposable: see conftest.own_triton
 
 
 def test_routing_rules_are_enforced_at_serve_time(triton: LocalTriton, tmp_path: Path) -> None:

@@ -65,7 +65,7 @@ def test_models_on_one_shared_device_take_turns(tmp_path: Path, monkeypatch: pyt
     try:
         elapsed_ms = _both_at_once(triton.address)
     finally:
-        triton.stop()
+        triton.kill()  # disposable: see conftest.own_triton
     # Each model has instances of its own; only the shared device keeps them from overlapping
     # (overlapping, the pair would take about FULL_MS, 234 ms).
     assert elapsed_ms >= 0.97 * (FULL_MS + COMPACT_MS), elapsed_ms

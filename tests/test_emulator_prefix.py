@@ -256,7 +256,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
     try:
         yield server
     finally:
-        server.stop()
+        server.kill()  # disposable: see conftest.own_triton
 
 
 def test_local_triton_starts_each_server_cold(chat: LocalTriton, small: LocalTriton) -> None:

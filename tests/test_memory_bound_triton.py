@@ -80,7 +80,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         yield Stack(triton, routes_dir)
     finally:
-        triton.stop()
+        triton.kill()  # disposable: see conftest.own_triton
 
 
 def _request(shape: tuple[int, int], *, through_gateway: bool) -> bytes:

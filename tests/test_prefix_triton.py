@@ -73,7 +73,7 @@ def tritons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalTrit
         yield servers
     finally:
         for server in servers:
-            server.stop()
+            server.kill()  # disposable: see conftest.own_triton
 
 
 @pytest.fixture(scope="module")

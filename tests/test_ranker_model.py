@@ -50,7 +50,7 @@ def ranker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
     try:
         yield server
     finally:
-        server.stop()
+        server.kill()  # disposable: see conftest.own_triton
 
 
 def _inputs(ids: np.ndarray, features: np.ndarray | None) -> list[InferInput]:

@@ -78,7 +78,7 @@ def stream_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTri
         yield triton
     finally:
         del os.environ[KEY_ENV]
-        triton.stop()
+        triton.kill()  # disposable: see conftest.own_triton
 
 
 @pytest.fixture

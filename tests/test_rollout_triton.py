@@ -141,7 +141,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield Stack(triton, faults)
     finally:
         del os.environ[KEY_ENV]
-        triton.stop()
+        triton.kill()  # disposable: see conftest.own_triton
 
 
 def repository_states(address: str) -> dict[str, str]:
