@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import shutil
 import signal
 import threading
@@ -23,13 +24,16 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 from _pytest.runner import runtestprotocol
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from gateway.backends.local import LocalTriton
 from gateway.config import BackendConfig, GatewayConfig, load_gateway_config
 from gateway.server import GatewayServer
 from orchid_tools.capacity_prefix import model_parameters
+from orchid_tools.harness import GatewayProcess
 from tests.feast_server import feast_server  # noqa: F401  (one session Feast server for every module)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,47 +150,103 @@ def _session_triton_running(request: pytest.FixtureRequest) -> None:
 def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
     server = LocalTriton(MODEL_REPOSITORY, tmp_path_factory.mktemp("triton"), time_factor=TIME_FACTOR)
     server.start()
-    SESSION_TRITON.append(server)
     try:
         yield server
     finally:
-        SESSION_TRITON.remove(server)
         server.stop()
 
 
-SESSION_TRITON: list[LocalTriton] = []  # the session server, while the ``triton`` fixture holds it
 # How tritonserver ends when it crashes (not when a test or the harness stops or kills it).
 CRASH_STATUSES = frozenset({-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS})
 
+# Every Triton and every gateway process this session created (``_crashed_under``): recorded
+# as they are built, so a server a test or a fixture of any scope started is seen too.
+SERVERS: weakref.WeakSet[LocalTriton] = weakref.WeakSet()
+GATEWAY_PROCESSES: weakref.WeakSet[GatewayProcess] = weakref.WeakSet()
 
-def _session_triton_crashed() -> bool:
-    return any(server.returncode in CRASH_STATUSES for server in SESSION_TRITON)
+
+def _recorded(cls: type[Any], into: weakref.WeakSet[Any]) -> None:
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        into.add(self)
+
+    setattr(cls, "__init__", recording_init)  # noqa: B010  (mypy: no assignment to a method)
+
+
+_recorded(LocalTriton, SERVERS)
+_recorded(GatewayProcess, GATEWAY_PROCESSES)
+
+
+def _crashes() -> set[tuple[LocalTriton, int]]:
+    """The servers found ended by a crash, with the pid that crashed."""
+    return {
+        (server, server.pid)
+        for server in list(SERVERS)
+        if server.pid is not None and server.returncode in CRASH_STATUSES
+    }
+
+
+def _restart_and_settle(crashed: set[tuple[LocalTriton, int]]) -> None:
+    """Start the crashed servers again (those nobody stopped meanwhile, and no gateway's
+    supervisor restarted), then wait until every running gateway sees them: a threaded
+    gateway's probe of each one's address, a gateway process's ``ServerReady``."""
+    for server, pid in crashed:
+        server.restart(pid)
+    addresses = {server.address for server, _ in crashed if server.returncode is None}
+    deadline = time.monotonic() + RESTART_SETTLE_S
+
+    def settled() -> bool:
+        threaded = all(g.backends_healthy(address) for g in list(RUNNING_GATEWAYS) for address in addresses)
+        return threaded and all(_ready(g.address) for g in list(GATEWAY_PROCESSES) if g.running())
+
+    while not settled():
+        if time.monotonic() > deadline:
+            raise RuntimeError("gateways did not see the restarted Tritons")
+        time.sleep(0.05)
+
+
+def _ready(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            return bool(stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=1.0).ready)
+        except grpc.RpcError:
+            return False
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-    """A test that failed because the session Triton crashed under it runs once more.
+    """A test that failed while a Triton crashed under it runs once more.
 
     Triton 2.51 (the nvidia-pytriton wheel's) has a known race in its gRPC handler: a request
     cancelled just as it completes can segfault the server (triton-inference-server/server
     #7368, fixed in 24.12 by #7840). The gateway cancels backend calls whose caller left or
-    whose deadline passed, and in some full runs of this suite the session server segfaulted:
-    the test running at that moment found no healthy backend. Such a test (it
-    failed, and the session server is found ended by SIGSEGV, SIGABRT or SIGBUS) runs again
-    once: ``_session_triton_running`` restarts the server first and warns with its log, and the
-    first attempt's failure is kept as a section of the report. Any other failure, and a second
-    failure, is reported as it is."""
-    if not isinstance(item, pytest.Function) or "triton" not in item.fixturenames:
+    whose deadline passed, and tests cancel on purpose (a stream's request, a caller that
+    leaves); in some full runs a server segfaulted (the session's, a module's), and the test
+    running at that moment found no healthy backend. Such a test (it failed, and a Triton that
+    ran when it started is found ended by SIGSEGV, SIGABRT or SIGBUS) runs again once, after
+    the crashed servers are started again on their ports and the running gateways see them; the
+    first attempt's failure is kept as a section of the report, with each crashed server's log.
+    Any other failure, and a second failure, is reported as it is."""
+    if not isinstance(item, pytest.Function):
         return None
     hooks = item.ihook
     hooks.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    before = _crashes()
     reports = runtestprotocol(item, nextitem=nextitem, log=False)
-    if any(report.failed for report in reports) and _session_triton_crashed():
+    crashed = _crashes() - before
+    if crashed and any(report.failed for report in reports):
         first = "\n".join(str(report.longrepr) for report in reports if report.failed)
+        logs = "\n".join(f"{server.address} (pid {pid}):\n{server.log_tail(12)}" for server, pid in crashed)
+        _restart_and_settle(crashed)
         item._initrequest()
         reports = runtestprotocol(item, nextitem=nextitem, log=False)
         for report in reports:
-            report.sections.append(("first attempt: the session Triton crashed under it", first[-4000:]))
+            report.sections.append(("first attempt: a Triton crashed under it", first[-4000:]))
+            report.sections.append(("the crashed Tritons' logs", logs[-4000:]))
     for report in reports:
         hooks.pytest_runtest_logreport(report=report)
     hooks.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
