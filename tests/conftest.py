@@ -242,6 +242,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         first = "\n".join(str(report.longrepr) for report in reports if report.failed)
         logs = "\n".join(f"{server.address} (pid {pid}):\n{server.log_tail(12)}" for server, pid in crashed)
         _restart_and_settle(crashed)
+        warnings.warn(  # in the run's warnings summary, whether or not the second attempt passes
+            f"a Triton crashed under {item.nodeid} ({', '.join(s.address for s, _ in crashed)}): "
+            "restarted, and the test run once more",
+            stacklevel=1,
+        )
         item._initrequest()
         reports = runtestprotocol(item, nextitem=nextitem, log=False)
         for report in reports:
