@@ -116,34 +116,28 @@ def gateway_config(triton_address: str, **changes: Any) -> GatewayConfig:
     return base.model_copy(update=update)
 
 
-# Gateways a test has started and not stopped (``_session_triton_running`` waits for them).
+# Gateways a test has started and not stopped (``_restart_and_settle`` waits for them).
 RUNNING_GATEWAYS: weakref.WeakSet[ThreadedGateway] = weakref.WeakSet()
 RESTART_SETTLE_S = 15.0  # how long the gateways' health probes get to see a restarted Triton
 
 
 @pytest.fixture(autouse=True)
 def _session_triton_running(request: pytest.FixtureRequest) -> None:
-    """The session Triton is up for every test that uses it. Triton 2.51 itself segfaulted once
-    in a full run of this suite (signal 11 inside tritonserver about 2 min in, no request in its
-    log), and the 23 later tests that used it found no healthy backend. A session server that
-    has exited is started again on its port, with a warning naming the test about to run, and
-    the test waits until every running gateway's probe has seen it (a condition, polled)."""
+    """The session Triton is up for every test that uses it: a session server that exited
+    between tests (a crash a passing test did not notice, a kill) is started again on its port,
+    with a warning naming the test about to run, and the test waits until the running gateways
+    see it (``_restart_and_settle``). A crash *during* a test: ``pytest_runtest_protocol``."""
     if "triton" not in request.fixturenames:
         return
     server: LocalTriton = request.getfixturevalue("triton")
-    if server.running():
+    if server.running() or server.pid is None:
         return
     warnings.warn(
         f"the session Triton had exited before {request.node.nodeid}; restarted. Its log:\n"
         f"{server.log_tail(8)}",
         stacklevel=1,
     )
-    server.start()
-    deadline = time.monotonic() + RESTART_SETTLE_S
-    while not all(g.backends_healthy(server.address) for g in list(RUNNING_GATEWAYS)):
-        if time.monotonic() > deadline:
-            raise RuntimeError("gateways did not see the restarted session Triton")
-        time.sleep(0.05)
+    _restart_and_settle({(server, server.pid)})
 
 
 @pytest.fixture(scope="session")
@@ -159,7 +153,7 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
 # How tritonserver ends when it crashes (not when a test or the harness stops or kills it).
 CRASH_STATUSES = frozenset({-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS})
 
-# Every Triton and every gateway process this session created (``_crashed_under``): recorded
+# Every Triton and every gateway process this session created (``_crashes``): recorded
 # as they are built, so a server a test or a fixture of any scope started is seen too.
 SERVERS: weakref.WeakSet[LocalTriton] = weakref.WeakSet()
 GATEWAY_PROCESSES: weakref.WeakSet[GatewayProcess] = weakref.WeakSet()
@@ -190,7 +184,7 @@ def _crashes() -> set[tuple[LocalTriton, int]]:
 
 
 def _restart_and_settle(crashed: set[tuple[LocalTriton, int]]) -> None:
-    """Start the crashed servers again (those nobody stopped meanwhile, and no gateway's
+    """Start the exited servers again (those nobody stopped meanwhile, and no gateway's
     supervisor restarted), then wait until every running gateway sees them: a threaded
     gateway's probe of each one's address, a gateway process's ``ServerReady``."""
     for server, pid in crashed:

@@ -522,11 +522,8 @@ async def supervise(
         )
         await asyncio.sleep(delay)
         try:
-            started = await asyncio.to_thread(triton.restart, pid)
+            if await asyncio.to_thread(triton.restart, pid):
+                log.warning("local Triton started again on %s (pid %s)", triton.address, triton.pid)
         except TritonStartError as error:
             log.error("local Triton did not start again: %s", error)
-            started_at = clock.now()
-            continue
-        if started:
-            log.warning("local Triton started again on %s (pid %s)", triton.address, triton.pid)
         started_at = clock.now()
