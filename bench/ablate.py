@@ -45,10 +45,10 @@ def ablate(parts: set[str]) -> None:
         evaluate = PolicyStore.evaluate
         answers: dict[tuple[str, str, str], Any] = {}
 
-        def first_answer(self: PolicyStore, record: Any, context: Any) -> Any:
+        def first_answer(self: PolicyStore, record: Any, context: Any, snapshot: Any = None) -> Any:
             key = (record.identity.tenant, record.identity.model, record.identity.request_class)
             if key not in answers:
-                answers[key] = evaluate(self, record, context)
+                answers[key] = evaluate(self, record, context, snapshot)
             return answers[key]
 
         PolicyStore.evaluate = first_answer  # type: ignore[method-assign]
