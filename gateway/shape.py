@@ -265,7 +265,8 @@ def _check_bytes_payload(name: str, raw: bytes, count: int) -> None:
 def validate_tensors(
     request: service_pb2.ModelInferRequest, spec: ModelSpec, *, model: str
 ) -> dict[str, tuple[int, ...]]:
-    """Check every input against the model spec; return input name -> shape."""
+    """Check every input, and every output the request names, against the model spec; return
+    input name -> shape."""
     shapes: dict[str, tuple[int, ...]] = {}
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
@@ -329,6 +330,15 @@ def validate_tensors(
     for declared in spec.inputs:
         if declared.name not in shapes and not declared.optional:
             raise InvalidArgument(f"model {model!r} requires input {declared.name!r}")
+    if request.outputs:  # refused here, before any admission or backend work, as inputs are
+        requested: set[str] = set()
+        for output in request.outputs:
+            if output.name not in spec.outputs:
+                known = ", ".join(spec.outputs)
+                raise InvalidArgument(f"model {model!r} has no output {output.name!r} (outputs: {known})")
+            if output.name in requested:
+                raise InvalidArgument(f"output {output.name!r} is requested twice")
+            requested.add(output.name)
     return shapes
 
 

@@ -153,6 +153,24 @@ def test_backend_controls_are_refused_or_owned_by_the_gateway(
     assert stub.ModelInfer(request, metadata=AUTH, timeout=10).model_name == "full-v18"
 
 
+def test_an_output_the_model_lacks_is_refused_by_the_gateway(
+    stub: service_pb2_grpc.GRPCInferenceServiceStub,
+) -> None:
+    request = good_request()
+    request.outputs.add(name="OUTPUT_IDS")
+    reply = stub.ModelInfer(request, metadata=AUTH, timeout=10)
+    assert [o.name for o in reply.outputs] == ["OUTPUT_IDS"]
+    request.outputs.add(name="LOGITS")
+    # The gateway's own words (Triton would say "unexpected inference output"): refused before
+    # admission, no backend call.
+    expect(
+        stub,
+        request,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "model 'full-v18' has no output 'LOGITS' (outputs: OUTPUT_IDS)",
+    )
+
+
 def test_class_not_allowed(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
     request = good_request()
     request.parameters["orchid.class"].string_param = "control"

@@ -105,6 +105,21 @@ def test_missing_required_input() -> None:
         validate_tensors(req, SPEC, model="full-v18")
 
 
+def test_requested_outputs_must_be_the_models_and_named_once() -> None:
+    req = request(3)
+    req.outputs.add(name="OUTPUT_IDS")
+    assert validate_tensors(req, SPEC, model="full-v18") == {"INPUT_IDS": (1, 3)}
+    req.outputs.add(name="OUTPUT_IDS")
+    with pytest.raises(InvalidArgument, match="output 'OUTPUT_IDS' is requested twice"):
+        validate_tensors(req, SPEC, model="full-v18")
+    del req.outputs[:]
+    req.outputs.add(name="LOGITS")
+    with pytest.raises(
+        InvalidArgument, match=r"model 'full-v18' has no output 'LOGITS' \(outputs: OUTPUT_IDS\)"
+    ):
+        validate_tensors(req, SPEC, model="full-v18")
+
+
 def test_bytes_payload_framing() -> None:
     spec = ModelSpec("m", ("1",), (InputSpec("TEXT", "BYTES", (-1,)),), ("O",), 0, False, 1)
     req = service_pb2.ModelInferRequest(model_name="m")
