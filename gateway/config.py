@@ -370,7 +370,19 @@ class JobsConfig(_Strict):
         default=0.9, gt=0, le=1, description="share of the idle protected capacity job work may use"
     )
     max_wait_s: float = Field(default=300.0, gt=0, description="bound of one Wait stream")
-    poll_s: float = Field(default=0.05, gt=0, description="runner idle poll interval")
+    poll_s: float = Field(
+        default=0.05,
+        gt=0,
+        description="runner's interval while items run or wait ready (paced out by the trough, "
+        "deferred at step 4): how soon a load dip starts held work",
+    )
+    idle_poll_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="runner's longest wait with nothing ready or running (it wakes at once for "
+        "this gateway's submissions and at the store's next due time): how late it sees work "
+        "another replica submitted (postgres)",
+    )
 
     @model_validator(mode="after")
     def _store(self) -> JobsConfig:
@@ -378,6 +390,8 @@ class JobsConfig(_Strict):
             raise ValueError("store sqlite needs state_dir")
         if self.store == "postgres" and not self.postgres_dsn:
             raise ValueError("store postgres needs postgres_dsn")
+        if self.idle_poll_s < self.poll_s:
+            raise ValueError("idle_poll_s must be at least poll_s")
         return self
 
 

@@ -13,6 +13,12 @@ counting as an attempt. It resumes when the step comes down. Cancellation stops 
 attempts at the backend (the request path releases their slot and quota reservation).
 The runner also expires operations past their complete-by time and deletes results past
 retention. It logs operation ids and counts only, never requests, outputs or custom ids.
+
+It polls only while there is work: every ``jobs.poll_s`` while items run or wait ready (paced
+out, deferred: a load dip or the step coming down must start them soon). With nothing ready
+or running it sleeps until the store's next due time (``JobStore.next_due``: a backoff
+ending, a lost lease, an expiry or purge), at most ``jobs.idle_poll_s`` (work another replica
+submitted to a shared store), and this gateway's submissions wake it at once (``wake``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -51,7 +58,7 @@ from gateway.status import domain_error
 
 log = logging.getLogger(__name__)
 
-HOUSEKEEPING_S = 0.5
+HOUSEKEEPING_S = 0.5  # busy: expiry, purge, lost leases and cancels checked this often
 ERROR_BOUND = 512  # characters of an attempt's error kept with the item
 
 
@@ -115,6 +122,10 @@ class JobRunner:
         self._declared: dict[str, tuple[DeclaredOutput, ...]] = {}
         self._task: asyncio.Task[None] | None = None
         self._housekept_at = 0.0
+        # Wall time the store's housekeeping is next due, set by an idle pass (0.0: every
+        # HOUSEKEEPING_S, as while busy; inf: nothing stored will fall due).
+        self._housekeeping_due_at = 0.0
+        self.next_wait_s = 0.0  # the wait the last pass chose (poll_s, or up to idle_poll_s)
         self._turn = 0  # launches so far: which (tenant, model) goes first next
         self._renewed_at = 0.0
 
@@ -139,19 +150,27 @@ class JobRunner:
 
     async def _loop(self) -> None:
         while True:
+            # Cleared before the pass reads the store: a submission stored during the pass
+            # (its wake set after the read) ends the wait that follows instead of being lost.
+            self.wake.clear()
+            wait_s = self.config.poll_s
             try:
-                await self._tick()
+                wait_s = await self._tick()
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the loop must survive; the store or a bug said no
                 domain_error(error, where="jobs runner")
-            self.wake.clear()
+            self.next_wait_s = wait_s
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), self.config.poll_s)
+                await asyncio.wait_for(self.wake.wait(), wait_s)
 
-    async def _tick(self) -> None:
+    async def _tick(self) -> float:
+        """One pass: housekeeping when due, lease renewal, starting what may start. Returns the
+        seconds to wait before the next pass (``wake`` cuts it short): ``poll_s`` while items
+        run or wait ready, else until the store next has something due (``_idle_wait_s``)."""
         wall, now = clock.wall(), clock.now()
-        if now - self._housekept_at >= HOUSEKEEPING_S:
+        due_at, self._housekeeping_due_at = self._housekeeping_due_at, 0.0
+        if now - self._housekept_at >= HOUSEKEEPING_S and wall >= due_at:
             self._housekept_at = now
             changed = await asyncio.to_thread(self.store.reclaim_lost, now=wall)
             expired = await asyncio.to_thread(self.store.expire_due, now=wall)
@@ -169,8 +188,9 @@ class JobRunner:
                 self.store.renew, list(self._running), lease_until=wall + self.config.lease_s
             )
         if len(self._running) >= self.config.max_inflight:
-            return
+            return self.config.poll_s
         ready = await asyncio.to_thread(self.store.ready_models, now=wall)
+        held = bool(ready)  # ready now: what is not started here waits for the pacer, briefly
         if ready:  # round robin: one item per (tenant, model) per pass, the next one first
             turn = self._turn % len(ready)
             ready = ready[turn:] + ready[:turn]
@@ -194,6 +214,26 @@ class JobRunner:
                     continue
                 self._launch(item, pool)
                 self._turn += 1
+        if held or self._running:
+            return self.config.poll_s
+        return await self._idle_wait_s()
+
+    async def _idle_wait_s(self) -> float:
+        """Nothing ready, nothing running: the wait until the store's next due time (a backoff
+        ending; housekeeping's work, no sooner than its period allows), at most
+        ``idle_poll_s``, at least ``poll_s``. Until that time housekeeping is skipped."""
+        due = await asyncio.to_thread(self.store.next_due)
+        wall, now = clock.wall(), clock.now()
+        wait_s = self.config.idle_poll_s
+        if due.ready_at is not None:
+            wait_s = min(wait_s, due.ready_at - wall)
+        if due.housekeeping_at is None:
+            self._housekeeping_due_at = math.inf
+        else:
+            self._housekeeping_due_at = due.housekeeping_at
+            period_left_s = self._housekept_at + HOUSEKEEPING_S - now
+            wait_s = min(wait_s, max(due.housekeeping_at - wall, period_left_s))
+        return max(wait_s, self.config.poll_s)
 
     # ------------------------------------------------------------------ pacing
 
@@ -367,6 +407,8 @@ class JobRunner:
 
     async def _check_cancels(self) -> None:
         seqs = sorted({e.item.op_seq for e in self._running.values()})
+        if not seqs:
+            return
         for seq in await asyncio.to_thread(self.store.cancel_requested, seqs):
             await self.cancel_running(seq)
 

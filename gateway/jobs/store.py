@@ -2,8 +2,9 @@
 
 Owns persistence only: the schema, tenant-scoped reads (every read a caller can reach
 filters by tenant, so another tenant's id is indistinguishable from a missing one), the
-idempotent insert, claims with leases, and the conditional updates that make an item's
-completion (and its charge) happen once. What a status *means* and how an item moves
+idempotent insert, claims with leases, the conditional updates that make an item's
+completion (and its charge) happen once, and when anything stored next falls due (an idle
+runner's wake-up time). What a status *means* and how an item moves
 after a failure are ``gateway.core.jobs``'s decisions; the caller passes their results in.
 
 Durability: the database is in WAL mode with ``synchronous=FULL``, so a commit returns only
@@ -187,6 +188,14 @@ class Claimed:
     request: bytes
     attempts: int
     feature_as_of: float | None = None  # epoch seconds: the item reads its features as of then
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """When the store next has something to do (``JobStore.next_due``), in wall seconds."""
+
+    ready_at: float | None  # a queued item becomes ready to claim
+    housekeeping_at: float | None  # a lease runs out, an operation expires or its results go
 
 
 class StateDirectoryBusy(OSError):
@@ -447,6 +456,25 @@ class JobStore:
                 (ItemStatus.QUEUED, now, ItemStatus.RUNNING, now),
             ).fetchall()
             return [(r[0], r[1]) for r in rows]
+
+    def next_due(self) -> Due:
+        """When anything stored next becomes due (wall seconds; None: nothing will): the
+        earliest queued item's ``next_attempt_at`` (a backoff or deferral ending), and the
+        earliest moment housekeeping has work: a running item's lease running out (a lost
+        replica's), an unfinished operation's complete-by, a finished one's retention. An idle
+        runner sleeps until then (``gateway.jobs.runner``)."""
+        with self._read() as db:
+            row = self._x(
+                db,
+                "SELECT (SELECT MIN(next_attempt_at) FROM items WHERE status = ?), "
+                "(SELECT MIN(lease_until) FROM items WHERE status = ?), "
+                "(SELECT MIN(complete_by) FROM operations WHERE expired = 0 AND status NOT IN (?, ?, ?, ?)), "
+                "(SELECT MIN(results_expire_at) FROM operations "
+                "WHERE results_expired = 0 AND finished_at > 0)",
+                (ItemStatus.QUEUED, ItemStatus.RUNNING, *TERMINAL),
+            ).fetchone()
+        housekeeping = [t for t in row[1:] if t is not None]
+        return Due(ready_at=row[0], housekeeping_at=min(housekeeping) if housekeeping else None)
 
     def reclaim_lost(self, *, now: float) -> int:
         """Running items whose lease ran out go back to the queue, the lost attempt counted;
