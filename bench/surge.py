@@ -730,8 +730,9 @@ async def fetch_stats(address: str, t: float, epoch: int) -> StatsSnapshot | Non
 
 
 async def warm_instances(address: str, scenario: Scenario, fallback_instances: int = 2) -> None:
-    """One concurrent request per instance and shape, on both models: the first execute of an
-    instance is slow (~40 ms), and must not land in the measurement."""
+    """One concurrent request per instance and shape, on both models: nothing a target meets
+    first (an instance's first execution, ~20-25 ms slower where a model declares no
+    ``model_warmup``; the gateway's first requests) may land in the measurement."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.unary_unary(INFER)
         for model, instances in ((PRIMARY, scenario.fleet), (FALLBACK, fallback_instances)):
@@ -864,7 +865,11 @@ async def run_target(target: str, opts: Options, run: str | None = None) -> RunR
             await asyncio.to_thread(triton.start)
             events["triton_ready"] = now()
             epoch[0] += 1
-            snapshots.append(StatsSnapshot(events["restarting"], epoch[0], {}, {}, {}, {}))
+            # The new server's counters as it became ready: they already hold its models'
+            # model_warmup (one execution per instance, before it reported ready), no request
+            # of the run's. From zero only if they cannot be read.
+            baseline = await fetch_stats(triton.address, events["restarting"], epoch[0])
+            snapshots.append(baseline or StatsSnapshot(events["restarting"], epoch[0], {}, {}, {}, {}))
 
         hooks = [(0.0, mark)] + [snap_at(phase.start_s) for phase in scenario.phases]
         if target == KILL_TARGET:

@@ -5,8 +5,10 @@ completes (triton-inference-server/server#7368). A gateway whose ``local_triton`
 to serve ``UNAVAILABLE`` until someone restarted the whole gateway. Here a real embedded
 Triton gets SIGSEGV while the gateway runs; the gateway answers again without a restart of
 its own, on a new server process at the same address, and its log names the crash. The
-restart rule (``RestartBackoff``) is checked over generated crash histories, and a stop
-always wins over a restart asked for after it."""
+first calls a restarted server gets meet a deadline warm calls meet (Triton's ``model_warmup``
+ran on every instance before it reported ready; the gateway read its models' readiness and
+metadata before it marked it healthy). The restart rule (``RestartBackoff``) is checked over
+generated crash histories, and a stop always wins over a restart asked for after it."""
 
 from __future__ import annotations
 
@@ -23,8 +25,16 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2_grpc
 
 from gateway.backends.local import LocalTriton, RestartBackoff
-from gateway.config import LocalTritonConfig
-from tests.conftest import MODEL_REPOSITORY, ORCHID_KEY, TIME_FACTOR, ThreadedGateway, gateway_config
+from gateway.config import LocalTritonConfig, load_gateway_config
+from tests.conftest import (
+    EXAMPLE_CONFIG,
+    MODEL_REPOSITORY,
+    ORCHID_KEY,
+    TIME_FACTOR,
+    ThreadedGateway,
+    gateway_config,
+    ladder_steps,
+)
 from tests.stack import wait_until
 from tests.test_ladder_effects import request
 
@@ -78,6 +88,106 @@ def test_a_crashed_embedded_triton_is_started_again_and_the_gateway_answers(
     finally:
         running.stop()
     assert triton.returncode is not None  # the gateway's stop ended the restarted server too
+
+
+# A wave: one call for every slot the gateway gives the local backend (4 devices x 2 in flight),
+# so every instance of full-v18 gets work at once.
+WAVE = 8
+# A deadline every call of a wave meets with room to spare on two busy cores once the server is
+# warm (the slowest call of a wave: ~15-25 ms through this in-process gateway at time factor
+# 0.05), and a wave on a cold server does not: an instance's first execution in Triton's Python
+# backend takes ~20-25 ms more, whatever the time factor, and a first wave took 41-82 ms.
+WARM_DEADLINE_S = 0.040
+ROUTE_MODELS = ("full-v18", "compact-v11")  # the example route's model and its fallback
+
+
+def _wave(running: ThreadedGateway, timeout_s: float) -> list[str]:
+    """The statuses of ``WAVE`` concurrent calls with the gRPC deadline ``timeout_s``."""
+    with grpc.insecure_channel(running.address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        calls = [stub.ModelInfer.future(request(), metadata=AUTH, timeout=timeout_s) for _ in range(WAVE)]
+        codes = []
+        for call in calls:
+            try:
+                call.result()
+                codes.append("OK")
+            except grpc.RpcError as error:
+                codes.append(f"{error.code().name}: {error.details()}")
+        return codes
+
+
+def _backend_view(running: ThreadedGateway) -> tuple[bool, bool]:
+    """The gateway's local backend at one instant (read on its loop): healthy, and each route
+    model READY with its metadata read (what a request's placement reads)."""
+
+    def read() -> tuple[bool, bool]:
+        gw = running.server.gateway
+        assert gw is not None
+        (client,) = [handle.client for handle in gw.backends.values()]
+        known = all(client.is_warm(m) and client.known_spec(m) is not None for m in ROUTE_MODELS)
+        return client.healthy, known
+
+    healthy, known = running.call_soon(read)
+    return bool(healthy), bool(known)
+
+
+@pytest.mark.triton
+def test_a_restarted_embedded_triton_answers_its_first_calls_warm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first calls after the supervisor restarted a killed server, sent as soon as the
+    gateway sees it healthy again, meet a deadline warm calls meet. The new server reports
+    ready only once every instance of its models ran Triton's warm-up sample (``model_warmup``
+    in the models' ``config.pbtxt``), so no call is an instance's cold first execution; and the
+    gateway marks it healthy only once it has read its models' readiness and metadata, so the
+    first calls do not each read them on their way."""
+    base = load_gateway_config(EXAMPLE_CONFIG)
+    # The classes' reserves at the time factor, as the benchmarks scale them: admission lets a
+    # request with WARM_DEADLINE_S in.
+    classes = {
+        name: cls.model_copy(
+            update={
+                "reserve_upstream_ms": cls.reserve_upstream_ms * TIME_FACTOR,
+                "reserve_fail_ms": cls.reserve_fail_ms * TIME_FACTOR,
+                "max_dwell_ms": cls.max_dwell_ms * TIME_FACTOR,
+            }
+        )
+        for name, cls in base.classes.items()
+    }
+    local = LocalTritonConfig(model_repository=_repository(tmp_path), time_factor=TIME_FACTOR)
+    running = ThreadedGateway(gateway_config("127.0.0.1:1", local_triton=local, backends=(), classes=classes))
+    running.start()
+    try:
+        triton = running.server.local_triton
+        assert triton is not None and triton.pid is not None
+        for _ in range(3):  # traffic first (a generous deadline): the gateway's own first use
+            assert _wave(running, 10.0) == ["OK"] * WAVE
+        assert _wave(running, WARM_DEADLINE_S) == ["OK"] * WAVE, "warm calls must meet the deadline"
+        crashed = triton.pid
+        seen_healthy: list[bool] = []  # at each look while it read healthy: were its models known?
+
+        def back() -> bool:
+            healthy, known = _backend_view(running)
+            if healthy:
+                seen_healthy.append(known)
+            return (
+                healthy
+                and any("started again" in r.getMessage() for r in caplog.records)
+                and set(ladder_steps(running).values()) == {0}
+            )
+
+        with caplog.at_level(logging.WARNING, logger="orchid.local_triton"):
+            os.kill(crashed, signal.SIGKILL)  # lost as bench/surge.py loses it
+            # Back: the supervisor's new server ready, the gateway's probe seeing it healthy, the
+            # ladder down from the capacity loss. No traffic meanwhile: nothing has run on the
+            # new server but what it ran itself before it reported ready.
+            assert wait_until(back, BACK_WITHIN_S, poll_s=0.02), triton.log_tail(20)
+        assert triton.pid != crashed and triton.returncode is None
+        assert all(seen_healthy), "seen healthy before its models' readiness and metadata were read"
+        assert _wave(running, WARM_DEADLINE_S) == ["OK"] * WAVE
+    finally:
+        running.stop()
 
 
 @pytest.mark.triton

@@ -114,14 +114,29 @@ class TritonBackend:
             # A restarted server may have different models/configs: forget what we cached.
             self._specs.clear()
             self._ready_models.clear()
+        if healthy:
+            if not was:
+                await self._read_specs()
+            for model in list(self.watched_models):
+                await self.model_ready(model)
+        # Seen from here on, with its models' readiness (and, after a flip, metadata) known.
         self.healthy = healthy
         if healthy != was and self.on_health_change is not None:
             self.on_health_change(self.name)
         if healthy:
             self.healthy_at = clock.now()
-            for model in list(self.watched_models):
-                await self.model_ready(model)
         return healthy
+
+    async def _read_specs(self) -> None:
+        """A server that (re)became ready: the watched models' metadata and config, read before
+        it is seen healthy. Otherwise each of its first requests reads them on its own path
+        (two calls per model, not priced): ~10-15 ms more on a wave of 8 first calls through
+        the gateway (docs/operators.md, "Failure behaviour"). A model that is not ready, or not
+        served here, is read on first use."""
+        await asyncio.gather(
+            *(self.model_spec(model, logical=model) for model in sorted(self.watched_models)),
+            return_exceptions=True,
+        )
 
     def is_warm(self, model: str) -> bool:
         """Healthy and the model reported READY at the last probe: never a cold load."""

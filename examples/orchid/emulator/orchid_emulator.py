@@ -163,6 +163,21 @@ The SQLite file's schema (tests read it directly; this module imports Triton's u
         -- inserted (blocks newly inserted), evictions (blocks evicted), clock (the
         -- logical clock's last value; not a counter)
 
+Warm-up (Triton's ``model_warmup``; every example model's ``config.pbtxt`` declares one sample,
+``orchid-warmup``): Triton runs the sample once on each instance while it loads the model,
+before the model (and, with strict readiness, the server) reports ready. The sample carries an
+input the model does not declare, ``ORCHID_WARMUP`` (``WARMUP_INPUT``): Triton passes it on to
+the model as a control input, and refuses it from any client (a request with an input the
+config does not declare is invalid), so the emulator knows a warm-up request for sure. Why: an
+instance's first execution is slow in Triton's Python backend, ~20-35 ms more than later ones
+whatever the time factor (measured on Triton 2.51: outside the model's own ``execute``, which
+takes ~1 ms; the stub's first request round trip), and a server restarted under traffic would
+otherwise give its first requests to cold instances. A warm-up request is answered at once
+(one token: the same path of inputs read, a response built and sent back) without the emulated
+device time and without touching what the emulator counts or shares: execution counts of
+``fail_execute`` and ``invalid_output_after``, devices and their log, the prefix cache. Triton's
+own statistics do count it (one execution and one inference per instance at load).
+
 Cancellation: decode runs in steps; between steps the emulator checks
 `request.is_cancelled()` and stops decoding a cancelled request, which frees
 the instance early exactly as a real server frees a slot.
@@ -192,6 +207,9 @@ MIB = 1024**2
 _STEP_SLICE_S = 0.010
 # How often a batch waiting for a shared device (ORCHID_DEVICE_DIR) looks for a free one.
 _DEVICE_POLL_S = 0.0005
+# The control input of the models' warm-up sample (``model_warmup`` in config.pbtxt): see
+# "Warm-up" in the module docstring.
+WARMUP_INPUT = "ORCHID_WARMUP"
 
 
 @dataclass(frozen=True)
@@ -280,6 +298,19 @@ def output_tokens(input_ids: np.ndarray, count: int) -> np.ndarray:
     seed = int(np.asarray(input_ids, dtype=np.int64).sum() % VOCAB)
     steps = np.arange(count, dtype=np.int64)
     return ((seed + 7919 * steps + 17) % VOCAB).astype(np.int32)
+
+
+def is_warmup(request: object) -> bool:
+    """A request of Triton's ``model_warmup`` sample: it carries ``WARMUP_INPUT``, which no
+    client can send (see "Warm-up" in the module docstring)."""
+    return pb_utils.get_input_tensor_by_name(request, WARMUP_INPUT) is not None
+
+
+def warmup_tokens(request: object) -> np.ndarray:
+    """A warm-up request's answer: one token per row of its ``INPUT_IDS``, no device time."""
+    ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
+    out = output_tokens(ids, 1)
+    return np.tile(out, (ids.shape[0], 1)) if ids.ndim == 2 else out
 
 
 def request_parameters(request: object) -> dict:
@@ -734,6 +765,11 @@ class BatchEmulator(_Emulator):
     """Non-decoupled model: one response per request, batch held for its cost."""
 
     def execute(self, requests: list) -> list:
+        if requests and all(is_warmup(r) for r in requests):  # Triton's model_warmup, at load
+            return [
+                pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT_IDS", warmup_tokens(r))])
+                for r in requests
+            ]
         if self.devices is None:
             return self._execute(requests)
         responses: list = [None] * len(requests)
@@ -865,6 +901,15 @@ class StreamEmulator(_Emulator):
             )
 
     def execute(self, requests: list) -> None:
+        if requests and all(is_warmup(r) for r in requests):  # Triton's model_warmup, at load
+            for request in requests:
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[pb_utils.Tensor("OUTPUT_IDS", warmup_tokens(request))]
+                    ),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+            return None
         if self.devices is None:
             self._execute(requests)
             return None
