@@ -21,6 +21,9 @@ declare -a NAMES=() COMMANDS=()
 add() { NAMES+=("$1"); COMMANDS+=("$2"); }
 add overhead "$PY bench/overhead.py"
 add overhead-1-in-flight "$PY bench/overhead.py -c 1 -n 2000 --targets direct,passthrough,gateway"
+# The same with the gateway's edge alone (no decision: bench/ablate.py): the floor a gateway on
+# grpc.aio reaches at one request in flight, against issue 31's "p50 <= 1 ms above direct".
+add overhead-1-in-flight-edge "$PY bench/overhead.py -c 1 -n 2000 --targets direct,passthrough,gateway --ablate decisions"
 add request-path "$PY bench/request_path.py"
 add policy-eval "$PY bench/policy_eval.py"
 add surge-1.25x "$PY bench/surge.py"
