@@ -10,7 +10,7 @@ the client's latencies (min/median/max) and statuses, the batches Triton formed,
 cost model gives for the batches Triton formed (``fixed_ms + prefill_ms_per_token x batch x
 tokens + decode_ms_per_token x 64``, x the time factor), from the statistics before and after
 the round. A warm instance's excess is the emulator's own overhead (~1-3 ms); an instance's
-cold first execution adds ~20-35 ms to it.
+cold first execution adds ~20-25 ms to it (docs/bench-logs/cold-start.txt: 19.9-25.2).
 
 ``--no-warmup`` removes the models' ``model_warmup`` block from the copy: the repository as it
 was before Triton's warm-up was configured, to compare in one command::

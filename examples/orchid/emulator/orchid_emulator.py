@@ -169,7 +169,7 @@ before the model (and, with strict readiness, the server) reports ready. The sam
 input the model does not declare, ``ORCHID_WARMUP`` (``WARMUP_INPUT``): Triton passes it on to
 the model as a control input, and refuses it from any client (a request with an input the
 config does not declare is invalid), so the emulator knows a warm-up request for sure. Why: an
-instance's first execution is slow in Triton's Python backend, ~20-35 ms more than later ones
+instance's first execution is slow in Triton's Python backend, ~20-25 ms more than later ones
 whatever the time factor (measured on Triton 2.51: outside the model's own ``execute``, which
 takes ~1 ms; the stub's first request round trip), and a server restarted under traffic would
 otherwise give its first requests to cold instances. A warm-up request is answered at once
@@ -306,11 +306,12 @@ def is_warmup(request: object) -> bool:
     return pb_utils.get_input_tensor_by_name(request, WARMUP_INPUT) is not None
 
 
-def warmup_tokens(request: object) -> np.ndarray:
+def warmup_response(request: object) -> object:
     """A warm-up request's answer: one token per row of its ``INPUT_IDS``, no device time."""
     ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
     out = output_tokens(ids, 1)
-    return np.tile(out, (ids.shape[0], 1)) if ids.ndim == 2 else out
+    tokens = np.tile(out, (ids.shape[0], 1)) if ids.ndim == 2 else out
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT_IDS", tokens)])
 
 
 def request_parameters(request: object) -> dict:
@@ -766,10 +767,7 @@ class BatchEmulator(_Emulator):
 
     def execute(self, requests: list) -> list:
         if requests and all(is_warmup(r) for r in requests):  # Triton's model_warmup, at load
-            return [
-                pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT_IDS", warmup_tokens(r))])
-                for r in requests
-            ]
+            return [warmup_response(r) for r in requests]
         if self.devices is None:
             return self._execute(requests)
         responses: list = [None] * len(requests)
@@ -904,10 +902,7 @@ class StreamEmulator(_Emulator):
         if requests and all(is_warmup(r) for r in requests):  # Triton's model_warmup, at load
             for request in requests:
                 request.get_response_sender().send(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor("OUTPUT_IDS", warmup_tokens(request))]
-                    ),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                    warmup_response(request), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
                 )
             return None
         if self.devices is None:
