@@ -264,21 +264,19 @@ async def test_postgres_replicas_see_each_others_submissions(
     try:
         a, path_a, wake_a = runner_on(store_a, config)
         b, path_b, wake_b = runner_on(store_b, config)
-        b.start()
-        stopping.append(b)
-        await wake_b.idle()
-        seq = await asyncio.to_thread(submit, store_a, "op-pg-via-a")
-        async with asyncio.timeout(GUARD_S):
-            assert await path_b.attempts.get() == "op-pg-via-a"
-        assert await done(b, store_a, seq) == "completed"
-        await b.stop()
-        a.start()
-        stopping.append(a)
-        await wake_a.idle()
-        seq = await asyncio.to_thread(submit, store_b, "op-pg-via-b")
-        async with asyncio.timeout(GUARD_S):
-            assert await path_a.attempts.get() == "op-pg-via-b"
-        assert await done(a, store_b, seq) == "completed"
+        # (the idle runner, its path and wake, the other replica's store, the operation)
+        for runner, path, wake, other, op in (
+            (b, path_b, wake_b, store_a, "op-pg-via-a"),
+            (a, path_a, wake_a, store_b, "op-pg-via-b"),
+        ):
+            runner.start()
+            stopping.append(runner)
+            await wake.idle()
+            seq = await asyncio.to_thread(submit, other, op)
+            async with asyncio.timeout(GUARD_S):
+                assert await path.attempts.get() == op
+            assert await done(runner, other, seq) == "completed"
+            await runner.stop()
         assert path_a.attempts.empty() and path_b.attempts.empty()  # each item ran once
     finally:
         for runner in stopping:
